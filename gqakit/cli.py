@@ -1,0 +1,104 @@
+"""The command line: one thin layer over the subpackages (no maths here).
+
+    convert-gqa --groups 8 MODEL_DIR           (same as `gqakit convert ...`)
+    gqakit demo
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from . import __version__
+from .errors import GqakitError
+
+
+def _add_convert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", help="Hugging Face checkpoint folder (config.json + safetensors)")
+    p.add_argument("-g", "--groups", type=int, required=True,
+                   help="number of K/V heads after conversion (1 = MQA)")
+    p.add_argument("-o", "--output-dir", default=None,
+                   help="output folder (default: MODEL_DIR-gqaG, or MODEL_DIR-mqa for G=1)")
+    p.add_argument("--method", default="mean", choices=["mean", "first", "random"],
+                   help="how to merge each group's K/V heads (default: mean, as in the GQA paper)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the output weights (default: keep each tensor's dtype)")
+    p.add_argument("--seed", type=int, default=0, help="seed for --method random")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: 5GB)")
+    p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def _run_convert(args: argparse.Namespace, command: str) -> None:
+    from .convert import ConvertConfig, convert
+    from .convert.card import describe_plan, kv_summary
+
+    cfg = ConvertConfig(
+        model_dir=args.model_dir, groups=args.groups, output_dir=args.output_dir, method=args.method,
+        dtype=args.dtype, seed=args.seed, max_shard_size=args.max_shard_size, force=args.force,
+        dry_run=args.dry_run, progress=not args.quiet,
+    )
+    result = convert(cfg, command=command)
+    plan = result["plan"]
+    if cfg.dry_run:
+        print(describe_plan(plan))
+        print(f"dry run: nothing written (would write {result['output_dir']})")
+    else:
+        print(f"wrote {result['output_dir']}: {plan.num_key_value_heads} -> {plan.groups} K/V heads "
+              f"({plan.method}); {kv_summary(plan)}")
+
+
+def _run_demo(args: argparse.Namespace, command: str) -> None:
+    from .demo import run_demo
+
+    run_demo(output_dir=args.output_dir, eval_tokens=args.eval_tokens, keep=args.keep, force=args.force)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gqakit", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"gqakit {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    conv = sub.add_parser("convert", help="MHA -> GQA/MQA checkpoint conversion (same as convert-gqa)")
+    _add_convert_args(conv)
+    conv.set_defaults(func=_run_convert)
+    demo = sub.add_parser("demo", help="convert the embedded model to G=4,2,1 and compare perplexity")
+    demo.add_argument("-o", "--output-dir", default=None, help="keep the converted models here")
+    demo.add_argument("--eval-tokens", type=int, default=None, help="score only this many held-out tokens")
+    demo.add_argument("--keep", action="store_true", help="keep the converted models (with -o)")
+    demo.add_argument("--force", action="store_true", help="replace an existing -o folder")
+    demo.set_defaults(func=_run_demo)
+    return parser
+
+
+def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> int:
+    args = parser.parse_args(argv)
+    command = " ".join([prog, *map(shlex.quote, argv)])
+    try:
+        args.func(args, command)
+    except GqakitError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`gqakit SUBCOMMAND ...`"""
+    argv = sys.argv[1:] if argv is None else argv
+    return _dispatch(build_parser(), argv, "gqakit")
+
+
+def convert_main(argv: list[str] | None = None) -> int:
+    """`convert-gqa ...`: the same as `gqakit convert ...`."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="convert-gqa", description="MHA -> GQA/MQA checkpoint conversion")
+    _add_convert_args(parser)
+    parser.set_defaults(func=_run_convert)
+    return _dispatch(parser, argv, "convert-gqa")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The schema of an architecture table."""
+from __future__ import annotations
+
+import dataclasses
+from enum import Enum
+
+
+class KNorm(Enum):
+    """How a family normalises keys, which decides what pooling must do and whether it is exact."""
+
+    NONE = "none"
+    # One weight vector of K*head_dim features (OLMo2): pooled head-wise like the projection rows.
+    SPANS_HEADS = "spans_heads"
+    # One [head_dim] weight shared by every head (Qwen3, Gemma3): unchanged, but applied after the
+    # projection, so pooling W_k is not the same as pooling normalised keys.
+    SHARED_PER_HEAD = "shared_per_head"
+    # One norm module per K/V head (StableLM qk_layernorm): pooled per group; inexact as above.
+    ONE_PER_HEAD = "one_per_head"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchSpec:
+    """Where one family keeps its K/V heads. Templates take the layer index as `{i}`."""
+
+    family: str
+    architectures: tuple[str, ...]
+    # Unfused projections (None when the family fuses them).
+    k_proj: str | None = "model.layers.{i}.self_attn.k_proj"
+    v_proj: str | None = "model.layers.{i}.self_attn.v_proj"
+    # Fused [q | k | v] projection along the output rows (Phi3 `qkv_proj`).
+    qkv_proj: str | None = None
+    # Key norm: kind and tensor template ({h} is the K/V head index for ONE_PER_HEAD).
+    k_norm: KNorm = KNorm.NONE
+    k_norm_weight: str | None = None
+    # Extra weights of each per-head norm module (e.g. a LayerNorm bias), same template scheme.
+    k_norm_extra: tuple[str, ...] = ()
+    # Does GQA in transformers' implementation of this family cache only the K/V heads?
+    notes: str = ""
+
+    @property
+    def fused(self) -> bool:
+        return self.qkv_proj is not None
+
+    @property
+    def pooling_exact_for_identical_heads_only(self) -> bool:
+        """Per-head key norms make mean-pooling inexact unless the heads in a group are identical."""
+        return self.k_norm in (KNorm.SHARED_PER_HEAD, KNorm.ONE_PER_HEAD)

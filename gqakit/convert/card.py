@@ -1,0 +1,92 @@
+"""Human-readable descriptions of a conversion: the `--dry-run` plan and the output's model card."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+from .. import __version__
+from .checkpoint import DTYPES
+from .plan import Plan, total_bytes
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def kv_summary(plan: Plan) -> str:
+    before, after = plan.kv_cache_bytes_per_token(False), plan.kv_cache_bytes_per_token(True)
+    return (f"KV cache per token: {before:,} -> {after:,} bytes "
+            f"({before / after:.2f}x {'smaller' if after <= before else 'larger'})")
+
+
+def describe_plan(plan: Plan) -> str:
+    """What `--dry-run` prints: what is regrouped, the shapes, the shards and the KV-cache saving."""
+    kinds = Counter(op.kind for op in plan.ops)
+    lines = [
+        f"{plan.architecture} ({plan.spec.family}): {plan.num_layers} layers, {plan.num_attention_heads} "
+        f"attention heads, head_dim {plan.head_dim}",
+        f"K/V heads: {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}, method {plan.method})",
+        kv_summary(plan),
+        f"tensors: {len(plan.ops)} ({kinds.get('copy', 0)} copied, {kinds.get('cast', 0)} cast, "
+        f"{len(plan.ops) - kinds.get('copy', 0) - kinds.get('cast', 0)} regrouped)",
+    ]
+    shown = [op for op in plan.ops if op.kind not in ("copy", "cast")][:8]
+    for op in shown:
+        lines.append(f"  {op.name}: {op.kind} -> {op.dtype} {list(op.shape)}")
+    regrouped = sum(op.kind not in ("copy", "cast") for op in plan.ops)
+    if regrouped > len(shown):
+        lines.append(f"  ... and {regrouped - len(shown)} more")
+    sizes = [sum(math.prod(plan.ops[i].shape) * DTYPES[plan.ops[i].dtype].itemsize for i in s) for s in plan.shards]
+    lines.append(f"output: {_gb(total_bytes(plan))} in {len(sizes)} shard(s), at most {_gb(plan.max_shard_bytes)} each")
+    for name, size in zip(plan.shard_files, sizes):
+        lines.append(f"  {name}: {_gb(size)}")
+    if not plan.exact:
+        lines.append("note: " + exactness_note(plan))
+    return "\n".join(lines)
+
+
+def exactness_note(plan: Plan) -> str:
+    if plan.method == "random":
+        return "K/V projections are re-initialised at random: the model needs uptraining before use."
+    return ("this family normalises keys per head after the projection, so a pooled head computes the norm of "
+            "the mean key rather than the mean of the normalised keys: pooling is exact only for identical heads.")
+
+
+def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]], command: str) -> None:
+    before, after = plan.kv_cache_bytes_per_token(False), plan.kv_cache_bytes_per_token(True)
+    name = "MQA" if plan.groups == 1 else f"GQA-{plan.groups}"
+    rows = "\n".join(
+        f"| {layer} | {e.get('k', float('nan')):.4f} | {e.get('v', float('nan')):.4f} |"
+        for layer, e in sorted(errors.items())
+    )
+    text = f"""---
+library_name: transformers
+tags: [gqakit, grouped-query-attention]
+---
+# {Path(cfg.model_dir).name} converted to {name}
+
+Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if command else ""}.
+
+| | |
+|---|---|
+| architecture | {plan.architecture} |
+| attention heads | {plan.num_attention_heads} |
+| K/V heads | {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}) |
+| method | {plan.method}{f" (seed {cfg.seed})" if plan.method == "random" else ""} |
+| head_dim | {plan.head_dim} |
+| KV-cache bytes per token | {before:,} -> {after:,} |
+| dtype | {cfg.dtype} |
+
+Query head h uses K/V head h // {plan.num_attention_heads // plan.groups} (contiguous groups, as `repeat_kv` expects).
+{"" if plan.exact else chr(10) + "**Note:** " + exactness_note(plan) + chr(10)}
+## Relative error of the regrouped K/V projections
+
+||W - expand(W')||_F / ||W||_F per layer, where expand repeats each new head over the heads it replaced
+(0 means the group's heads were identical or nothing was pooled).
+
+| layer | k_proj | v_proj |
+|---|---|---|
+{rows}
+"""
+    path.write_text(text)

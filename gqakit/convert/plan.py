@@ -1,0 +1,210 @@
+"""Plan a conversion from a config and tensor metadata alone: no tensor data is read here.
+
+Because the plan needs only names, dtypes and shapes, it can be computed for a 70B model described on
+the meta device, and `--dry-run` can print it without touching the weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..errors import GqakitError
+from .architectures import ArchSpec, KNorm, find_family, supported_architectures
+from .checkpoint import DTYPE_NAMES, DTYPES, TensorInfo, assign_shards, shard_names
+from .pooling import METHODS, valid_groups
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorOp:
+    """How one output tensor is made. kind: copy | cast | kv | qkv | head_norm."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str
+    sources: tuple[str, ...]
+    layer: int = -1
+    role: str = ""  # "k" / "v" for projections whose relative error the card reports
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    spec: ArchSpec
+    architecture: str
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int  # before
+    groups: int  # after
+    head_dim: int
+    method: str
+    ops: tuple[TensorOp, ...]
+    max_shard_bytes: int
+    source_kv_itemsize: int
+    target_kv_itemsize: int
+
+    @property
+    def shards(self) -> list[list[int]]:
+        return assign_shards([(o.name, o.dtype, o.shape) for o in self.ops], self.max_shard_bytes)
+
+    @property
+    def shard_files(self) -> list[str]:
+        return shard_names(len(self.shards))
+
+    def kv_cache_bytes_per_token(self, after: bool) -> int:
+        """K and V cache bytes for one token across all layers."""
+        heads = self.groups if after else self.num_key_value_heads
+        itemsize = self.target_kv_itemsize if after else self.source_kv_itemsize
+        return 2 * self.num_layers * heads * self.head_dim * itemsize
+
+    @property
+    def mode(self) -> str:
+        if self.groups == self.num_key_value_heads:
+            return "identity"
+        return "pool" if self.groups < self.num_key_value_heads else "expand"
+
+    @property
+    def exact(self) -> bool:
+        """Does the output compute exactly the mean of each group's keys (or the same function)?"""
+        if self.mode != "pool":
+            return self.method != "random" or self.mode == "identity"
+        return not self.spec.pooling_exact_for_identical_heads_only
+
+
+def _config_int(config: dict, key: str, default=None) -> int:
+    value = config.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise GqakitError(f"config.json has no integer '{key}' (got {value!r}); the config is not a supported decoder")
+    return value
+
+
+def check_groups(groups: int, heads: int, kv_heads: int) -> None:
+    """Raise a one-line error unless `groups` is a valid K/V head count for this model."""
+    valid = valid_groups(heads)
+    choices = ", ".join(map(str, valid))
+    if groups <= 0:
+        raise GqakitError(f"--groups must be a positive number of K/V heads, got {groups}; choose one of {choices}")
+    if groups > heads:
+        raise GqakitError(f"--groups {groups} exceeds the {heads} attention heads; choose one of {choices}")
+    if heads % groups:
+        raise GqakitError(f"{heads} heads are not divisible into {groups} groups; choose a divisor of {heads} ({choices})")
+    if kv_heads % groups and groups % kv_heads:
+        ok = [g for g in valid if kv_heads % g == 0 or g % kv_heads == 0]
+        raise GqakitError(
+            f"the model has {kv_heads} K/V heads, which cannot be regrouped exactly into {groups}; "
+            f"choose a divisor of {kv_heads} (pool) or a multiple of it that divides {heads} (expand): "
+            f"{', '.join(map(str, ok))}"
+        )
+
+
+def _need(tensors: dict[str, TensorInfo], name: str) -> TensorInfo:
+    if name not in tensors:
+        raise GqakitError(f"tensor '{name}' is missing from the checkpoint; the weights do not match config.json")
+    return tensors[name]
+
+
+def _check_rows(name: str, info: TensorInfo, rows: int, what: str) -> None:
+    if not info.shape or info.shape[0] != rows:
+        raise GqakitError(
+            f"tensor '{name}' has shape {list(info.shape)} but config.json implies {rows} rows ({what}); "
+            "the weights do not match the config"
+        )
+
+
+def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method: str = "mean",
+              dtype: str | None = None, max_shard_bytes: int = 5 * 10**9) -> Plan:
+    """Decide every output tensor's name, dtype, shape and recipe. Raises GqakitError on bad input."""
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else config.get("model_type", "<none>")
+    spec = find_family(arch)
+    if spec is None:
+        raise GqakitError(
+            f"architecture {arch} is not supported; gqakit converts {', '.join(supported_architectures())}"
+        )
+    if method not in METHODS:
+        raise GqakitError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
+    heads = _config_int(config, "num_attention_heads")
+    kv_heads = _config_int(config, "num_key_value_heads", heads)
+    layers = _config_int(config, "num_hidden_layers")
+    head_dim = config.get("head_dim") or _config_int(config, "hidden_size") // heads
+    check_groups(groups, heads, kv_heads)
+    out_dtype = None if dtype in (None, "auto") else DTYPE_NAMES[getattr(torch, dtype)]
+
+    def target(info: TensorInfo) -> str:
+        return out_dtype if out_dtype and info.dtype in FLOAT_DTYPES else info.dtype
+
+    # Source tensor name -> the output ops that replace it (an empty list drops it).
+    special: dict[str, list[TensorOp]] = {}
+    kv_rows, new_rows = kv_heads * head_dim, groups * head_dim
+    for i in range(layers):
+        if spec.fused:
+            for suffix in (".weight", ".bias"):
+                name = spec.qkv_proj.format(i=i) + suffix
+                if suffix == ".bias" and name not in tensors:
+                    continue
+                info = _need(tensors, name)
+                _check_rows(name, info, heads * head_dim + 2 * kv_rows,
+                            f"{heads} q + 2x{kv_heads} k/v heads of {head_dim}")
+                shape = (heads * head_dim + 2 * new_rows, *info.shape[1:])
+                special[name] = [TensorOp(name, target(info), shape, "qkv", (name,), i,
+                                          "kv" if suffix == ".weight" else "")]
+        else:
+            for role, template in (("k", spec.k_proj), ("v", spec.v_proj)):
+                for suffix in (".weight", ".bias"):
+                    name = template.format(i=i) + suffix
+                    if suffix == ".bias" and name not in tensors:
+                        continue
+                    info = _need(tensors, name)
+                    _check_rows(name, info, kv_rows, f"{kv_heads} K/V heads of {head_dim}")
+                    special[name] = [TensorOp(name, target(info), (new_rows, *info.shape[1:]), "kv", (name,),
+                                              i, role if suffix == ".weight" else "")]
+        if spec.k_norm is KNorm.SPANS_HEADS:
+            name = spec.k_norm_weight.format(i=i)
+            info = _need(tensors, name)
+            _check_rows(name, info, kv_rows, f"a key norm over {kv_heads} heads of {head_dim}")
+            special[name] = [TensorOp(name, target(info), (new_rows,), "norm", (name,), i)]
+        elif spec.k_norm is KNorm.ONE_PER_HEAD:
+            for template in (spec.k_norm_weight, *spec.k_norm_extra):
+                names = [template.format(i=i, h=h) for h in range(kv_heads)]
+                if template != spec.k_norm_weight and names[0] not in tensors:
+                    continue
+                infos = [_need(tensors, n) for n in names]
+                for n, info in zip(names, infos):
+                    _check_rows(n, info, head_dim, f"one key norm of {head_dim} per head")
+                new = []
+                for g in range(groups):
+                    if groups <= kv_heads:  # pool: the group's heads
+                        size = kv_heads // groups
+                        srcs = tuple(names[g * size : (g + 1) * size])
+                    else:  # expand: the one head this copy repeats
+                        srcs = (names[g // (groups // kv_heads)],)
+                    new.append(TensorOp(template.format(i=i, h=g), target(infos[0]), infos[0].shape,
+                                        "head_norm", srcs, i))
+                special.update({n: [] for n in names})
+                special[names[0]] = new  # emitted where the first old norm was
+
+    ops: list[TensorOp] = []
+    # Keep source order (sorted by file then offset) so reads are sequential.
+    order = sorted(tensors, key=lambda n: (str(tensors[n].file), tensors[n].start, n))
+    for name in order:
+        info = tensors[name]
+        if name in special:
+            ops += special[name]
+        else:
+            kind = "copy" if target(info) == info.dtype else "cast"
+            ops.append(TensorOp(name, target(info), info.shape, kind, (name,)))
+
+    kv_probe = tensors[spec.qkv_proj.format(i=0) + ".weight" if spec.fused else spec.k_proj.format(i=0) + ".weight"]
+    return Plan(
+        spec=spec, architecture=arch, num_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, groups=groups, head_dim=head_dim, method=method, ops=tuple(ops),
+        max_shard_bytes=max_shard_bytes, source_kv_itemsize=DTYPES[kv_probe.dtype].itemsize,
+        target_kv_itemsize=DTYPES[target(kv_probe)].itemsize,
+    )
+
+
+def total_bytes(plan: Plan) -> int:
+    return sum(math.prod(o.shape) * DTYPES[o.dtype].itemsize for o in plan.ops)

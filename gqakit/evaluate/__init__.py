@@ -1,0 +1,1 @@
+"""Evaluation: perplexity (and, later, long-context fluency and passkey retrieval)."""

@@ -1,0 +1,60 @@
+"""YAML recipes that map one-to-one onto a command's frozen dataclass."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+
+import yaml
+
+from .errors import GqakitError
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
+
+
+def _coerce(value: str, typ):
+    """Parse a `key=value` override with YAML's scalar rules (ints, floats, bools, lists)."""
+    return yaml.safe_load(value) if isinstance(value, str) else value
+
+
+def from_dict(cls, data: dict, source: str = "recipe"):
+    """Build dataclass `cls` from a mapping; unknown keys are an error naming the closest key."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in known:
+            raise GqakitError(f"{source}: unknown key '{key}'{_suggest(key, known)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if hints.get(key) in (tuple[str, ...], tuple[int, ...]) and isinstance(value, list):
+            value = tuple(value)
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required key is missing
+        raise GqakitError(f"{source}: {e}") from None
+
+
+def load_recipe(cls, path: str | Path, overrides: list[str] = ()):
+    """Read a YAML recipe into `cls`, applying `key=value` overrides on top."""
+    path = Path(path)
+    if not path.is_file():
+        raise GqakitError(f"recipe {path} does not exist; pass the path of a YAML file (see recipes/)")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise GqakitError(f"recipe {path} must be a mapping of key: value, got {type(data).__name__}")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise GqakitError(f"override '{item}' is not key=value; write e.g. steps=100")
+        data[key] = _coerce(value, None)
+    return from_dict(cls, data, source=str(path))
+
+
+def to_dict(obj) -> dict:
+    """A recipe dataclass as plain YAML/JSON-friendly data."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(obj).items()}

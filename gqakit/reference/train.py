@@ -1,0 +1,196 @@
+"""Pretrain the embedded reference model from a recipe: a plain, seeded training loop.
+
+    python -m gqakit.reference.train recipes/reference_model.yaml [key=value ...]
+
+Trains a byte-level BPE tokenizer and a small multi-head Llama on public-domain text, writes a
+stock Hugging Face folder (bf16 safetensors, tokenizer, `pretraining.json` with the token/step
+budget that later uptraining is measured against as the GQA paper's alpha) and the held-out text.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from ..recipes import load_recipe, to_dict
+from .tokenizer import EOS, train_bpe
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+    output_dir: str
+    heldout_output: str
+    corpora_dir: str = "../shared/corpora"
+    train_files: tuple[str, ...] = ()
+    heldout_file: str = "austen/emma.txt"
+    heldout_chars: int = 200_000
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    seq_len: int = 512
+    batch_size: int = 8
+    steps: int = 1000
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 250
+    log_every: int = 25
+    seed: int = 0
+    threads: int = 2
+
+
+def _heldout_text(text: str, chars: int) -> str:
+    """The first `chars` characters of `text`, cut back to the last paragraph break."""
+    cut = text[:chars]
+    return cut[: cut.rfind("\n\n")].strip() + "\n"
+
+
+def _lr(step: int, cfg: PretrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def unigram_perplexity(train_ids: list[int], eval_ids: list[int], vocab_size: int) -> float:
+    """Perplexity of an add-one-smoothed unigram model fitted on the training tokens."""
+    counts = Counter(train_ids)
+    total = len(train_ids) + vocab_size
+    nll = -sum(math.log((counts[t] + 1) / total) for t in eval_ids[1:])
+    return math.exp(nll / (len(eval_ids) - 1))
+
+
+@torch.no_grad()
+def _sample(model, tok, prompt: str, n: int, seed: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    for _ in range(n):
+        logits = model(input_ids=ids[:, -model.config.max_position_embeddings :]).logits[0, -1].float()
+        probs = torch.softmax(logits / 0.8, dim=-1)
+        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=g)[None]], dim=1)
+    return tok.decode(ids[0])
+
+
+def train(cfg: PretrainConfig) -> dict:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from ..evaluate.perplexity import perplexity
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    root = Path(cfg.corpora_dir)
+    docs = [(root / f).read_text(encoding="utf-8") for f in cfg.train_files]
+    heldout = _heldout_text((root / cfg.heldout_file).read_text(encoding="utf-8"), cfg.heldout_chars)
+
+    t0 = time.time()
+    tok = train_bpe(docs, cfg.vocab_size)
+    eos = tok.convert_tokens_to_ids(EOS)
+    stream: list[int] = []
+    for doc in docs:
+        stream += tok(doc).input_ids + [eos]
+    data = torch.tensor(stream)
+    eval_ids = torch.tensor(tok(heldout).input_ids)
+    print(f"tokenizer: {len(tok)} tokens in {time.time() - t0:.0f}s; train {data.numel():,} tokens, "
+          f"held-out {eval_ids.numel():,} tokens", flush=True)
+
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_attention_heads, head_dim=head_dim,
+        max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
+        tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        initializer_range=0.02,
+    )
+    model = LlamaForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f}M parameters", flush=True)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    eval_slice = eval_ids[: 16 * cfg.seq_len]
+    history = []
+    t0 = time.time()
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg)
+        starts = torch.randint(0, data.numel() - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
+        batch = torch.stack([data[s : s + cfg.seq_len] for s in starts.tolist()])  # (B, T)
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            rate = (step + 1) * cfg.batch_size * cfg.seq_len / (time.time() - t0)
+            print(f"step {step:5d}  loss {loss.item():.4f}  lr {_lr(step, cfg):.2e}  {rate:,.0f} tok/s",
+                  flush=True)
+        if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
+            model.eval()
+            ppl = perplexity(model, eval_slice, cfg.seq_len, progress=False)
+            model.train()
+            history.append({"step": step + 1, "loss": loss.item(), "heldout_ppl_16w": ppl})
+            print(f"step {step + 1:5d}  held-out perplexity (first 16 windows) {ppl:.2f}", flush=True)
+    train_seconds = time.time() - t0
+
+    # Evaluate what ships: the bf16 weights, computed in fp32.
+    model = model.to(torch.bfloat16).float().eval()
+    heldout_ppl = perplexity(model, eval_ids, cfg.seq_len, progress=False)
+    unigram_ppl = unigram_perplexity(stream, eval_ids.tolist(), len(tok))
+    samples = [_sample(model, tok, p, 60, cfg.seed) for p in ("Emma was", "\"My dear sister,\" said")]
+    record = {
+        "pretraining_tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
+        "pretraining_steps": cfg.steps,
+        "tokens_per_step": cfg.batch_size * cfg.seq_len,
+        "train_corpus_tokens": data.numel(),
+        "parameters": n_params,
+        "train_seconds": round(train_seconds),
+        "heldout": {"file": cfg.heldout_file, "chars": len(heldout), "tokens": eval_ids.numel(),
+                    "perplexity": heldout_ppl, "unigram_perplexity": unigram_ppl,
+                    "window": cfg.seq_len, "stride": cfg.seq_len},
+        "history": history,
+        "samples": samples,
+        "recipe": to_dict(cfg),
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
+    }
+    out = Path(cfg.output_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
+    (tmp / "pretraining.json").write_text(json.dumps(record, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    Path(cfg.heldout_output).write_text(heldout, encoding="utf-8")
+    print(json.dumps({k: record[k] for k in ("pretraining_tokens", "pretraining_steps", "heldout")}, indent=2))
+    print("\n".join(samples))
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        raise SystemExit("usage: python -m gqakit.reference.train RECIPE.yaml [key=value ...]")
+    train(load_recipe(PretrainConfig, argv[0], argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
