@@ -16,8 +16,13 @@ def _gb(n: int) -> str:
 
 def kv_summary(plan: Plan) -> str:
     before, after = plan.kv_cache_bytes_per_token(False), plan.kv_cache_bytes_per_token(True)
-    return (f"KV cache per token: {before:,} -> {after:,} bytes "
-            f"({before / after:.2f}x {'smaller' if after <= before else 'larger'})")
+    if before == after:
+        change = "unchanged"
+    elif after < before:
+        change = f"{before / after:.2f}x smaller"
+    else:
+        change = f"{after / before:.2f}x larger"
+    return f"KV cache per token: {before:,} -> {after:,} bytes ({change})"
 
 
 def describe_plan(plan: Plan) -> str:
@@ -49,8 +54,9 @@ def describe_plan(plan: Plan) -> str:
 def exactness_note(plan: Plan) -> str:
     if plan.method == "random":
         return "K/V projections are re-initialised at random: the model needs uptraining before use."
-    return ("this family normalises keys per head after the projection, so a pooled head computes the norm of "
-            "the mean key rather than the mean of the normalised keys: pooling is exact only for identical heads.")
+    return ("this family normalises keys after the projection (per head, or across heads for OLMo2), so a pooled "
+            "head computes the norm of the mean key rather than the mean of the normalised keys: pooling is "
+            "exact only for identical heads.")
 
 
 def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]], command: str) -> None:

@@ -69,13 +69,16 @@ class Plan:
     @property
     def exact(self) -> bool:
         """Does the output compute exactly the mean of each group's keys (or the same function)?"""
+        if self.method == "random":
+            return False
         if self.mode != "pool":
-            return self.method != "random" or self.mode == "identity"
+            return True
         return not self.spec.pooling_exact_for_identical_heads_only
 
 
 def _config_int(config: dict, key: str, default=None) -> int:
-    value = config.get(key, default)
+    value = config.get(key)
+    value = default if value is None else value  # transformers reads null as "use the default"
     if not isinstance(value, int) or isinstance(value, bool):
         raise GqakitError(f"config.json has no integer '{key}' (got {value!r}); the config is not a supported decoder")
     return value
@@ -118,7 +121,12 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
               dtype: str | None = None, max_shard_bytes: int = 5 * 10**9) -> Plan:
     """Decide every output tensor's name, dtype, shape and recipe. Raises GqakitError on bad input."""
     archs = config.get("architectures") or []
-    arch = archs[0] if archs else config.get("model_type", "<none>")
+    if not archs:
+        raise GqakitError(
+            "config.json names no 'architectures'; add the model class, e.g. \"architectures\": "
+            "[\"LlamaForCausalLM\"] (save_pretrained writes it)"
+        )
+    arch = archs[0]
     spec = find_family(arch)
     if spec is None:
         raise GqakitError(

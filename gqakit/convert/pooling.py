@@ -26,14 +26,15 @@ def pool_heads(t: torch.Tensor, num_heads: int, groups: int, method: str = "mean
     """Merge `num_heads` heads stacked along axis 0 into `groups` heads (groups divides num_heads).
 
     `mean` averages each group's heads (Ainslie et al. 2023); `first` keeps each group's first head.
-    Computed in fp32 and returned in the input dtype.
+    The mean is taken in float64, so a group of identical fp32/bf16 heads pools to exactly that head;
+    the result is returned in the input dtype.
     """
     if num_heads % groups:
         raise ValueError(f"{num_heads} heads do not split into {groups} groups")
     heads = _split_heads(t, num_heads)  # (K, d, ...)
     grouped = heads.reshape(groups, num_heads // groups, *heads.shape[1:])  # (G, K/G, d, ...)
     if method == "mean":
-        merged = grouped.float().mean(dim=1)
+        merged = grouped.double().mean(dim=1)
     elif method == "first":
         merged = grouped[:, 0]
     else:

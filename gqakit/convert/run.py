@@ -173,6 +173,16 @@ def convert(cfg: ConvertConfig, command: str = "") -> dict:
     summary = {"plan": plan, "output_dir": out, "errors": {}}
     if cfg.dry_run:
         return summary
+    try:
+        summary["errors"] = _write(cfg, plan, config, tensors, out, command)
+    except OSError as e:
+        raise GqakitError(f"writing {out} failed ({e.strerror or e}); nothing was written: fix the cause "
+                          "(disk space, permissions) and run again") from None
+    return summary
+
+
+def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, TensorInfo], out: Path,
+           command: str) -> dict[int, dict[str, float]]:
     std = float(config.get("initializer_range", 0.02))
     errors: dict[int, dict[str, float]] = {}
     entries = [(o.name, o.dtype, o.shape) for o in plan.ops]
@@ -187,6 +197,5 @@ def convert(cfg: ConvertConfig, command: str = "") -> dict:
         writer.finish()
         (tmp / "config.json").write_text(json.dumps(new_config(config, plan, cfg.dtype), indent=2) + "\n")
         copy_side_files(Path(cfg.model_dir), tmp)
-        summary["errors"] = errors
         write_card(tmp / "README.md", cfg, plan, errors, command)
-    return summary
+    return errors

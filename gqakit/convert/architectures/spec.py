@@ -9,7 +9,8 @@ class KNorm(Enum):
     """How a family normalises keys, which decides what pooling must do and whether it is exact."""
 
     NONE = "none"
-    # One weight vector of K*head_dim features (OLMo2): pooled head-wise like the projection rows.
+    # One weight vector of K*head_dim features (OLMo2): pooled head-wise like the projection rows;
+    # its RMS spans all heads, so pooling is again exact only for identical heads.
     SPANS_HEADS = "spans_heads"
     # One [head_dim] weight shared by every head (Qwen3, Gemma3): unchanged, but applied after the
     # projection, so pooling W_k is not the same as pooling normalised keys.
@@ -34,7 +35,6 @@ class ArchSpec:
     k_norm_weight: str | None = None
     # Extra weights of each per-head norm module (e.g. a LayerNorm bias), same template scheme.
     k_norm_extra: tuple[str, ...] = ()
-    # Does GQA in transformers' implementation of this family cache only the K/V heads?
     notes: str = ""
 
     @property
@@ -44,4 +44,4 @@ class ArchSpec:
     @property
     def pooling_exact_for_identical_heads_only(self) -> bool:
         """Per-head key norms make mean-pooling inexact unless the heads in a group are identical."""
-        return self.k_norm in (KNorm.SHARED_PER_HEAD, KNorm.ONE_PER_HEAD)
+        return self.k_norm is not KNorm.NONE

@@ -1,0 +1,311 @@
+"""Every architecture table, end to end: tiny random MHA model -> convert-gqa -> load -> compare logits.
+
+For G = H the converted model must compute the very same logits. For G < H its logits must equal an
+independent reference: the ORIGINAL (MHA) model class with each K/V head replaced by the pooled head
+of its group, computed here with an explicit per-head loop from the tensor names transformers uses,
+not from gqakit's tables or pooling code. A GQA model whose K/V heads are repeated back to H heads is
+the same function as the MHA model with the repeated heads, so the two must agree to fp32 rounding.
+
+Norm weights and biases are perturbed away from their ones/zeros initialisation before saving, so a
+norm or bias that is dropped, left unpooled or pooled along the wrong axis changes the logits.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    OlmoConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    StableLmConfig,
+)
+
+from gqakit.cli import convert_main
+
+HIDDEN, HEADS, HEAD_DIM, LAYERS, VOCAB = 32, 4, 8, 2, 64
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=64, **TOKENS,
+)
+
+# family -> (config class, extra config kwargs, how the family stores its K/V heads). The layout
+# keys below are this test's own description of transformers' modules, independent of gqakit's table.
+#   fused:      the K and V rows live in `qkv_proj` as [q | k | v]
+#   knorm_rows: `k_norm.weight` has one block of head_dim entries per K/V head (OLMo2)
+#   knorm_mods: one norm module per K/V head in `k_layernorm.norms.{h}` (StableLM)
+FAMILIES = {
+    "llama": (LlamaConfig, dict(head_dim=HEAD_DIM), {}),
+    "mistral": (MistralConfig, dict(head_dim=HEAD_DIM, sliding_window=8), {}),
+    "qwen2": (Qwen2Config, dict(), {}),  # q/k/v biases on by default
+    "qwen3": (Qwen3Config, dict(head_dim=HEAD_DIM, attention_bias=True), {}),
+    "gemma": (GemmaConfig, dict(head_dim=HEAD_DIM), {}),
+    "gemma2": (Gemma2Config, dict(head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=8,
+                                  attn_logit_softcapping=50.0, final_logit_softcapping=30.0), {}),
+    "gemma3": (Gemma3TextConfig, dict(head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=8,
+                                      sliding_window_pattern=2), {}),
+    "phi3": (Phi3Config, dict(original_max_position_embeddings=64), {"fused": True}),
+    "olmo": (OlmoConfig, dict(), {}),
+    "olmo2": (Olmo2Config, dict(), {"knorm_rows": True}),
+    "stablelm": (StableLmConfig, dict(qk_layernorm=True, use_qkv_bias=True), {"knorm_mods": True}),
+}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "olmo": "OlmoForCausalLM",
+    "olmo2": "Olmo2ForCausalLM", "stablelm": "StableLmForCausalLM",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def _config(family: str, **overrides):
+    cls, extra, _ = FAMILIES[family]
+    return cls(**{**COMMON, **extra, **overrides})
+
+
+def _perturb_(model: torch.nn.Module, seed: int) -> None:
+    """Give every weight a scale that makes head differences visible and move every norm/bias off 1/0."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.dim() == 1:  # norm weights and biases
+                p.add_(0.3 * noise)
+            else:  # matrices and embeddings: unit-scale activations
+                p.copy_(noise / math.sqrt(p.shape[-1]))
+
+
+def make_model(family: str, path, seed: int = 0, **overrides):
+    """Build, perturb and save a tiny random model; returns the saved folder."""
+    torch.manual_seed(seed)
+    config = _config(family, **overrides)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    assert type(model).__name__ == ARCHITECTURES[family]
+    _perturb_(model, seed + 1)
+    model.save_pretrained(path)
+    return path
+
+
+def load(path):
+    """Load in fp32 with eager attention; the checkpoint must hold exactly the tensors the model needs
+    (nothing missing and silently re-initialised, nothing unexpected, no shape mismatch)."""
+    model, info = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32,
+                                                       output_loading_info=True)
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert not info[key], (key, info[key])
+    return model.eval()
+
+
+INPUT_IDS = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1234))
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=INPUT_IDS).logits
+
+
+def convert(src, out, groups: int, *extra: str) -> None:
+    code = convert_main([str(src), "--groups", str(groups), "-o", str(out), "--quiet", *extra])
+    assert code == 0
+
+
+def _pool_rows(t: torch.Tensor, kv_heads: int, groups: int, method: str) -> torch.Tensor:
+    """Reference pooling along axis 0, written as a loop over groups and heads, then repeated back so
+    that row block k (of kv_heads blocks) holds the pooled head of group k // (kv_heads / groups)."""
+    d = t.shape[0] // kv_heads
+    r = kv_heads // groups
+    pooled = []
+    for g in range(groups):
+        members = [t[h * d:(h + 1) * d].double() for h in range(g * r, (g + 1) * r)]
+        if method == "mean":
+            head = sum(members) / r
+        elif method == "first":
+            head = members[0]
+        else:
+            raise AssertionError(method)
+        pooled.append(head.to(t.dtype))
+    return torch.cat([pooled[k // r] for k in range(kv_heads)], dim=0)
+
+
+def reference_model(model, family: str, kv_heads: int, groups: int, method: str = "mean"):
+    """The original model class (same K/V head count) with every K/V head replaced by its group's pool."""
+    layout = FAMILIES[family][2]
+    d = model.config.head_dim if getattr(model.config, "head_dim", None) else HIDDEN // HEADS
+    heads = model.config.num_attention_heads
+    r = kv_heads // groups
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    new = {}
+    touched = 0
+    for name, t in state.items():
+        if re.search(r"\.self_attn\.[kv]_proj\.(weight|bias)$", name):
+            assert not layout.get("fused")
+            new[name] = _pool_rows(t, kv_heads, groups, method)
+            touched += 1
+        elif re.search(r"\.self_attn\.qkv_proj\.(weight|bias)$", name):
+            q, k, v = t[:heads * d], t[heads * d:(heads + kv_heads) * d], t[(heads + kv_heads) * d:]
+            assert v.shape[0] == kv_heads * d
+            new[name] = torch.cat([q, _pool_rows(k, kv_heads, groups, method),
+                                   _pool_rows(v, kv_heads, groups, method)])
+            touched += 1
+        elif layout.get("knorm_rows") and re.search(r"\.self_attn\.k_norm\.weight$", name):
+            assert t.shape == (kv_heads * d,)
+            new[name] = _pool_rows(t, kv_heads, groups, method)
+            touched += 1
+        elif m := re.search(r"^(.*\.k_layernorm\.norms\.)(\d+)\.(weight|bias)$", name):
+            assert layout.get("knorm_mods")
+            prefix, h, kind = m.group(1), int(m.group(2)), m.group(3)
+            g = h // r
+            members = [state[f"{prefix}{j}.{kind}"].double() for j in range(g * r, (g + 1) * r)]
+            new[name] = (members[0] if method == "first" else sum(members) / r).to(t.dtype)
+            touched += 1
+    assert touched >= LAYERS * (1 if layout.get("fused") else 2)  # the K/V tensors really changed
+    state.update(new)
+    ref = copy.deepcopy(model)
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+    return ref.eval()
+
+
+def check_shapes(model, family: str, groups: int) -> None:
+    layout = FAMILIES[family][2]
+    assert model.config.num_key_value_heads == groups
+    d = HEAD_DIM
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if layout.get("fused"):
+            assert attn.qkv_proj.weight.shape == (HEADS * d + 2 * groups * d, HIDDEN)
+        else:
+            assert attn.k_proj.weight.shape == (groups * d, HIDDEN)
+            assert attn.v_proj.weight.shape == (groups * d, HIDDEN)
+            if attn.k_proj.bias is not None:
+                assert attn.k_proj.bias.shape == (groups * d,)
+                assert attn.v_proj.bias.shape == (groups * d,)
+        if layout.get("knorm_rows"):
+            assert attn.k_norm.weight.shape == (groups * d,)
+        if layout.get("knorm_mods"):
+            assert len(attn.k_layernorm.norms) == groups
+
+
+# ----------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_model(request, tmp_path_factory):
+    family = request.param
+    src = make_model(family, tmp_path_factory.mktemp(family) / "mha")
+    return family, src, load(src)
+
+
+# ----------------------------------------------------------------------------------------------
+# tests
+
+
+def test_every_supported_architecture_is_tested():
+    from gqakit.convert.architectures import supported_architectures
+
+    assert sorted(ARCHITECTURES.values()) == supported_architectures()
+
+
+def test_perturbation_is_visible(family_model):
+    """Sanity: the norms/biases really are away from their initial values in the saved model."""
+    family, src, model = family_model
+    ones_or_zeros = [n for n, p in model.named_parameters()
+                     if p.dim() == 1 and (torch.all(p == 1) or torch.all(p == 0))]
+    assert not ones_or_zeros
+
+
+@pytest.mark.parametrize("groups", [4, 2, 1])
+def test_mean_conversion(family_model, groups, tmp_path):
+    family, src, original = family_model
+    out = tmp_path / f"g{groups}"
+    convert(src, out, groups)
+    converted = load(out)
+    check_shapes(converted, family, groups)
+    got = logits(converted)
+    want_mha = logits(original)
+    assert torch.isfinite(got).all()
+    if groups == HEADS:
+        assert torch.equal(got, want_mha)
+        return
+    ref = reference_model(original, family, HEADS, groups, "mean")
+    want = logits(ref)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # Sanity: pooling really changed the function, so the comparison above is not vacuous.
+    assert (got - want_mha).abs().max() > 1e-3
+
+
+def test_method_first_llama(tmp_path):
+    src = make_model("llama", tmp_path / "mha")
+    original = load(src)
+    convert(src, tmp_path / "first", 2, "--method", "first")
+    converted = load(tmp_path / "first")
+    check_shapes(converted, "llama", 2)
+    got = logits(converted)
+    torch.testing.assert_close(got, logits(reference_model(original, "llama", HEADS, 2, "first")), atol=1e-5, rtol=0)
+    # and differs from mean pooling
+    mean = reference_model(original, "llama", HEADS, 2, "mean")
+    assert (got - logits(mean)).abs().max() > 1e-3
+
+
+def test_method_random_llama(tmp_path):
+    src = make_model("llama", tmp_path / "mha")
+    convert(src, tmp_path / "mean", 2)
+    convert(src, tmp_path / "r0a", 2, "--method", "random", "--seed", "0")
+    convert(src, tmp_path / "r0b", 2, "--method", "random", "--seed", "0")
+    convert(src, tmp_path / "r1", 2, "--method", "random", "--seed", "1")
+    tensors = {k: load_file(tmp_path / k / "model.safetensors") for k in ("mean", "r0a", "r0b", "r1")}
+    kv = [n for n in tensors["mean"] if re.search(r"\.[kv]_proj\.weight$", n)]
+    assert len(kv) == 2 * LAYERS
+    assert tensors["r0a"].keys() == tensors["mean"].keys() == tensors["r1"].keys()
+    for name in tensors["mean"]:
+        a, b, c = tensors["r0a"][name], tensors["r0b"][name], tensors["r1"][name]
+        assert torch.equal(a, b), name  # same seed: identical
+        if name in kv:
+            assert a.shape == (2 * HEAD_DIM, HIDDEN)
+            assert not torch.equal(a, c), name  # another seed: other weights
+            assert not torch.equal(a, tensors["mean"][name]), name  # not the pooled weights
+        else:
+            assert torch.equal(a, tensors["mean"][name]), name  # everything else untouched
+    model = load(tmp_path / "r0a")
+    check_shapes(model, "llama", 2)
+    assert torch.isfinite(logits(model)).all()
+
+
+def test_regroup_existing_gqa_llama(tmp_path):
+    """H = 8 query heads, K = 4 K/V heads: pool further to 2, or expand to 8 (MHA) by repetition."""
+    overrides = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=4)
+    src = make_model("llama", tmp_path / "gqa4", **overrides)
+    original = load(src)
+    want = logits(original)
+
+    convert(src, tmp_path / "g2", 2)
+    pooled = load(tmp_path / "g2")
+    assert pooled.config.num_key_value_heads == 2
+    assert pooled.model.layers[0].self_attn.k_proj.weight.shape == (2 * 4, HIDDEN)
+    ref = reference_model(original, "llama", 4, 2, "mean")
+    got = logits(pooled)
+    torch.testing.assert_close(got, logits(ref), atol=1e-5, rtol=0)
+    assert (got - want).abs().max() > 1e-3
+
+    convert(src, tmp_path / "g8", 8)
+    expanded = load(tmp_path / "g8")
+    assert expanded.config.num_key_value_heads == 8
+    assert expanded.model.layers[0].self_attn.k_proj.weight.shape == (8 * 4, HIDDEN)
+    torch.testing.assert_close(logits(expanded), want, atol=1e-6, rtol=0)
