@@ -117,6 +117,71 @@ def _check_rows(name: str, info: TensorInfo, rows: int, what: str) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Heads:
+    heads: int
+    kv_heads: int
+    groups: int
+    head_dim: int
+
+
+def _projection_ops(spec: ArchSpec, tensors, i: int, h: _Heads, target) -> dict[str, list[TensorOp]]:
+    """K/V projection weights and biases of layer i (or the fused QKV projection)."""
+    ops = {}
+    kv_rows, new_rows = h.kv_heads * h.head_dim, h.groups * h.head_dim
+    if spec.fused:
+        for suffix in (".weight", ".bias"):
+            name = spec.qkv_proj.format(i=i) + suffix
+            if suffix == ".bias" and name not in tensors:
+                continue
+            info = _need(tensors, name)
+            _check_rows(name, info, h.heads * h.head_dim + 2 * kv_rows,
+                        f"{h.heads} q + 2x{h.kv_heads} k/v heads of {h.head_dim}")
+            shape = (h.heads * h.head_dim + 2 * new_rows, *info.shape[1:])
+            ops[name] = [TensorOp(name, target(info), shape, "qkv", (name,), i, "kv" if suffix == ".weight" else "")]
+        return ops
+    for role, template in (("k", spec.k_proj), ("v", spec.v_proj)):
+        for suffix in (".weight", ".bias"):
+            name = template.format(i=i) + suffix
+            if suffix == ".bias" and name not in tensors:
+                continue
+            info = _need(tensors, name)
+            _check_rows(name, info, kv_rows, f"{h.kv_heads} K/V heads of {h.head_dim}")
+            ops[name] = [TensorOp(name, target(info), (new_rows, *info.shape[1:]), "kv", (name,), i,
+                                  role if suffix == ".weight" else "")]
+    return ops
+
+
+def _norm_ops(spec: ArchSpec, tensors, i: int, h: _Heads, target) -> dict[str, list[TensorOp]]:
+    """Key norms of layer i that carry K/V heads: one spanning all heads, or one module per head."""
+    if spec.k_norm is KNorm.SPANS_HEADS:
+        name = spec.k_norm_weight.format(i=i)
+        info = _need(tensors, name)
+        _check_rows(name, info, h.kv_heads * h.head_dim, f"a key norm over {h.kv_heads} heads of {h.head_dim}")
+        return {name: [TensorOp(name, target(info), (h.groups * h.head_dim,), "norm", (name,), i)]}
+    if spec.k_norm is not KNorm.ONE_PER_HEAD:
+        return {}
+    ops = {}
+    for template in (spec.k_norm_weight, *spec.k_norm_extra):
+        names = [template.format(i=i, h=k) for k in range(h.kv_heads)]
+        if template != spec.k_norm_weight and names[0] not in tensors:
+            continue
+        infos = [_need(tensors, n) for n in names]
+        for n, info in zip(names, infos):
+            _check_rows(n, info, h.head_dim, f"one key norm of {h.head_dim} per head")
+        new = []
+        for g in range(h.groups):
+            if h.groups <= h.kv_heads:  # pool: the group's heads
+                size = h.kv_heads // h.groups
+                srcs = tuple(names[g * size : (g + 1) * size])
+            else:  # expand: the one head this copy repeats
+                srcs = (names[g // (h.groups // h.kv_heads)],)
+            new.append(TensorOp(template.format(i=i, h=g), target(infos[0]), infos[0].shape, "head_norm", srcs, i))
+        ops.update({n: [] for n in names})
+        ops[names[0]] = new  # emitted where the first old norm was
+    return ops
+
+
 def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method: str = "mean",
               dtype: str | None = None, max_shard_bytes: int = 5 * 10**9) -> Plan:
     """Decide every output tensor's name, dtype, shape and recipe. Raises GqakitError on bad input."""
@@ -144,55 +209,12 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
     def target(info: TensorInfo) -> str:
         return out_dtype if out_dtype and info.dtype in FLOAT_DTYPES else info.dtype
 
+    shape = _Heads(heads, kv_heads, groups, head_dim)
     # Source tensor name -> the output ops that replace it (an empty list drops it).
     special: dict[str, list[TensorOp]] = {}
-    kv_rows, new_rows = kv_heads * head_dim, groups * head_dim
     for i in range(layers):
-        if spec.fused:
-            for suffix in (".weight", ".bias"):
-                name = spec.qkv_proj.format(i=i) + suffix
-                if suffix == ".bias" and name not in tensors:
-                    continue
-                info = _need(tensors, name)
-                _check_rows(name, info, heads * head_dim + 2 * kv_rows,
-                            f"{heads} q + 2x{kv_heads} k/v heads of {head_dim}")
-                shape = (heads * head_dim + 2 * new_rows, *info.shape[1:])
-                special[name] = [TensorOp(name, target(info), shape, "qkv", (name,), i,
-                                          "kv" if suffix == ".weight" else "")]
-        else:
-            for role, template in (("k", spec.k_proj), ("v", spec.v_proj)):
-                for suffix in (".weight", ".bias"):
-                    name = template.format(i=i) + suffix
-                    if suffix == ".bias" and name not in tensors:
-                        continue
-                    info = _need(tensors, name)
-                    _check_rows(name, info, kv_rows, f"{kv_heads} K/V heads of {head_dim}")
-                    special[name] = [TensorOp(name, target(info), (new_rows, *info.shape[1:]), "kv", (name,),
-                                              i, role if suffix == ".weight" else "")]
-        if spec.k_norm is KNorm.SPANS_HEADS:
-            name = spec.k_norm_weight.format(i=i)
-            info = _need(tensors, name)
-            _check_rows(name, info, kv_rows, f"a key norm over {kv_heads} heads of {head_dim}")
-            special[name] = [TensorOp(name, target(info), (new_rows,), "norm", (name,), i)]
-        elif spec.k_norm is KNorm.ONE_PER_HEAD:
-            for template in (spec.k_norm_weight, *spec.k_norm_extra):
-                names = [template.format(i=i, h=h) for h in range(kv_heads)]
-                if template != spec.k_norm_weight and names[0] not in tensors:
-                    continue
-                infos = [_need(tensors, n) for n in names]
-                for n, info in zip(names, infos):
-                    _check_rows(n, info, head_dim, f"one key norm of {head_dim} per head")
-                new = []
-                for g in range(groups):
-                    if groups <= kv_heads:  # pool: the group's heads
-                        size = kv_heads // groups
-                        srcs = tuple(names[g * size : (g + 1) * size])
-                    else:  # expand: the one head this copy repeats
-                        srcs = (names[g // (groups // kv_heads)],)
-                    new.append(TensorOp(template.format(i=i, h=g), target(infos[0]), infos[0].shape,
-                                        "head_norm", srcs, i))
-                special.update({n: [] for n in names})
-                special[names[0]] = new  # emitted where the first old norm was
+        special.update(_projection_ops(spec, tensors, i, shape, target))
+        special.update(_norm_ops(spec, tensors, i, shape, target))
 
     ops: list[TensorOp] = []
     # Keep source order (sorted by file then offset) so reads are sequential.

@@ -1,0 +1,108 @@
+"""`gqakit demo`: convert the embedded MHA model to GQA-4, GQA-2 and MQA with each merge method, and
+compare held-out perplexity and KV-cache size against the original."""
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .convert import ConvertConfig, convert
+from .errors import GqakitError
+from .evaluate.perplexity import perplexity
+from .reference import HELDOUT_TEXT, reference_model_path
+
+GROUPS = (4, 2, 1)
+METHODS = ("mean", "first", "random")
+
+
+def evaluate_folder(path: Path, ids: torch.Tensor, window: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = model.config
+    with open(path / "config.json") as f:
+        raw = json.load(f)
+    stored_dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"  # the cache's dtype in use
+    itemsize = torch.empty(0, dtype=getattr(torch, stored_dtype)).element_size()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {
+        "kv_heads": cfg.num_key_value_heads,
+        "kv_bytes_per_token": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize,
+        "perplexity": perplexity(model, ids, window, progress=False),
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    header = "| model | K/V heads | method | KV cache bytes/token | held-out perplexity | vs MHA |"
+    lines = [header, "|---|---|---|---|---|---|"]
+    base = rows[0]["perplexity"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['kv_heads']} | {r['method']} | {r['kv_bytes_per_token']:,} | "
+                     f"{r['perplexity']:.2f} | {r['perplexity'] / base:.2f}x |")
+    return "\n".join(lines)
+
+
+def run_demo(output_dir: str | None = None, eval_tokens: int | None = None, keep: bool = False,
+             force: bool = False, model_dir: str | None = None) -> list[dict]:
+    """Convert, evaluate, print the table; with `output_dir`, also write results.json/.csv there."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line per model instead of a loading bar each
+    source = Path(model_dir) if model_dir else reference_model_path()
+    out = Path(output_dir) if output_dir else None
+    if out is not None and out.exists() and not force:
+        raise GqakitError(f"{out} already exists; pass --force to replace it or choose another -o")
+    tok = AutoTokenizer.from_pretrained(source)
+    ids = torch.tensor(tok(HELDOUT_TEXT.read_text(encoding="utf-8")).input_ids)
+    if eval_tokens is not None:
+        if eval_tokens < 2:
+            raise GqakitError(f"--eval-tokens {eval_tokens} is too small; score at least 2 tokens")
+        ids = ids[:eval_tokens]
+    window = json.loads((source / "pretraining.json").read_text())["heldout"]["window"] \
+        if (source / "pretraining.json").is_file() else 512
+    print(f"gqakit {__version__} demo: {source.name}, {ids.numel():,} held-out tokens "
+          f"({HELDOUT_TEXT.name}), windows of {window}")
+
+    work = Path(tempfile.mkdtemp(prefix="gqakit-demo-"))
+    rows = []
+    try:
+        t0 = time.time()
+        rows.append({"model": "original (MHA)", "method": "-", **evaluate_folder(source, ids, window)})
+        for groups in GROUPS:
+            for method in METHODS:
+                name = f"{'MQA' if groups == 1 else f'GQA-{groups}'}"
+                folder = work / f"{name.lower()}-{method}"
+                convert(ConvertConfig(model_dir=str(source), groups=groups, output_dir=str(folder),
+                                      method=method, progress=False))
+                rows.append({"model": name, "method": method, **evaluate_folder(folder, ids, window)})
+                print(f"  {name:6s} {method:6s} perplexity {rows[-1]['perplexity']:10.2f}", flush=True)
+        print(format_table(rows))
+        print(f"({time.time() - t0:.0f}s; perplexity: disjoint {window}-token windows, fp32 compute)")
+        if out is not None:
+            tmp = out.with_name(f".{out.name}.gqakit-tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            (tmp / "results.json").write_text(json.dumps(
+                {"gqakit": __version__, "model": str(source), "heldout_tokens": ids.numel(), "window": window,
+                 "rows": rows}, indent=2) + "\n")
+            with open(tmp / "results.csv", "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
+            if keep:
+                for folder in sorted(work.iterdir()):
+                    shutil.move(str(folder), tmp / folder.name)
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.rename(out)
+            print(f"wrote {out}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows

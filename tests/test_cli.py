@@ -1,0 +1,70 @@
+"""The console scripts, run as a user runs them."""
+import json
+import shutil
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from gqakit.cli import convert_main
+from gqakit.convert.checkpoint import read_header
+from tiny_models import make_tiny_llama
+
+
+def run(*argv):
+    return subprocess.run(list(argv), capture_output=True, text=True)
+
+
+def test_convert_gqa_and_gqakit_convert_agree(tmp_path):
+    src = make_tiny_llama(tmp_path / "src")
+    exe = shutil.which("convert-gqa")
+    a = run(exe or sys.executable, *([] if exe else ["-m", "gqakit.cli", "convert"]),
+            "--groups", "2", str(src), "-o", str(tmp_path / "a"), "--quiet")
+    b = run(sys.executable, "-m", "gqakit.cli", "convert", "--groups", "2", str(src), "-o", str(tmp_path / "b"), "--quiet")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert "4 -> 2 K/V heads" in a.stdout
+    ta, tb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert read_header(tmp_path / "a" / "model.safetensors")[1] == {"format": "pt"}
+    card = (tmp_path / "a" / "README.md").read_text()
+    assert "--groups 2" in card and "gqakit" in card and "| 0 |" in card
+
+
+def test_default_output_name_and_side_files(tmp_path):
+    src = make_tiny_llama(tmp_path / "model")
+    (src / "tokenizer.json").write_text("{}")
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    (src / "README.md").write_text("the original card")
+    assert convert_main(["--groups", "1", str(src), "--quiet"]) == 0
+    out = tmp_path / "model-mqa"
+    assert (out / "tokenizer.json").read_text() == "{}"
+    assert (out / "chat_template.jinja").is_file() and (out / "generation_config.json").is_file()
+    assert "MQA" in (out / "README.md").read_text()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_key_value_heads"] == 1 and cfg["head_dim"] == 8
+
+
+def test_null_kv_heads_means_mha(tmp_path):
+    src = make_tiny_llama(tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_key_value_heads"] = None
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "o"), "--quiet"]) == 0
+
+
+def test_dtype_and_small_shards(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny_llama(tmp_path / "src")
+    out = tmp_path / "o"
+    assert convert_main(["--groups", "2", str(src), "-o", str(out), "--dtype", "bfloat16",
+                         "--max-shard-size", "20KB", "--quiet"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).is_file() for s in shards)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16 and model.config.num_key_value_heads == 2
+    original = AutoModelForCausalLM.from_pretrained(src)
+    torch.testing.assert_close(model.model.embed_tokens.weight.float(),
+                               original.model.embed_tokens.weight.to(torch.bfloat16).float(), rtol=0, atol=0)
