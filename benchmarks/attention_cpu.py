@@ -1,0 +1,219 @@
+"""Tiled attention on CPU next to eager attention and torch's sdpa: peak memory, time, window savings.
+
+Causal attention, batch 1, 8 query heads, head_dim 64, forward + backward, side by side in one run:
+
+  (a) peak memory of forward + backward for tiled / eager (matmul-softmax-matmul with repeat_kv) /
+      sdpa (F.scaled_dot_product_attention, is_causal=True); each case runs in a fresh subprocess
+      that reports its ru_maxrss high-water mark minus the mark reached before the call (inputs,
+      library start-up and a tiny warm-up call are in the baseline, so this is what the call adds);
+  (b) median time of forward + backward, tiled and sdpa, and their ratio;
+  (c) a sliding window (W = 512) against full causal attention in the same tiled kernel.
+
+    python benchmarks/attention_cpu.py                              # T = 1024 4096 16384
+    python benchmarks/attention_cpu.py --seq 1024 4096 --repeats 3 --block 128
+    python benchmarks/attention_cpu.py --kv-heads 2 --threads 1     # GQA, one thread
+
+Progress goes to stderr; stdout is only the markdown report. A benchmark, never a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gqakit.attention.masks import MaskSpec
+from gqakit.attention.reference import repeat_kv
+from gqakit.attention.tiled import tiled_attention
+
+TIME_RATIO_TARGET = 3.0  # tiled forward + backward at most 3x sdpa's at T = 4096
+WINDOW_TARGET = 0.5  # the window must realise at least half of its block-count saving
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths T")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median reported)")
+    p.add_argument("--block", type=int, default=128, help="block_q = block_k of the tiled kernel")
+    p.add_argument("--heads", type=int, default=8, help="num_attention_heads")
+    p.add_argument("--kv-heads", type=int, default=8, help="num_key_value_heads (8 = MHA, 1 = MQA)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--window", type=int, default=512, help="sliding window for table (c)")
+    p.add_argument("--window-seq", type=int, default=None, help="T for table (c); default: largest --seq")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--eager-limit-gb", type=float, default=8.0, help="skip eager above this estimate")
+    p.add_argument("--skip-memory", action="store_true", help="skip table (a)")
+    p.add_argument("--worker", nargs=2, metavar=("IMPL", "T"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def make_inputs(args, T: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(1, args.heads, T, args.head_dim)] + [(1, args.kv_heads, T, args.head_dim)] * 2
+    return [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
+
+
+def eager(q, k, v, scale):
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # (B, H, T, d)
+    T = q.shape[2]
+    future = torch.ones(T, T, dtype=torch.bool).triu_(1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(future, float("-inf"))  # (B, H, T, T)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def run_case(args, impl: str, q, k, v, spec: MaskSpec = MaskSpec()) -> tuple[float, float]:
+    """One forward + backward; returns (forward seconds, forward + backward seconds)."""
+    scale = args.head_dim ** -0.5
+    for t in (q, k, v):
+        t.grad = None
+    start = time.perf_counter()
+    if impl == "tiled":
+        out = tiled_attention(q, k, v, scale=scale, spec=spec, block_q=args.block, block_k=args.block)
+    elif impl == "sdpa":
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=args.kv_heads != args.heads)
+    else:
+        out = eager(q, k, v, scale)
+    mid = time.perf_counter()
+    out.backward(torch.ones_like(out))
+    return mid - start, time.perf_counter() - start
+
+
+def eager_gb(args, T: int) -> float:
+    """Estimated eager peak: scores, probabilities and their gradients, (1, H, T, T) fp32 each."""
+    return 4 * args.heads * T * T * 4 / 2**30
+
+
+def worker(args) -> None:
+    """Subprocess body for table (a): print the peak RSS the call adds, in MiB, as JSON."""
+    impl, T = args.worker[0], int(args.worker[1])
+    run_case(args, impl, *make_inputs(args, 256))  # warm-up: one-time allocations into the baseline
+    q, k, v = make_inputs(args, T)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, a high-water mark
+    run_case(args, impl, q, k, v)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mib": (after - before) / 1024}))
+
+
+def memory_table(args) -> list[str]:
+    rows = ["| T | tiled MiB | eager MiB | sdpa MiB | eager / tiled |", "|---|---|---|---|---|"]
+    passthrough = ["--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--head-dim",
+                   str(args.head_dim), "--block", str(args.block)]
+    if args.threads:
+        passthrough += ["--threads", str(args.threads)]
+    for T in args.seq:
+        peaks = {}
+        for impl in ("tiled", "eager", "sdpa"):
+            if impl == "eager" and eager_gb(args, T) > args.eager_limit_gb:
+                peaks[impl] = None
+                continue
+            log(f"memory {impl} T={T}")
+            cmd = [sys.executable, __file__, "--worker", impl, str(T)] + passthrough
+            res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            peaks[impl] = json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"]
+        e = peaks["eager"]
+        eager_cell = f"{e:,.0f}" if e is not None else f"skipped (~{eager_gb(args, T):.0f} GiB > {args.eager_limit_gb:g})"
+        ratio = f"{e / peaks['tiled']:.1f}x" if e is not None and peaks["tiled"] > 0 else "-"
+        rows.append(f"| {T} | {peaks['tiled']:,.0f} | {eager_cell} | {peaks['sdpa']:,.0f} | {ratio} |")
+    return rows
+
+
+def time_table(args, cache: dict) -> tuple[list[str], dict]:
+    rows = ["| T | tiled fwd s | tiled fwd+bwd s | sdpa fwd s | sdpa fwd+bwd s | tiled / sdpa (fwd+bwd) |",
+            "|---|---|---|---|---|---|"]
+    ratios = {}
+    for T in args.seq:
+        q, k, v = make_inputs(args, T)
+        runs = {"tiled": [], "sdpa": []}
+        for i in range(args.repeats):
+            for impl in runs:  # interleaved, so both see the same machine load
+                log(f"time {impl} T={T} repeat {i + 1}/{args.repeats}")
+                runs[impl].append(run_case(args, impl, q, k, v))
+        med = {impl: [statistics.median(r[j] for r in rs) for j in (0, 1)] for impl, rs in runs.items()}
+        cache[("full", T)] = med["tiled"][1]
+        ratios[T] = med["tiled"][1] / med["sdpa"][1]
+        rows.append(f"| {T} | {med['tiled'][0]:.3f} | {med['tiled'][1]:.3f} | {med['sdpa'][0]:.3f} | "
+                    f"{med['sdpa'][1]:.3f} | {ratios[T]:.2f}x |")
+    return rows, ratios
+
+
+def blocks_visited(spec: MaskSpec, T: int, b: int) -> int:
+    return sum(len(spec.kv_block_ranges(q0, min(q0 + b, T), 0, T, b)) for q0 in range(0, T, b))
+
+
+def window_table(args, cache: dict) -> tuple[list[str], float, float]:
+    T, W = args.window_seq or max(args.seq), args.window
+    specs = {"full": MaskSpec(), "window": MaskSpec(window=W)}
+    q, k, v = make_inputs(args, T)
+    med = {}
+    for name, spec in specs.items():
+        if (name, T) in cache:  # the full causal case was already timed in table (b)
+            med[name] = cache[(name, T)]
+            continue
+        times = []
+        for i in range(args.repeats):
+            log(f"window table {name} T={T} repeat {i + 1}/{args.repeats}")
+            times.append(run_case(args, "tiled", q, k, v, spec)[1])
+        med[name] = statistics.median(times)
+    visits = {name: blocks_visited(spec, T, args.block) for name, spec in specs.items()}
+    speedup, ideal = med["full"] / med["window"], visits["full"] / visits["window"]
+    rows = ["| T | W | full causal fwd+bwd s | window fwd+bwd s | speed-up | blocks visited (full / window) "
+            "| T / 2W |", "|---|---|---|---|---|---|---|",
+            f"| {T} | {W} | {med['full']:.3f} | {med['window']:.3f} | {speedup:.1f}x | "
+            f"{visits['full']} / {visits['window']} = {ideal:.1f}x | {T / (2 * W):.1f} |"]
+    return rows, speedup, ideal
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.worker:
+        return worker(args)
+    print(f"`python {shlex.join(sys.argv)}`\n")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch 1, {args.heads} heads, "
+          f"{args.kv_heads} K/V heads, head_dim {args.head_dim}, fp32, causal; tiled block {args.block}; "
+          f"median of {args.repeats}\n")
+
+    q, k, v = make_inputs(args, min(args.seq))  # sanity: the kernel agrees with sdpa
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=args.kv_heads != args.heads)
+    err = (tiled_attention(q, k, v, scale=args.head_dim ** -0.5, block_q=args.block, block_k=args.block)
+           - ref).abs().max().item()
+    print(f"max |tiled - sdpa| at T={min(args.seq)}: {err:.2e}\n")
+
+    if not args.skip_memory:
+        print("### (a) peak memory added by forward + backward (ru_maxrss, fresh process per cell)\n")
+        print("\n".join(memory_table(args)) + "\n")
+    cache: dict = {}
+    rows, ratios = time_table(args, cache)
+    print("### (b) time, forward and forward + backward\n")
+    print("\n".join(rows) + "\n")
+    rows, speedup, ideal = window_table(args, cache)
+    print(f"### (c) sliding window W={args.window} vs full causal, same tiled kernel\n")
+    print("\n".join(rows) + "\n")
+
+    print("### verdicts\n")
+    at = 4096 if 4096 in ratios else max(ratios)
+    ok = ratios[at] <= TIME_RATIO_TARGET
+    print(f"- {'PASS' if ok else 'FAIL'}: tiled fwd+bwd is {ratios[at]:.2f}x sdpa at T={at} "
+          f"(target <= {TIME_RATIO_TARGET:g}x)")
+    ok = speedup >= WINDOW_TARGET * ideal
+    print(f"- {'PASS' if ok else 'FAIL'}: window speed-up {speedup:.1f}x vs block-count ideal {ideal:.1f}x "
+          f"(target >= {WINDOW_TARGET:g} of ideal)")
+    print(f"- {'PASS' if err < 1e-4 else 'FAIL'}: tiled matches sdpa within 1e-4 ({err:.1e})")
+
+
+if __name__ == "__main__":
+    main()

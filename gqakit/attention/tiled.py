@@ -1,0 +1,200 @@
+"""Exact tiled ("flash") attention in pure PyTorch: online softmax forward, recomputing backward.
+
+Works on any device (it is the CPU training path: flex_attention has no CPU backward). Memory is
+O(T * d) plus one (block_q x block_k) score tile per (batch, K/V head): nothing of size Tq x Tk is
+ever built, forward or backward.
+
+Layout. GQA is native: the H / G query heads of each K/V group are folded into the query-row axis,
+    q (B, H, Tq, d) -> (B*G, Tq*r, d) with r = H / G, rows ordered (position, head in group),
+so every tile is one batched matmul over (B*G) against K/V slices (B*G, block_k, d) that are never
+repeated, and dK / dV sum over a group's query heads for free (they are rows of the same matmul).
+
+Masking. A `MaskSpec` decides, analytically, which key blocks a query block visits (so a window W
+costs O(T * W)) and which of those are full (no elementwise mask needed). Partial blocks evaluate
+the spec, the key padding and an optional transformers-style `extra_mask` on absolute positions.
+Fully masked query rows give output 0 and lse -inf (the `reference.eager_reference` convention).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .masks import MaskSpec
+
+_NEG_INF = float("-inf")
+
+
+class _Tiles:
+    """The block plan and the elementwise mask of partial tiles, shared by forward and backward."""
+
+    def __init__(self, spec: MaskSpec, B: int, Tq: int, Tk: int, q_offset: int, kv_offset: int,
+                 key_padding: torch.Tensor | None, extra_mask: Callable | None,
+                 block_q: int, block_k: int, device: torch.device):
+        self.spec, self.B, self.q_offset, self.kv_offset = spec, B, q_offset, kv_offset
+        self.key_padding, self.extra_mask, self.device = key_padding, extra_mask, device
+        padded_full = [True] * math.ceil(Tk / block_k)
+        if key_padding is not None:  # which key blocks hold no padding at all (one host sync)
+            pad = -Tk % block_k
+            kp = torch.nn.functional.pad(key_padding, (0, pad), value=True)  # (B, nk * block_k)
+            padded_full = kp.view(B, -1, block_k).all(dim=2).all(dim=0).tolist()
+        # plan: per query block (q0, q1) the visited key blocks (k0, k1, needs_mask); local indices
+        self.plan: list[tuple[int, int, list[tuple[int, int, bool]]]] = []
+        for q0 in range(0, Tq, block_q):
+            q1 = min(q0 + block_q, Tq)
+            blocks = []
+            for a0, a1 in spec.kv_block_ranges(q0 + q_offset, q1 + q_offset, kv_offset, kv_offset + Tk, block_k):
+                k0, k1 = a0 - kv_offset, a1 - kv_offset
+                full = (extra_mask is None and padded_full[k0 // block_k]
+                        and spec.block_is_full(q0 + q_offset, q1 + q_offset, a0, a1))
+                blocks.append((k0, k1, not full))
+            self.plan.append((q0, q1, blocks))
+
+    def allowed(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """Boolean tile (B or 1, q1 - q0, k1 - k0): True where query may attend to key."""
+        qpos = torch.arange(q0 + self.q_offset, q1 + self.q_offset, device=self.device)
+        kpos = torch.arange(k0 + self.kv_offset, k1 + self.kv_offset, device=self.device)
+        tile = self.spec.mask(qpos, kpos)[None]  # (1, bq, bk)
+        if self.key_padding is not None:
+            tile = tile & self.key_padding[:, None, k0:k1]  # (B, bq, bk)
+        if self.extra_mask is not None:  # transformers' 4-D index convention, as in sdpa_mask
+            b = torch.arange(self.B, device=self.device)[:, None, None, None]
+            h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=self.device)
+            extra = self.extra_mask(b, h, qpos[None, None, :, None], kpos[None, None, None, :])
+            extra = torch.as_tensor(extra, device=self.device).bool()
+            extra = extra.expand(torch.broadcast_shapes(extra.shape, (1, 1, q1 - q0, k1 - k0)))
+            tile = tile & extra[:, 0]  # head-independent masks, as transformers' sdpa path assumes
+        return tile
+
+    def apply_(self, s: torch.Tensor, r: int, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """Set disallowed scores of a tile s (B*G, (q1-q0)*r, bk) to -inf, in place."""
+        blocked = ~self.allowed(q0, q1, k0, k1)  # (B|1, bq, bk)
+        s.view(self.B, -1, q1 - q0, r, k1 - k0).masked_fill_(blocked[:, None, :, None, :], _NEG_INF)
+        return s
+
+
+def _fold_q(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, H, T, ...) -> (B*G, T*r, ...): each group's r query heads become rows of one matrix."""
+    B, H, T = x.shape[:3]
+    rest = x.shape[3:]
+    x = x.reshape(B, groups, H // groups, T, *rest).transpose(2, 3)  # (B, G, T, r, ...)
+    return x.reshape(B * groups, T * (H // groups), *rest)
+
+
+def _unfold_q(x: torch.Tensor, B: int, H: int, T: int) -> torch.Tensor:
+    """Inverse of `_fold_q`: (B*G, T*r, ...) -> (B, H, T, ...)."""
+    G = x.shape[0] // B
+    rest = x.shape[2:]
+    x = x.reshape(B, G, T, H // G, *rest).transpose(2, 3)  # (B, G, r, T, ...)
+    return x.reshape(B, H, T, *rest)
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Returns (out, lse); both are differentiable (lse feeds ring attention's merge)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, tiles: _Tiles):
+        B, H, Tq, d = q.shape
+        G, r = k.shape[1], H // k.shape[1]
+        qf = _fold_q(q.float() * scale, G)  # (B*G, Tq*r, d), pre-scaled
+        kf = k.float().reshape(B * G, -1, d)  # (B*G, Tk, d)
+        vf = v.float().reshape(B * G, -1, d)
+        out = qf.new_zeros(qf.shape)  # rows no block visits stay 0, lse -inf
+        lse = qf.new_full(qf.shape[:2], _NEG_INF)  # (B*G, Tq*r)
+        for q0, q1, blocks in tiles.plan:
+            if not blocks:
+                continue
+            rows = slice(q0 * r, q1 * r)
+            qb = qf[:, rows]  # (B*G, n, d), n = (q1 - q0) * r
+            m = qb.new_full(qb.shape[:2], _NEG_INF)  # running row max
+            l = qb.new_zeros(qb.shape[:2])  # running row sum of exp(s - m)
+            acc = qb.new_zeros(qb.shape)  # running unnormalised output
+            for k0, k1, needs_mask in blocks:
+                s = torch.bmm(qb, kf[:, k0:k1].transpose(1, 2))  # (B*G, n, bk)
+                if needs_mask:
+                    tiles.apply_(s, r, q0, q1, k0, k1)
+                m_new = torch.maximum(m, s.amax(dim=2))
+                # A row with no allowed key yet keeps m = -inf; shift it by 0 so exp gives 0, not NaN.
+                m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0) if needs_mask else m_new
+                p = s.sub_(m_safe[:, :, None]).exp_()  # (B*G, n, bk), in place of s
+                alpha = (m - m_safe).exp_()  # rescales what was accumulated under the old max
+                l.mul_(alpha).add_(p.sum(dim=2))
+                acc.mul_(alpha[:, :, None]).baddbmm_(p, vf[:, k0:k1])
+                m = m_new
+            live = l > 0
+            out[:, rows] = acc / torch.where(live, l, 1.0)[:, :, None]
+            lse[:, rows] = torch.where(live, m + l.log(), _NEG_INF)
+        out_q = _unfold_q(out, B, H, Tq).to(q.dtype)  # (B, H, Tq, d)
+        lse_q = _unfold_q(lse, B, H, Tq)  # (B, H, Tq)
+        ctx.save_for_backward(q, k, v, out_q, lse_q)
+        ctx.scale, ctx.tiles = scale, tiles
+        return out_q, lse_q
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, tiles = ctx.scale, ctx.tiles
+        B, H, Tq, d = q.shape
+        G, r = k.shape[1], H // k.shape[1]
+        qf = _fold_q(q.float() * scale, G)  # (B*G, Tq*r, d)
+        kf = k.float().reshape(B * G, -1, d)  # (B*G, Tk, d)
+        vf = v.float().reshape(B * G, -1, d)
+        dof = _fold_q(dout.float(), G)  # (B*G, Tq*r, d)
+        # dS = P * (dP - D) with D = rowsum(dO * O); an lse gradient adds P * dlse to dS.
+        delta = (dof * _fold_q(out.float(), G)).sum(dim=2) - _fold_q(dlse.float(), G)  # (B*G, Tq*r)
+        lse_f = _fold_q(lse, G)  # (B*G, Tq*r)
+        lse_safe = lse_f.masked_fill(lse_f == _NEG_INF, float("inf"))  # dead rows: exp(s - inf) = 0
+        dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+        for q0, q1, blocks in tiles.plan:
+            rows = slice(q0 * r, q1 * r)
+            qb, dob, dqb = qf[:, rows], dof[:, rows], dq[:, rows]  # (B*G, n, d)
+            lb, db = lse_safe[:, rows, None], delta[:, rows, None]  # (B*G, n, 1)
+            for k0, k1, needs_mask in blocks:
+                kb, vb = kf[:, k0:k1], vf[:, k0:k1]  # (B*G, bk, d)
+                s = torch.bmm(qb, kb.transpose(1, 2))  # (B*G, n, bk)
+                if needs_mask:
+                    tiles.apply_(s, r, q0, q1, k0, k1)
+                p = s.sub_(lb).exp_()  # recomputed probabilities
+                dv[:, k0:k1].baddbmm_(p.transpose(1, 2), dob)
+                ds = torch.bmm(dob, vb.transpose(1, 2)).sub_(db).mul_(p)  # (B*G, n, bk)
+                dqb.baddbmm_(ds, kb)
+                dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), qb)  # qb carries the scale already
+        dq = _unfold_q(dq.mul_(scale), B, H, Tq).to(q.dtype)
+        return dq, dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype), None, None
+
+
+def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                    spec: MaskSpec = MaskSpec(), q_offset: int = 0, kv_offset: int = 0,
+                    key_padding: torch.Tensor | None = None, extra_mask: Callable | None = None,
+                    block_q: int = 128, block_k: int = 128, return_lse: bool = False):
+    """Exact attention softmax(q k^T * scale, masked) v, computed tile by tile.
+
+    q (B, H, Tq, d); k, v (B, G, Tk, d) with G dividing H (never repeated). Query i sits at absolute
+    position q_offset + i, key j at kv_offset + j; `spec` says which pairs may attend (and which
+    blocks to skip), `key_padding` (B, Tk) marks real keys with True, and `extra_mask` is an optional
+    transformers-style `(batch_idx, head_idx, q_idx, kv_idx)` function on absolute positions that is
+    ANDed in within visited blocks (it cannot make the kernel skip blocks; put windows in `spec`).
+    Accumulates in fp32 and returns out (B, H, Tq, d) in q's dtype, plus with `return_lse` the fp32
+    log-sum-exp (B, H, Tq). Fully masked query rows give 0 and lse -inf. Differentiable in q, k, v.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q (B, H, Tq, d) and k, v (B, G, Tk, d); got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    B, H, Tq, d = q.shape
+    if k.shape[0] != B or k.shape[3] != d or H % k.shape[1]:
+        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)}: need the same batch and "
+                         f"head_dim and num_key_value_heads dividing num_attention_heads={H}")
+    if block_q <= 0 or block_k <= 0:
+        raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
+    Tk = k.shape[2]
+    if key_padding is not None:
+        if tuple(key_padding.shape) != (B, Tk):
+            raise ValueError(f"key_padding has shape {tuple(key_padding.shape)}; expected (batch, kv_length) "
+                             f"= ({B}, {Tk}) with True for real tokens")
+        key_padding = key_padding.to(device=q.device, dtype=torch.bool)
+    tiles = _Tiles(spec, B, Tq, Tk, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k, q.device)
+    out, lse = _TiledAttention.apply(q, k, v, float(scale), tiles)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,224 @@
+"""tiled_attention against the eager reference: outputs, lse and gradients, per dtype and mask kind."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.masking_utils import sliding_window_overlay
+
+from gqakit.attention.masks import MaskSpec
+from gqakit.attention.reference import eager_reference
+from gqakit.attention.tiled import tiled_attention
+
+NEG_INF = float("-inf")
+
+
+def dense_mask(spec, B, tq, tk, q_offset, kv_offset, key_padding=None, extra_mask=None):
+    """(B or 1, 1, Tq, Tk) boolean mask for the reference, built the slow, direct way."""
+    qpos, kpos = torch.arange(q_offset, q_offset + tq), torch.arange(kv_offset, kv_offset + tk)
+    m = spec.mask(qpos, kpos)[None, None]  # (1, 1, Tq, Tk)
+    if key_padding is not None:
+        m = m & key_padding[:, None, None, :]
+    if extra_mask is not None:
+        b = torch.arange(B)[:, None, None, None]
+        m = m & extra_mask(b, torch.zeros(1, 1, 1, 1, dtype=torch.long), qpos[None, None, :, None],
+                           kpos[None, None, None, :])
+    return m
+
+
+def make_inputs(B, H, G, tq, tk, d, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, tq, d, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(B, G, tk, d, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(B, G, tk, d, generator=gen).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def left_padding(B, tk, seed=0):
+    """Row 0: no padding; row 1: fully padded; others: random left padding."""
+    gen = torch.Generator().manual_seed(seed)
+    kp = torch.ones(B, tk, dtype=torch.bool)
+    for b in range(1, B):
+        n_pad = tk if b == 1 else int(torch.randint(1, tk, (1,), generator=gen))
+        kp[b, :n_pad] = False
+    return kp
+
+
+def compare(q, k, v, *, spec, q_offset=0, kv_offset=0, key_padding=None, extra_mask=None,
+            block_q=16, block_k=16, out_tol=1e-5, grad_tol=1e-4, seed=1):
+    """Forward (out, lse) and autograd grads of tiled vs reference; reference sees fp32 inputs."""
+    B, _, tq, d = q.shape
+    tk = k.shape[2]
+    scale = d ** -0.5
+    out, lse = tiled_attention(q, k, v, scale=scale, spec=spec, q_offset=q_offset, kv_offset=kv_offset,
+                               key_padding=key_padding, extra_mask=extra_mask, block_q=block_q,
+                               block_k=block_k, return_lse=True)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == q.shape[:3]
+    assert lse.dtype == torch.float32
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    mask = dense_mask(spec, B, tq, tk, q_offset, kv_offset, key_padding, extra_mask)
+    ref, ref_lse = eager_reference(q32, k32, v32, scale, mask)
+    torch.testing.assert_close(out.float(), ref, atol=out_tol, rtol=out_tol)
+    dead = ref_lse == NEG_INF
+    assert torch.equal(lse == NEG_INF, dead)
+    torch.testing.assert_close(lse[~dead], ref_lse[~dead], atol=out_tol, rtol=out_tol)
+    assert (out[dead.expand_as(lse)] == 0).all()
+
+    gen = torch.Generator().manual_seed(seed)
+    d_out = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, (q, k, v), d_out.to(out.dtype))
+    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), d_out)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert g.dtype == q.dtype and torch.isfinite(g).all(), name
+        torch.testing.assert_close(g.float(), r, atol=grad_tol, rtol=grad_tol, msg=lambda m: f"d{name}: {m}")
+
+
+MASK_KINDS = {
+    "causal": MaskSpec(),
+    "full": MaskSpec(causal=False),
+    "window": MaskSpec(window=7),
+    "window_bidir": MaskSpec(causal=False, window=5),
+    "dilated": MaskSpec(window=12, dilation=3),
+    "global": MaskSpec(window=4, global_tokens=(0, 17)),
+    "sinks": MaskSpec(window=6, sinks=3),
+    "combo": MaskSpec(causal=False, window=4, dilation=2, sinks=2, global_tokens=(9,)),
+}
+
+
+@pytest.mark.parametrize("kind", list(MASK_KINDS))
+@pytest.mark.parametrize("H, G", [(4, 1), (4, 2), (4, 4)])
+def test_mask_kinds_and_groups(kind, H, G):
+    torch.manual_seed(0)
+    q, k, v = make_inputs(2, H, G, 37, 37, 8)  # 37: not a multiple of any block size
+    compare(q, k, v, spec=MASK_KINDS[kind], block_q=16, block_k=8)
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "combo"])
+def test_left_padding_with_fully_padded_row(kind):
+    torch.manual_seed(0)
+    q, k, v = make_inputs(3, 4, 2, 29, 29, 8)
+    compare(q, k, v, spec=MASK_KINDS[kind], key_padding=left_padding(3, 29), block_q=8, block_k=8)
+
+
+@pytest.mark.parametrize("block_q, block_k", [(1, 1), (5, 3), (8, 32), (64, 64), (128, 128)])
+def test_block_sizes(block_q, block_k):
+    torch.manual_seed(0)
+    q, k, v = make_inputs(2, 4, 2, 33, 33, 8)
+    compare(q, k, v, spec=MaskSpec(window=9, sinks=1), key_padding=left_padding(2, 33)[[0, 0]],
+            block_q=block_q, block_k=block_k)
+
+
+@pytest.mark.parametrize("tq", [1, 3])
+@pytest.mark.parametrize("kind", ["causal", "window", "sinks", "global"])
+def test_decode_offsets(tq, kind):
+    """Decode-style: a few new queries at the end of a longer cache (kv_offset > 0 for a rolled cache)."""
+    torch.manual_seed(0)
+    tk, kv_offset = 40, 5
+    q, k, v = make_inputs(2, 4, 2, tq, tk, 8)
+    compare(q, k, v, spec=MASK_KINDS[kind], q_offset=kv_offset + tk - tq, kv_offset=kv_offset,
+            key_padding=left_padding(2, tk, seed=3)[[0, 0]], block_q=2, block_k=16)
+
+
+def test_chunked_prefill_offsets():
+    """A middle chunk of queries against all keys up to it; queries before any key see nothing."""
+    torch.manual_seed(0)
+    q, k, v = make_inputs(1, 2, 1, 11, 30, 8)
+    compare(q, k, v, spec=MaskSpec(window=5), q_offset=19, block_q=4, block_k=8)
+    compare(q, k, v, spec=MaskSpec(), q_offset=0, kv_offset=6, block_q=4, block_k=8)  # rows 0-5 dead
+
+
+def test_non_contiguous_inputs():
+    """transformers hands over q/k/v as transposes of (B, T, heads, d) projections."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 19, 4, 8, generator=gen).requires_grad_()
+    k = torch.randn(2, 19, 2, 8, generator=gen).requires_grad_()
+    v = torch.randn(2, 19, 2, 8, generator=gen).requires_grad_()
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d), not contiguous
+    out = tiled_attention(qt, kt, vt, scale=0.3, spec=MaskSpec(window=6), block_q=8, block_k=8)
+    ref, _ = eager_reference(qt, kt, vt, 0.3, dense_mask(MaskSpec(window=6), 2, 19, 19, 0, 0))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn(out.shape)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_extra_mask_is_anded_in():
+    """A model's own pattern (here transformers' sliding-window overlay) passed as extra_mask."""
+    torch.manual_seed(0)
+    q, k, v = make_inputs(2, 4, 2, 26, 26, 8)
+    compare(q, k, v, spec=MaskSpec(), extra_mask=sliding_window_overlay(4),
+            key_padding=left_padding(2, 26), block_q=8, block_k=8)
+
+
+def test_lse_gradient_matches_reference():
+    """lse is differentiable (ring attention merges partial results through it)."""
+    torch.manual_seed(0)
+    q, k, v = make_inputs(2, 4, 2, 21, 21, 8)
+    kp = left_padding(2, 21)
+    out, lse = tiled_attention(q, k, v, scale=0.3, spec=MaskSpec(window=5), key_padding=kp,
+                               block_q=8, block_k=8, return_lse=True)
+    ref, ref_lse = eager_reference(q, k, v, 0.3, dense_mask(MaskSpec(window=5), 2, 21, 21, 0, 0, kp))
+    w = torch.randn(lse.shape)
+    loss = (out.sum(-1) * w).sum() + (lse.nan_to_num(neginf=0.0) * w).sum()
+    ref_loss = (ref.sum(-1) * w).sum() + (ref_lse.nan_to_num(neginf=0.0) * w).sum()
+    for g, r in zip(torch.autograd.grad(loss, (q, k, v)), torch.autograd.grad(ref_loss, (q, k, v))):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+# bf16 keeps 8 mantissa bits (relative step 2^-8 ~ 4e-3) and fp16 11 bits: the kernel computes in fp32
+# but its output and gradients are rounded to the input dtype, so we compare against the fp32
+# reference on the same (rounded) inputs with tolerances of a few rounding steps of values ~O(1).
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("kind", ["causal", "combo"])
+def test_low_precision(dtype, tol, kind):
+    torch.manual_seed(0)
+    q, k, v = make_inputs(2, 4, 2, 30, 30, 16, dtype=dtype)
+    compare(q, k, v, spec=MASK_KINDS[kind], key_padding=left_padding(2, 30), block_q=8, block_k=16,
+            out_tol=tol, grad_tol=tol)
+
+
+class _LargestOutput(TorchDispatchMode):
+    """Records the largest tensor any aten op produces (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_tq_by_tk_intermediate():
+    """Forward and backward at T=1024 never build a tensor as large as one head's T x T scores."""
+    T, block = 1024, 128
+    q, k, v = make_inputs(1, 2, 1, T, T, 16)
+    with _LargestOutput() as probe:
+        out = tiled_attention(q, k, v, scale=0.25, block_q=block, block_k=block)
+        out.backward(torch.ones_like(out))
+    assert probe.largest <= 2 * block * block  # one (B*G, block_q * H/G, block_k) tile
+    assert q.grad is not None and k.grad.shape == k.shape
+
+
+def test_long_forward_is_quick():
+    T = 4096
+    q, k, v = make_inputs(1, 2, 2, T, T, 16)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = tiled_attention(q, k, v, scale=0.25, block_q=128, block_k=128)
+    assert time.perf_counter() - start < 20  # ~1 s when the machine is idle
+    assert torch.isfinite(out).all()
+
+
+def test_bad_shapes_are_named():
+    q, k, v = make_inputs(1, 6, 4, 5, 5, 8)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        tiled_attention(q, k, v, scale=1.0)
+    q, k, v = make_inputs(1, 4, 2, 5, 5, 8)
+    with pytest.raises(ValueError, match="key_padding"):
+        tiled_attention(q, k, v, scale=1.0, key_padding=torch.ones(1, 4, dtype=torch.bool))
