@@ -15,9 +15,9 @@ Progress goes to stderr; stdout is only the markdown report.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
+import math
 import os
 import shutil
 import statistics
@@ -35,7 +35,7 @@ from gqakit.convert.run import parse_size
 from gqakit.errors import GqakitError
 
 RATIO_TARGET = 1.5  # convert may take at most 1.5x the time of cp -r
-RSS_TARGET_MB = 1536  # and hold at most 1.5 GB resident
+RSS_TARGET_MB = 1536  # and hold at most 1.5 GiB resident (MiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     args, shape = parse_args(argv)
     scratch = Path(args.scratch).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
+    entries = llama_entries(shape)
+    need = sum(math.prod(e[2]) * 2 for e in entries) * (1 if args.source else 2) + (2 << 30)
+    free = shutil.disk_usage(scratch).free
+    if free < need:
+        raise SystemExit(f"{scratch} has {free / 1e9:.1f} GB free; this shape needs about {need / 1e9:.1f} GB "
+                         "(source plus one copy at a time); free space or pass --scratch elsewhere")
     work = Path(tempfile.mkdtemp(prefix="convert-speed-", dir=scratch))
     try:
         if args.source:
@@ -419,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"## convert-gqa vs cp -r ({'median of ' + str(args.repeats) if args.repeats > 1 else '1 run'}, "
               f"{args.cache} page cache)\n")
         print("| shape | source GB | output GB | cp -r s | cp -r + fsync s | convert s | convert / cp | "
-              "convert / (cp + fsync) | convert peak RSS MB | output check |")
+              "convert / (cp + fsync) | convert peak RSS MiB | output check |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         print(f"| {shape.label(args.groups)} | {src_bytes / 1e9:.2f} | {convs[0]['out_bytes'] / 1e9:.2f} | "
               f"{cp_s:.2f} | {cp_sync_s:.2f} | {conv_s:.2f} | {ratio:.2f}x | {ratio_sync:.2f}x | {rss_mb:.0f} | "
@@ -429,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| time: convert / cp -r | {ratio:.2f}x | <= {RATIO_TARGET}x | {_verdict(ratio <= RATIO_TARGET)} |")
         print(f"| time: convert / (cp -r + fsync) | {ratio_sync:.2f}x | <= {RATIO_TARGET}x | "
               f"{_verdict(ratio_sync <= RATIO_TARGET)} |")
-        print(f"| memory: convert peak RSS | {rss_mb:.0f} MB | <= {RSS_TARGET_MB} MB | "
+        print(f"| memory: convert peak RSS | {rss_mb:.0f} MiB | <= {RSS_TARGET_MB} MiB (1.5 GiB) | "
               f"{_verdict(rss_mb <= RSS_TARGET_MB)} |")
         print(f"| output: k/v shapes [G*d, hidden], pooled k/v = head mean, q unchanged | "
               f"{'ok' if not problems else '; '.join(problems)} | exact | {_verdict(not problems)} |")

@@ -61,9 +61,9 @@ def run_demo(output_dir: str | None = None, eval_tokens: int | None = None, keep
         raise GqakitError(f"{out} already exists; pass --force to replace it or choose another -o")
     tok = AutoTokenizer.from_pretrained(source)
     ids = torch.tensor(tok(HELDOUT_TEXT.read_text(encoding="utf-8")).input_ids)
-    if eval_tokens is not None:
+    if eval_tokens:  # 0 or None: the whole held-out text
         if eval_tokens < 2:
-            raise GqakitError(f"--eval-tokens {eval_tokens} is too small; score at least 2 tokens")
+            raise GqakitError(f"--eval-tokens {eval_tokens} is too small; score at least 2 tokens, or 0 for all")
         ids = ids[:eval_tokens]
     window = json.loads((source / "pretraining.json").read_text())["heldout"]["window"] \
         if (source / "pretraining.json").is_file() else 512

@@ -16,6 +16,11 @@ def valid_groups(num_heads: int) -> list[int]:
     return [g for g in range(1, num_heads + 1) if num_heads % g == 0]
 
 
+def _exact_accumulator(dtype: torch.dtype) -> torch.dtype:
+    """n identical values sum exactly (then divide back exactly) with 2 + log2(n) spare mantissa bits."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else torch.float64
+
+
 def _split_heads(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     if t.shape[0] % num_heads:
         raise ValueError(f"axis 0 of size {t.shape[0]} does not split into {num_heads} heads")
@@ -26,15 +31,15 @@ def pool_heads(t: torch.Tensor, num_heads: int, groups: int, method: str = "mean
     """Merge `num_heads` heads stacked along axis 0 into `groups` heads (groups divides num_heads).
 
     `mean` averages each group's heads (Ainslie et al. 2023); `first` keeps each group's first head.
-    The mean is taken in float64, so a group of identical fp32/bf16 heads pools to exactly that head;
-    the result is returned in the input dtype.
+    The mean is accumulated in a dtype wide enough that a group of identical heads pools to exactly
+    that head (float32 for 16-bit inputs, float64 for float32); the result has the input dtype.
     """
     if num_heads % groups:
         raise ValueError(f"{num_heads} heads do not split into {groups} groups")
     heads = _split_heads(t, num_heads)  # (K, d, ...)
     grouped = heads.reshape(groups, num_heads // groups, *heads.shape[1:])  # (G, K/G, d, ...)
     if method == "mean":
-        merged = grouped.double().mean(dim=1)
+        merged = grouped.to(_exact_accumulator(t.dtype)).mean(dim=1)
     elif method == "first":
         merged = grouped[:, 0]
     else:
@@ -69,10 +74,12 @@ def random_heads(shape: tuple[int, ...], std: float, seed: int, dtype: torch.dty
 
 def relative_error(original: torch.Tensor, regrouped: torch.Tensor, num_heads: int) -> float:
     """||W - expand(W')|| / ||W||: how far the G-head projection, repeated back to K heads, is from W."""
-    groups = regrouped.shape[0] // (original.shape[0] // num_heads)
-    if groups % num_heads == 0:  # expansion keeps every original head: compare the first copies
-        back = pool_heads(regrouped, groups, num_heads, "first")
-    else:
-        back = expand_heads(regrouped, groups, num_heads)
-    diff = (original.float() - back.float()).norm()
-    return (diff / original.float().norm().clamp_min(1e-30)).item()
+    head_rows = original.shape[0] // num_heads
+    groups = regrouped.shape[0] // head_rows
+    if groups >= num_heads:  # expansion keeps every original head: compare the first copies
+        diff = original.float() - pool_heads(regrouped, groups, num_heads, "first").float()
+        return (diff.norm() / original.float().norm().clamp_min(1e-30)).item()
+    heads = original.to(torch.float32, copy=True).reshape(groups, num_heads // groups, head_rows, -1)  # (G, K/G, d, in)
+    total = torch.linalg.vector_norm(heads)
+    heads.sub_(regrouped.float().reshape(groups, 1, head_rows, -1))  # broadcast over the group, no repeat
+    return (torch.linalg.vector_norm(heads) / total.clamp_min(1e-30)).item()

@@ -5,6 +5,8 @@ import dataclasses
 import json
 import shutil
 import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -15,6 +17,8 @@ from .card import write_card
 from .checkpoint import DTYPES, INDEX, SINGLE, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
 from .plan import Plan, TensorOp, make_plan
 from .pooling import random_heads, regroup, relative_error
+
+LOOKAHEAD = 2  # regrouped tensors computed ahead of the writer
 
 # Files that the conversion rewrites or must not carry over; everything else (tokenizer, generation
 # config, chat template, the pretraining record) is copied.
@@ -188,12 +192,26 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
     entries = [(o.name, o.dtype, o.shape) for o in plan.ops]
     with atomic_output(out, cfg.force) as tmp:
         writer = ShardWriter(tmp, entries, plan.max_shard_bytes)
-        bar = tqdm(plan.ops, desc="convert", unit="tensor", disable=not cfg.progress)
-        for op in bar:
-            if op.kind == "copy":
-                writer.copy_tensor(op.name, tensors[op.sources[0]])
-            else:
-                writer.write_tensor(op.name, compute(op, plan, tensors, std, cfg.seed, errors))
+        # One worker thread computes the next regrouped tensors while this thread streams byte copies
+        # (torch kernels and copy_file_range both release the GIL). At most LOOKAHEAD results wait,
+        # so memory stays a few tensors.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending: deque = deque()
+            todo = iter(op for op in plan.ops if op.kind != "copy")
+
+            def refill() -> None:
+                while len(pending) < LOOKAHEAD and (op := next(todo, None)) is not None:
+                    pending.append(pool.submit(compute, op, plan, tensors, std, cfg.seed, errors))
+
+            refill()
+            for op in tqdm(plan.ops, desc="convert", unit="tensor", disable=not cfg.progress):
+                if op.kind == "copy":
+                    writer.copy_tensor(op.name, tensors[op.sources[0]])
+                else:
+                    writer.write_tensor(op.name, pending.popleft().result())
+                    refill()
+            for future in pending:  # only on the way out of an error
+                future.cancel()
         writer.finish()
         (tmp / "config.json").write_text(json.dumps(new_config(config, plan, cfg.dtype), indent=2) + "\n")
         copy_side_files(Path(cfg.model_dir), tmp)
