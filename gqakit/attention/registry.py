@@ -19,6 +19,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
+from ..errors import GqakitError
 from .masks import MaskSpec
 from .tiled import tiled_attention
 
@@ -32,7 +33,7 @@ DEFAULTS = {"block_q": 128, "block_k": 128, "dilation": 1, "global_tokens": (), 
 CONFIG_KEY = "gqakit_attention"
 
 
-class AttentionOptionError(ValueError):
+class AttentionOptionError(GqakitError, ValueError):
     """A bad kind or option: the message names the fix on one line."""
 
 
