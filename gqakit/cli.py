@@ -2,6 +2,8 @@
 
     convert-gqa --groups 8 MODEL_DIR           (same as `gqakit convert ...`)
     gqakit demo
+    gqakit generate MODEL --attention sinks --sinks 4 --window 1020 --prompt-file F
+    gqakit eval ppl|stream|passkey MODEL ...
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sys
 
 from . import __version__
 from .errors import GqakitError
+from .evaluate.cli import add_eval_parser
 
 
 def _add_convert_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +58,35 @@ def _run_demo(args: argparse.Namespace, command: str) -> None:
     run_demo(output_dir=args.output_dir, eval_tokens=args.eval_tokens, keep=args.keep, force=args.force)
 
 
+def _run_generate(args: argparse.Namespace, command: str) -> None:
+    from .generate import GenerateConfig, generate
+
+    generate(GenerateConfig(
+        model=args.model, prompt=args.prompt, prompt_file=args.prompt_file, attention=args.attention,
+        sinks=args.sinks, window=args.window, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, dtype=args.dtype,
+        ignore_eos=args.ignore_eos,
+    ))
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="Hugging Face checkpoint folder")
+    p.add_argument("--prompt", help="prompt text")
+    p.add_argument("--prompt-file", help="UTF-8 file holding the prompt")
+    p.add_argument("--attention", default="sinks", choices=["sinks", "sliding", "tiled", "default"],
+                   help="sinks: keep --sinks first + --window recent tokens (StreamingLLM); sliding: the "
+                        "--window recent tokens only; tiled/default: full cache (default: sinks)")
+    p.add_argument("--sinks", type=int, default=4, help="attention-sink tokens kept (default: 4)")
+    p.add_argument("--window", type=int, default=1020, help="recent tokens kept (default: 1020)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gqakit", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"gqakit {__version__}")
@@ -64,10 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=_run_convert)
     demo = sub.add_parser("demo", help="convert the embedded model to G=4,2,1 and compare perplexity")
     demo.add_argument("-o", "--output-dir", default=None, help="keep the converted models here")
-    demo.add_argument("--eval-tokens", type=int, default=None, help="score only this many held-out tokens")
+    demo.add_argument("--eval-tokens", type=int, default=16384,
+                      help="held-out tokens to score (default: 16384; 0 = all 57,584)")
     demo.add_argument("--keep", action="store_true", help="keep the converted models (with -o)")
     demo.add_argument("--force", action="store_true", help="replace an existing -o folder")
     demo.set_defaults(func=_run_demo)
+    gen = sub.add_parser("generate", help="stream text, far past the trained context with a sink cache")
+    _add_generate_args(gen)
+    gen.set_defaults(func=_run_generate)
+    add_eval_parser(sub)
     return parser
 
 

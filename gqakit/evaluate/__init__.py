@@ -1,1 +1,2 @@
-"""Evaluation: perplexity (and, later, long-context fluency and passkey retrieval)."""
+"""Evaluation: strided perplexity, long-context fluency (streaming perplexity), passkey retrieval,
+and reports (JSON, CSV, PNG)."""

@@ -1,43 +1,68 @@
-"""Token-weighted strided perplexity, as described in the transformers documentation.
+"""Token-weighted strided perplexity (the transformers documentation's method) and `gqakit eval ppl`.
 
-Windows of `max_length` tokens advance by `stride`; each window scores only the tokens it has not
-scored before (the first window scores all but its first token), so every token after the first is
-scored exactly once and, with overlap, with up to `max_length - stride` tokens of context.
+The text is cut into windows that start every `stride` tokens; each window runs the model once and
+scores only the tokens that no earlier window scored, so every scored token is scored exactly once,
+with the context its window gives it (up to `max_length - stride` earlier tokens when windows overlap).
+Perplexity is exp(total NLL / scored tokens): token-weighted, not an average of window perplexities.
+
+BOS convention (`bos=None`, the default, as in the transformers docs): a window is `max_length` text
+tokens; the first window scores all but its first token, so the very first token of the text is never
+scored, and with `stride == max_length` (disjoint windows) the first token of *every* window is not
+scored either (it has no context). With `bos=ID`: a window is BOS + `max_length - 1` text tokens (the
+model still sees at most `max_length` positions) and the first text token of a window is scored too,
+conditioned on BOS alone; so every text token is scored exactly once, for any stride <= max_length - 1.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import sys
+import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import GqakitError
+
 
 @torch.no_grad()
 def strided_nll(model, input_ids: torch.Tensor, max_length: int, stride: int | None = None,
-                progress: bool = True) -> tuple[float, int]:
-    """Summed negative log-likelihood (nats) and the number of scored tokens of a 1-D token tensor."""
-    stride = max_length if stride is None else stride
+                progress: bool = True, bos: int | None = None) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) and the number of scored tokens of a 1-D token tensor.
+
+    `max_length` counts the model's input positions (BOS included when `bos` is given); `stride`
+    defaults to the text tokens per window (disjoint windows). See the module docstring.
+    """
     if input_ids.dim() != 1:
         raise ValueError(f"input_ids must be 1-D, got shape {tuple(input_ids.shape)}")
-    if not 0 < stride <= max_length:
-        raise ValueError(f"stride {stride} must be in 1..max_length ({max_length})")
+    lead = 0 if bos is None else 1  # the BOS column in front of each window
+    span = max_length - lead  # text tokens per window
+    if span < 1:
+        raise ValueError(f"max_length {max_length} leaves no text token per window")
+    stride = span if stride is None else stride
+    if not 0 < stride <= span:
+        raise ValueError(f"stride {stride} must be in 1..{span} (text tokens per window)")
     n = input_ids.numel()
-    if n < 2:
-        raise ValueError(f"text has {n} token(s); perplexity needs at least 2")
+    if n < 2 - lead:
+        raise ValueError(f"text has {n} token(s); perplexity needs at least {2 - lead}")
     device = next(model.parameters()).device
+    prefix = torch.full((lead,), -1 if bos is None else bos, dtype=input_ids.dtype)
     total, count, prev_end = 0.0, 0, 0
     starts = range(0, n, stride)
     for begin in tqdm(starts, desc="perplexity", unit="window", disable=not progress, leave=False):
-        end = min(begin + max_length, n)
-        window = input_ids[begin:end].to(device)[None]  # (1, L)
-        logits = model(input_ids=window).logits.float()  # (1, L, V)
-        # Score positions that are new in this window: targets at absolute index >= max(prev_end, 1).
-        first_target = max(prev_end, begin + 1)
-        if first_target < end:
-            logp = torch.log_softmax(logits[0, first_target - begin - 1 : end - begin - 1], dim=-1)
-            targets = window[0, first_target - begin : end - begin]
+        end = min(begin + span, n)
+        window = torch.cat([prefix, input_ids[begin:end]]).to(device)[None]  # (1, lead + end - begin)
+        # Targets are text indices j in [first, end) not scored before; without BOS a window's own first
+        # token has no context. Text index j sits in column j - begin + lead, predicted by the column before.
+        first = max(prev_end, begin + 1 - lead)
+        if first < end:
+            logits = model(input_ids=window, logits_to_keep=end - first + 1).logits[0, :-1].float()  # (end - first, V)
+            logp = torch.log_softmax(logits, dim=-1)
+            targets = input_ids[first:end].to(device)
             total -= logp.gather(-1, targets[:, None]).sum().item()
-            count += end - first_target
+            count += end - first
         prev_end = end
         if end == n:
             break
@@ -45,7 +70,134 @@ def strided_nll(model, input_ids: torch.Tensor, max_length: int, stride: int | N
 
 
 def perplexity(model, input_ids: torch.Tensor, max_length: int, stride: int | None = None,
-               progress: bool = True) -> float:
-    """exp(mean NLL) over every token after the first; see `strided_nll`."""
-    nll, count = strided_nll(model, input_ids, max_length, stride, progress)
+               progress: bool = True, bos: int | None = None) -> float:
+    """exp(mean NLL) over the scored tokens; see `strided_nll`."""
+    nll, count = strided_nll(model, input_ids, max_length, stride, progress, bos)
     return math.exp(nll / count)
+
+
+# ---------------------------------------------------------------------------------------------
+# `gqakit eval ppl MODEL [MODEL ...]`
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PplConfig:
+    """`gqakit eval ppl`: one or more models on the same text, one comparison table."""
+
+    models: tuple[str, ...]
+    text: str | None = None
+    dataset: str | None = None
+    text_column: str = "text"
+    max_tokens: int | None = None  # score only the first N tokens of the text
+    max_length: int | None = None  # window (model positions); default min(1024, smallest model context)
+    stride: int | None = None  # default: disjoint windows
+    bos: bool = False
+    attention: str | None = None  # None/default, tiled, sliding, sinks
+    window: int | None = None
+    sinks: int | None = None
+    dtype: str = "float32"
+    device: str = "auto"  # CUDA when available
+    tokenizer: str | None = None
+    output: str | None = None
+    force: bool = False
+    progress: bool = True
+
+
+def _check(cfg: PplConfig) -> None:
+    if not cfg.models:
+        raise GqakitError("give at least one MODEL folder")
+    for name, value in (("--max-tokens", cfg.max_tokens), ("--max-length", cfg.max_length), ("--stride", cfg.stride)):
+        if value is not None and value < 1:
+            raise GqakitError(f"{name} must be a positive number of tokens, got {value}")
+    if cfg.max_length is not None and cfg.max_length < 2:
+        raise GqakitError(f"--max-length {cfg.max_length} is too short; a window needs at least 2 positions")
+
+
+def resolve_window(cfg: PplConfig, contexts: list[int | None]) -> tuple[int, int]:
+    """(max_length, stride) in model positions / text tokens, checked against each other (one-line errors)."""
+    known = [c for c in contexts if c]
+    max_length = cfg.max_length or min([1024, *known])
+    span = max_length - (1 if cfg.bos else 0)
+    stride = cfg.stride or span
+    if stride > span:
+        what = f"--max-length {max_length} minus the BOS column" if cfg.bos else f"--max-length {max_length}"
+        raise GqakitError(f"--stride {stride} is longer than a window ({span} text tokens = {what}); "
+                          f"use --stride <= {span}, or leave it out for disjoint windows")
+    return max_length, stride
+
+
+def _context(path: str) -> int | None:
+    """max_position_embeddings from a local config.json (None when unknown); checks the folder early."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        if Path(path).exists() or "/" not in path or path.startswith((".", "/", "~")):
+            raise GqakitError(f"model folder {path} does not exist or has no config.json; "
+                              "pass the path of a Hugging Face checkpoint folder")
+        return None  # a hub name: known once loaded
+    raw = json.loads(config.read_text())
+    return raw.get("max_position_embeddings") or (raw.get("text_config") or {}).get("max_position_embeddings")
+
+
+def _bos_id(tok, model) -> int:
+    bos = getattr(tok, "bos_token_id", None)
+    if bos is None:
+        bos = getattr(model.config, "bos_token_id", None)
+    if bos is None:
+        raise GqakitError("--bos: neither the tokenizer nor config.json names a BOS token; drop --bos")
+    return int(bos)
+
+
+def format_table(rows: list[dict]) -> str:
+    """A markdown table: model, K/V heads, KV-cache bytes per token, perplexity, scored tokens."""
+    lines = ["| model | K/V heads | KV-cache bytes/token | perplexity | scored tokens |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['kv_heads']} | {r['kv_bytes_per_token']:,} | {r['perplexity']:.3f} "
+                     f"| {r['scored_tokens']:,} |")
+    return "\n".join(lines)
+
+
+def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
+    """Evaluate every model, print the table, write the report (JSON, CSV, plot); returns the report dict."""
+    from . import plots, report
+    from .data import encode_documents, load_documents
+    from .models import apply_attention, attention_options, describe, load_model
+
+    out = out or sys.stdout
+    _check(cfg)
+    options = attention_options(cfg.attention, cfg.window, cfg.sinks)
+    target = report.prepare_output(cfg.output, "ppl", cfg.force)
+    documents = load_documents(cfg.text, cfg.dataset, cfg.text_column)
+    max_length, stride = resolve_window(cfg, [_context(path) for path in cfg.models])  # same windows for all
+    names = [Path(p).name or p for p in cfg.models]
+    if len(set(names)) < len(names):  # same folder names in different places: show the paths
+        names = list(cfg.models)
+    rows = []
+    for path, name in zip(cfg.models, names):
+        model, tok = load_model(path, cfg.dtype, cfg.tokenizer, cfg.device)
+        in_force = apply_attention(model, cfg.attention, options)
+        ids = encode_documents(documents, tok, cfg.max_tokens)
+        span = max_length - (1 if cfg.bos else 0)
+        if ids.numel() < span:
+            raise GqakitError(f"the text has {ids.numel():,} tokens ({Path(path).name}'s tokenizer), shorter than "
+                              f"one window of {span:,}; pass a longer text or --max-length <= {ids.numel()}")
+        bos = _bos_id(tok, model) if cfg.bos else None
+        t0 = time.perf_counter()
+        nll, count = strided_nll(model, ids, max_length, stride, cfg.progress, bos)
+        seconds = time.perf_counter() - t0
+        rows.append({"model": name, "path": str(path), **describe(model),
+                     "attention": cfg.attention or "default", "attention_options": in_force,
+                     "text_tokens": ids.numel(), "scored_tokens": count, "nll": nll,
+                     "perplexity": math.exp(nll / count), "seconds": round(seconds, 3)})
+        print(f"  {rows[-1]['model']}: perplexity {rows[-1]['perplexity']:.3f} over {count:,} tokens "
+              f"({seconds:.1f}s)", file=out, flush=True)
+        del model
+    print(format_table(rows), file=out)
+    print(f"(windows of {max_length} positions, stride {stride}, {'BOS-prefixed' if cfg.bos else 'no BOS'}, "
+          f"{cfg.dtype})", file=out)
+    record = {"max_length": max_length, "stride": stride, "rows": rows}
+    csv_rows = [{k: v for k, v in r.items() if k != "attention_options"} for r in rows]
+    written = report.write_report(target, kind="ppl", command=command, config=dataclasses.asdict(cfg),
+                                  results=record, rows=csv_rows, force=cfg.force,
+                                  plots={"ppl_vs_kv_bytes.png": lambda p: plots.ppl_vs_kv_bytes(rows, p)})
+    print(f"wrote {written}", file=out)
+    return record

@@ -1,0 +1,245 @@
+"""Passkey retrieval (Mohtashami & Jaggi 2023) and `gqakit eval passkey`.
+
+A random 5-digit key is hidden in repeated filler text at a relative depth (0 = right after the
+introduction, 1 = right before the question); the prompt ends with "What is the pass key? The pass
+key is" and the model decodes a few tokens greedily. A case is correct when the first run of digits
+in the continuation is exactly the key (" 12345." is right; " 1234", " 123456", " 1 2 3 4 5" are not).
+
+Prompt lengths count tokens of the model's tokenizer (with its default special tokens): a prompt is
+the longest one made of whole filler sentences that fits in the target length (its real length, a
+few tokens short at most, is recorded per case). Keys come from `random.Random` seeded by
+(seed, length, depth, trial): the same seed gives the same prompts on any machine. `score` takes any
+`generate(prompt) -> continuation` function, so it runs with fake models in tests and with
+`greedy_generator(model, tokenizer)` for real.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+import sys
+from collections.abc import Callable, Iterable
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import GqakitError
+
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the important information there.\n")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\nWhat is the pass key? The pass key is"
+_DIGITS = re.compile(r"\d+")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    length: int  # target prompt length in tokens
+    depth: float
+    trial: int
+    key: str
+    prompt: str
+    prompt_tokens: int  # actual length
+
+
+def parse_lengths(spec: str) -> list[int]:
+    """'1k,2k,4096' -> [1024, 2048, 4096] (k = 1024 tokens)."""
+    out = []
+    for part in (p.strip().lower() for p in spec.split(",") if p.strip()):
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)(k?)", part)
+        if not match:
+            raise GqakitError(f"--lengths: cannot read {part!r}; give token counts like 1k,2k,4096")
+        value = float(match.group(1)) * (1024 if match.group(2) else 1)
+        if value != int(value) or value < 1:
+            raise GqakitError(f"--lengths: {part!r} is not a whole positive number of tokens")
+        out.append(int(value))
+    if not out:
+        raise GqakitError("--lengths is empty; give token counts like 1k,2k,4k")
+    return list(dict.fromkeys(out))
+
+
+def parse_depths(spec: str) -> list[float]:
+    """'0,0.5,1' -> [0.0, 0.5, 1.0], each in [0, 1]."""
+    try:
+        out = [float(p) for p in spec.split(",") if p.strip()]
+    except ValueError:
+        raise GqakitError(f"--depths: cannot read {spec!r}; give fractions like 0,0.25,0.5,0.75,1") from None
+    if not out or any(not 0.0 <= d <= 1.0 for d in out):
+        raise GqakitError(f"--depths {spec!r}: give fractions in [0, 1], e.g. 0,0.25,0.5,0.75,1")
+    return list(dict.fromkeys(out))
+
+
+def make_key(seed: int, length: int, depth: float, trial: int) -> str:
+    """A 5-digit key (10000..99999), the same for the same arguments on every machine."""
+    return str(random.Random(f"passkey/{seed}/{length}/{float(depth)!r}/{trial}").randint(10_000, 99_999))
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, verbose=False).input_ids)
+
+
+def _filler(sentences: int, start: int = 0) -> str:
+    parts = FILLER.split(". ")
+    parts = [p.strip().rstrip(".") + ". " for p in parts if p.strip()]
+    return "".join(parts[(start + i) % len(parts)] for i in range(sentences))
+
+
+def _assemble(before: int, after: int, key: str) -> str:
+    return INTRO + _filler(before) + NEEDLE.format(key=key) + _filler(after, before) + QUESTION
+
+
+def build_prompt(tokenizer, length: int, depth: float, key: str) -> tuple[str, int]:
+    """(prompt, its token count): the longest prompt of whole filler sentences that fits in `length` tokens,
+    with round(depth * sentences) of them before the needle."""
+    def fit(sentences: int) -> tuple[str, int]:
+        before = round(depth * sentences)
+        prompt = _assemble(before, sentences - before, key)
+        return prompt, _count(tokenizer, prompt)
+
+    fixed = _count(tokenizer, _assemble(0, 0, key))
+    per_sentence = max(1.0, _count(tokenizer, _filler(50)) / 50)
+    sentences = max(0, int((length - fixed) / per_sentence))
+    prompt, n = fit(sentences)
+    while n > length and sentences > 0:  # the estimate overshot: drop sentences
+        sentences -= 1
+        prompt, n = fit(sentences)
+    while True:  # grow while the next sentence still fits
+        bigger, m = fit(sentences + 1)
+        if m > length:
+            break
+        sentences, prompt, n = sentences + 1, bigger, m
+    if sentences < 1:
+        raise GqakitError(f"--lengths {length} is too short for the passkey prompt (it needs more than {fixed} "
+                          "tokens); use longer lengths, e.g. 256 or more")
+    return prompt, n
+
+
+def build_cases(tokenizer, lengths: Iterable[int], depths: Iterable[float], trials: int, seed: int) -> list[Case]:
+    """Every (length, depth, trial) case, in that order, deterministic in `seed`."""
+    if trials < 1:
+        raise GqakitError(f"--trials must be >= 1, got {trials}")
+    cases = []
+    for length in lengths:
+        for depth in depths:
+            for trial in range(trials):
+                key = make_key(seed, length, depth, trial)
+                prompt, n = build_prompt(tokenizer, length, depth, key)
+                cases.append(Case(length, depth, trial, key, prompt, n))
+    return cases
+
+
+def answer_digits(continuation: str) -> str | None:
+    """The first run of digits in the continuation, or None."""
+    match = _DIGITS.search(continuation)
+    return match.group(0) if match else None
+
+
+def score(cases: list[Case], generate: Callable[[str], str], progress: bool = False) -> list[dict]:
+    """Run `generate` on every case; one dict per case with the answer and exact-match correctness."""
+    results = []
+    for case in tqdm(cases, desc="passkey", unit="prompt", disable=not progress, leave=False):
+        continuation = generate(case.prompt)
+        answer = answer_digits(continuation)
+        results.append({"length": case.length, "depth": case.depth, "trial": case.trial, "key": case.key,
+                        "prompt_tokens": case.prompt_tokens, "answer": answer, "continuation": continuation,
+                        "correct": answer == case.key})
+    return results
+
+
+def accuracy(results: list[dict]) -> dict[tuple[int, float], float]:
+    """Fraction correct per (length, depth)."""
+    cells: dict[tuple[int, float], list[bool]] = {}
+    for r in results:
+        cells.setdefault((r["length"], r["depth"]), []).append(r["correct"])
+    return {cell: sum(hits) / len(hits) for cell, hits in cells.items()}
+
+
+def greedy_generator(model, tokenizer, new_tokens: int = 10) -> Callable[[str], str]:
+    """`generate(prompt) -> continuation`: greedy decoding of `new_tokens` tokens with a DynamicCache."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def generate(prompt: str) -> str:
+        ids = tokenizer(prompt, return_tensors="pt", verbose=False).input_ids.to(device)  # (1, T)
+        cache = DynamicCache()
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        out: list[int] = []
+        for step in range(new_tokens):
+            token = int(logits.argmax())
+            out.append(token)
+            if token == tokenizer.eos_token_id or step == new_tokens - 1:
+                break
+            step_ids = torch.tensor([[token]], device=device)
+            logits = model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits[0, -1]
+        return tokenizer.decode(out, skip_special_tokens=True)
+
+    return generate
+
+
+# ---------------------------------------------------------------------------------------------
+# `gqakit eval passkey MODEL --lengths 1k,2k --depths 0,0.5,1 --trials N --seed S`
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PasskeyConfig:
+    """`gqakit eval passkey`: accuracy per (prompt length, depth), as a table and a heatmap."""
+
+    model: str
+    lengths: tuple[int, ...] = (1024, 2048, 4096)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    trials: int = 5
+    seed: int = 0
+    new_tokens: int = 10
+    attention: str | None = None
+    window: int | None = None
+    sinks: int | None = None
+    dtype: str = "float32"
+    device: str = "auto"  # CUDA when available
+    tokenizer: str | None = None
+    output: str | None = None
+    force: bool = False
+    progress: bool = True
+
+
+def format_table(lengths: list[int], depths: list[float], acc: dict[tuple[int, float], float]) -> str:
+    """Depth rows x length columns, accuracy in percent, plus a mean row."""
+    lines = ["| depth | " + " | ".join(f"{n:,}" for n in lengths) + " |", "|---" * (len(lengths) + 1) + "|"]
+    for d in depths:
+        lines.append(f"| {d:g} | " + " | ".join(f"{100 * acc[(n, d)]:.0f}%" for n in lengths) + " |")
+    means = [sum(acc[(n, d)] for d in depths) / len(depths) for n in lengths]
+    lines.append("| mean | " + " | ".join(f"{100 * m:.0f}%" for m in means) + " |")
+    return "\n".join(lines)
+
+
+def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Callable[[str], str] | None = None) -> dict:
+    """Build the cases, decode, score, print the table, write the report; `generate` overrides the model's."""
+    from . import plots, report
+    from .models import apply_attention, attention_options, describe, load_model
+
+    out = out or sys.stdout
+    if cfg.new_tokens < 1:
+        raise GqakitError(f"--new-tokens must be >= 1, got {cfg.new_tokens}")
+    lengths, depths = list(cfg.lengths), [float(d) for d in cfg.depths]
+    options = attention_options(cfg.attention, cfg.window, cfg.sinks)
+    target = report.prepare_output(cfg.output, "passkey", cfg.force)
+    model, tok = load_model(cfg.model, cfg.dtype, cfg.tokenizer, cfg.device)
+    in_force = apply_attention(model, cfg.attention, options)
+    cases = build_cases(tok, lengths, depths, cfg.trials, cfg.seed)
+    results = score(cases, generate or greedy_generator(model, tok, cfg.new_tokens), cfg.progress)
+    acc = accuracy(results)
+    print(format_table(lengths, depths, acc), file=out)
+    overall = sum(r["correct"] for r in results) / len(results)
+    print(f"(overall {100 * overall:.1f}% of {len(results)} prompts; exact match of the 5 digits)", file=out)
+    cells = [{"length": n, "depth": d, "accuracy": acc[(n, d)], "trials": cfg.trials,
+              "mean_prompt_tokens": sum(r["prompt_tokens"] for r in results if (r["length"], r["depth"]) == (n, d))
+              / cfg.trials} for n in lengths for d in depths]
+    record = {"model": describe(model), "attention": cfg.attention or "default", "attention_options": in_force,
+              "overall_accuracy": overall, "cells": cells, "cases": results}
+    written = report.write_report(
+        target, kind="passkey", command=command, config=dataclasses.asdict(cfg), results=record, rows=cells,
+        force=cfg.force, plots={"passkey_heatmap.png": lambda p: plots.passkey_heatmap(lengths, depths, acc, p)})
+    print(f"wrote {written}", file=out)
+    return record

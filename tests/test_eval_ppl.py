@@ -1,0 +1,187 @@
+"""`gqakit eval ppl`: strided perplexity against slow explicit loops, the BOS convention, the
+comparison table, the text loaders, one-line errors, and reports that refuse to overwrite."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from eval_tiny import checkpoint, one_line_error, run_eval, text, tiny_llama, tokenizer
+from gqakit.errors import GqakitError
+from gqakit.evaluate import report
+from gqakit.evaluate.data import encode_documents, load_documents
+from gqakit.evaluate.perplexity import perplexity, strided_nll
+
+RTOL = 1e-5
+
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab=64, max_positions=64)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tok):
+    root = tmp_path_factory.mktemp("ppl")
+    (root / "text.txt").write_text(text(700, seed=3), encoding="utf-8")
+    return {"root": root, "text": root / "text.txt", "a": checkpoint(root / "mha", tok, kv_heads=4),
+            "b": checkpoint(root / "mqa", tok, kv_heads=1, seed=1)}
+
+
+def ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def explicit_nll(model, x: torch.Tensor, max_length: int, stride: int, bos: int | None) -> tuple[float, int]:
+    """Token by token: token j is scored once, given exactly [BOS] + x[c:j], where c is the start of the
+    first window (starts 0, stride, 2 stride, ...; span = max_length - BOS) that reaches past j."""
+    span = max_length - (bos is not None)
+    total, count = 0.0, 0
+    for j in range(x.numel()):
+        c = next(k * stride for k in range(x.numel()) if k * stride + span > j)
+        context = x[c:j] if bos is None else torch.cat([torch.tensor([bos]), x[c:j]])
+        if context.numel() == 0:
+            continue  # no BOS and no context: the convention leaves this token unscored
+        logp = torch.log_softmax(model(input_ids=context[None]).logits[0, -1].double(), dim=-1)
+        total -= float(logp[x[j]])
+        count += 1
+    return total, count
+
+
+@pytest.mark.parametrize("max_length,stride", [(24, 8), (24, 11), (16, 16), (9, 1)])
+@pytest.mark.parametrize("bos", [None, 1])
+def test_strided_equals_explicit_loop(model, max_length, stride, bos):
+    x = ids(70, seed=1)
+    if bos is not None and stride > max_length - 1:
+        stride = max_length - 1
+    got, got_count = strided_nll(model, x, max_length, stride, progress=False, bos=bos)
+    want, want_count = explicit_nll(model, x, max_length, stride, bos)
+    assert got_count == want_count
+    assert got == pytest.approx(want, rel=RTOL)
+    if bos is not None:
+        assert got_count == x.numel()  # with BOS every token is scored exactly once
+
+
+def test_stride_equal_to_length_is_disjoint_windows(model):
+    x = ids(101, seed=2)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for a in range(0, 101, 25):  # disjoint windows, the last one short (101 = 4 x 25 + 1: a 1-token window)
+            w = x[a:a + 25][None]
+            if w.shape[1] > 1:
+                total += model(input_ids=w, labels=w).loss.item() * (w.shape[1] - 1)
+                count += w.shape[1] - 1
+    got, got_count = strided_nll(model, x, 25, progress=False)
+    assert got_count == count == 96 and got == pytest.approx(total, rel=RTOL)
+    assert perplexity(model, x, 25, 25, progress=False) == pytest.approx(math.exp(total / count), rel=RTOL)
+
+
+def test_several_models_give_one_table(files):
+    out_dir = files["root"] / "report"
+    code, out, err = run_eval("ppl", files["a"], files["b"], "--text", files["text"], "--max-length", 64,
+                              "--stride", 32, "-o", out_dir, "-q")
+    assert code == 0, err
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| model | K/V heads | KV-cache bytes/token | perplexity | scored tokens")
+    assert [row.split(" | ")[1:3] for row in table[1:]] == [["4", "512"], ["1", "128"]]  # 2 x 2 layers x G x 8 x 4 B
+    record = report.read_report(out_dir)
+    assert record["kind"] == "ppl" and record["config"]["models"] == [str(files["a"]), str(files["b"])]
+    assert set(record["versions"]) >= {"gqakit", "torch", "transformers"}
+    assert record["results"]["max_length"] == 64 and record["results"]["stride"] == 32
+    rows = list(csv.DictReader(open(out_dir / "results.csv")))
+    assert [r["kv_heads"] for r in rows] == ["4", "1"]
+    assert all(float(r["perplexity"]) > 1 and int(r["scored_tokens"]) == int(r["text_tokens"]) - 1 for r in rows)
+    assert (out_dir / "ppl_vs_kv_bytes.png").stat().st_size > 1000
+
+
+def test_attention_kind_and_bos(files):
+    code, out, err = run_eval("ppl", files["a"], "--text", files["text"], "--max-length", 48, "--bos",
+                              "--attention", "sliding", "--window", 16, "-o", files["root"] / "sliding", "-q")
+    assert code == 0, err
+    row = report.read_report(files["root"] / "sliding")["results"]["rows"][0]
+    assert row["attention"] == "sliding" and row["attention_options"]["window"] == 16
+    assert row["scored_tokens"] == row["text_tokens"]  # BOS: the first token is scored too
+
+
+def test_reports_refuse_to_overwrite_without_force(files):
+    out_dir = files["root"] / "twice"
+    argv = ["ppl", files["b"], "--text", files["text"], "--max-tokens", 200, "-o", out_dir, "-q"]
+    assert run_eval(*argv)[0] == 0
+    stamp = (out_dir / "results.json").read_text()
+    code, out, err = run_eval(*argv)
+    assert one_line_error(code, err, "already exists; pass --force")
+    assert (out_dir / "results.json").read_text() == stamp
+    code, out, err = run_eval(*argv, "--force", "--stride", 50)
+    assert code == 0, err
+    assert report.read_report(out_dir)["results"]["stride"] == 50
+    assert [p.name for p in out_dir.parent.iterdir() if p.name.startswith(".twice")] == []  # no leftovers
+
+
+def test_report_is_atomic(tmp_path):
+    def broken_plot(path):
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        report.write_report(tmp_path / "r", kind="ppl", command="x", config={}, results={}, rows=[{"a": 1}],
+                            plots={"p.png": broken_plot})
+    assert list(tmp_path.iterdir()) == []  # neither the report nor its temporary folder
+    assert report.default_output("ppl").parts[0] == "runs"
+
+
+def test_dataset_rows_joined_with_eos(tmp_path, tok):
+    rows = ["It is a truth.", "Emma walks to the village.", "  "]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"body": r, "n": i}) for i, r in enumerate(rows)))
+    docs = load_documents(dataset=str(tmp_path / "d.jsonl"), text_column="body")
+    assert docs == rows[:2]  # blank rows dropped
+    want = tok(rows[0]).input_ids + [tok.eos_token_id] + tok(rows[1]).input_ids
+    assert encode_documents(docs, tok).tolist() == want
+    import datasets
+
+    datasets.Dataset.from_dict({"text": rows[:2]}).to_parquet(str(tmp_path / "d.parquet"))
+    assert load_documents(dataset=str(tmp_path / "d.parquet")) == rows[:2]
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda d: ["--text", d / "missing.txt"], "does not exist"),
+    (lambda d: ["--text", d / "empty.txt"], "is empty"),
+    (lambda d: ["--text", d / "short.txt"], "shorter than one window"),
+    (lambda d: ["--text", d / "text.txt", "--stride", 100, "--max-length", 64], "--stride 100 is longer than a window"),
+    (lambda d: ["--text", d / "text.txt", "--stride", 64, "--max-length", 64, "--bos"], "minus the BOS column"),
+    (lambda d: ["--dataset", d / "table.csv"], "unknown data format"),
+    (lambda d: ["--dataset", d / "rows.jsonl"], "has no column 'text'"),
+    (lambda d: ["--dataset", d / "rows.jsonl", "--text-column", "body", "--text", d / "text.txt"], "exactly one of"),
+    (lambda d: ["--text", d / "rows.jsonl"], "pass it with --dataset"),
+    (lambda d: ["--text", d / "text.txt", "--window", 8], "only apply with --attention"),
+    (lambda d: ["--text", d / "text.txt", "--attention", "sliding", "--window", 0], "window=0 must be a positive"),
+    (lambda d: ["--text", d / "text.txt", "--max-length", 1], "too short"),
+])
+def test_bad_input_is_one_line(files, make, needle):
+    d = files["root"]
+    (d / "empty.txt").write_text("  \n")
+    (d / "short.txt").write_text("Emma walks.")
+    (d / "table.csv").write_text("text\nhello\n")
+    (d / "rows.jsonl").write_text(json.dumps({"body": "It is a truth."}) + "\n")
+    code, out, err = run_eval("ppl", files["a"], *make(d), "-o", d / "never", "-q")
+    assert one_line_error(code, err, needle), err
+    assert not (d / "never").exists()
+
+
+def test_missing_model_is_one_line(files, tmp_path):
+    code, out, err = run_eval("ppl", tmp_path / "nope", "--text", files["text"], "-q")
+    assert one_line_error(code, err, "does not exist")
+
+
+def test_library_errors_name_the_fix(model):
+    with pytest.raises(ValueError, match="stride 9 must be in 1..8"):
+        strided_nll(model, ids(20), 9, 9, progress=False, bos=1)
+    assert issubclass(GqakitError, Exception)
