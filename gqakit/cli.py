@@ -55,7 +55,8 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
 def _run_demo(args: argparse.Namespace, command: str) -> None:
     from .demo import run_demo
 
-    run_demo(output_dir=args.output_dir, eval_tokens=args.eval_tokens, keep=args.keep, force=args.force)
+    run_demo(output_dir=args.output_dir, eval_tokens=args.eval_tokens, keep=args.keep, force=args.force,
+             command=command)
 
 
 def _run_generate(args: argparse.Namespace, command: str) -> None:
@@ -95,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert_args(conv)
     conv.set_defaults(func=_run_convert)
     demo = sub.add_parser("demo", help="convert the embedded model to G=4,2,1 and compare perplexity")
-    demo.add_argument("-o", "--output-dir", default=None, help="keep the converted models here")
+    demo.add_argument("-o", "--output-dir", "--output", default=None,
+                      help="write the report (and, with --keep, the converted models) here")
     demo.add_argument("--eval-tokens", type=int, default=16384,
                       help="held-out tokens to score (default: 16384; 0 = all 57,584)")
     demo.add_argument("--keep", action="store_true", help="keep the converted models (with -o)")

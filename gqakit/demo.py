@@ -2,7 +2,6 @@
 compare held-out perplexity and KV-cache size against the original."""
 from __future__ import annotations
 
-import csv
 import json
 import shutil
 import tempfile
@@ -14,7 +13,9 @@ import torch
 from . import __version__
 from .convert import ConvertConfig, convert
 from .errors import GqakitError
+from .evaluate.models import head_dim
 from .evaluate.perplexity import perplexity
+from .evaluate.report import prepare_output, write_report
 from .reference import HELDOUT_TEXT, reference_model_path
 
 GROUPS = (4, 2, 1)
@@ -30,10 +31,9 @@ def evaluate_folder(path: Path, ids: torch.Tensor, window: int) -> dict:
         raw = json.load(f)
     stored_dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"  # the cache's dtype in use
     itemsize = torch.empty(0, dtype=getattr(torch, stored_dtype)).element_size()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return {
         "kv_heads": cfg.num_key_value_heads,
-        "kv_bytes_per_token": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize,
+        "kv_bytes_per_token": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg) * itemsize,
         "perplexity": perplexity(model, ids, window, progress=False),
     }
 
@@ -49,16 +49,14 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run_demo(output_dir: str | None = None, eval_tokens: int | None = None, keep: bool = False,
-             force: bool = False, model_dir: str | None = None) -> list[dict]:
-    """Convert, evaluate, print the table; with `output_dir`, also write results.json/.csv there."""
+             force: bool = False, model_dir: str | None = None, command: str = "gqakit demo") -> list[dict]:
+    """Convert, evaluate, print the table; with `output_dir`, also write a report (results.json/.csv) there."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one line per model instead of a loading bar each
     source = Path(model_dir) if model_dir else reference_model_path()
-    out = Path(output_dir) if output_dir else None
-    if out is not None and out.exists() and not force:
-        raise GqakitError(f"{out} already exists; pass --force to replace it or choose another -o")
+    out = prepare_output(output_dir, "demo", force) if output_dir else None
     tok = AutoTokenizer.from_pretrained(source)
     ids = torch.tensor(tok(HELDOUT_TEXT.read_text(encoding="utf-8")).input_ids)
     if eval_tokens:  # 0 or None: the whole held-out text
@@ -86,22 +84,12 @@ def run_demo(output_dir: str | None = None, eval_tokens: int | None = None, keep
         print(format_table(rows))
         print(f"({time.time() - t0:.0f}s; perplexity: disjoint {window}-token windows, fp32 compute)")
         if out is not None:
-            tmp = out.with_name(f".{out.name}.gqakit-tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            (tmp / "results.json").write_text(json.dumps(
-                {"gqakit": __version__, "model": str(source), "heldout_tokens": ids.numel(), "window": window,
-                 "rows": rows}, indent=2) + "\n")
-            with open(tmp / "results.csv", "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-                writer.writeheader()
-                writer.writerows(rows)
-            if keep:
-                for folder in sorted(work.iterdir()):
-                    shutil.move(str(folder), tmp / folder.name)
-            if out.exists():
-                shutil.rmtree(out)
-            tmp.rename(out)
+            # write_report's per-file hook also places the kept model folders before the atomic swap.
+            kept = {f.name: (lambda dest, f=f: shutil.move(str(f), dest)) for f in sorted(work.iterdir())} \
+                if keep else {}
+            write_report(out, kind="demo", command=command, force=force, rows=rows, plots=kept,
+                         config={"model": str(source), "eval_tokens": eval_tokens, "keep": keep},
+                         results={"heldout_tokens": ids.numel(), "window": window, "rows": rows})
             print(f"wrote {out}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -6,8 +6,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from .errors import GqakitError
 
 ATTENTION = ("sinks", "sliding", "tiled", "default")
@@ -28,23 +26,6 @@ class GenerateConfig:
     seed: int = 0
     dtype: str = "float32"
     ignore_eos: bool = False
-
-
-def load_model(path: str, dtype: str = "float32", attn_implementation: str | None = None):
-    """A local Hugging Face folder (or, online, a hub name) with its tokenizer; clear errors otherwise."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # stderr carries only our own lines
-    if not Path(path).is_dir() and ("/" not in path or path.startswith((".", "/"))):
-        raise GqakitError(f"model folder {path} does not exist; pass the path of a Hugging Face checkpoint folder")
-    if Path(path).is_dir() and not (Path(path) / "config.json").is_file():
-        raise GqakitError(f"{path} has no config.json; point at a Hugging Face checkpoint folder")
-    kwargs = {"dtype": getattr(torch, dtype)}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
-    return model, AutoTokenizer.from_pretrained(path)
 
 
 def _prompt(cfg: GenerateConfig) -> str:
@@ -75,14 +56,15 @@ def _check(cfg: GenerateConfig) -> None:
 def generate(cfg: GenerateConfig, out=None, err=None) -> str:
     """Stream the continuation of the prompt to `out` (stdout); report speed and policy on `err` (stderr)."""
     from .attention import streaming
+    from .evaluate.models import apply_attention, load_model
 
     out, err = out or sys.stdout, err or sys.stderr
     _check(cfg)
     prompt = _prompt(cfg)
-    kernel = "gqakit_tiled" if cfg.attention == "tiled" else None
+    model, tok = load_model(cfg.model, cfg.dtype, device="cpu")  # the prompt's ids stay on the CPU
+    kernel = cfg.attention == "tiled"
     if kernel:
-        import gqakit.attention  # noqa: F401  (registers the kernels)
-    model, tok = load_model(cfg.model, cfg.dtype, kernel)
+        apply_attention(model, "tiled", {})
     ids = tok(prompt, return_tensors="pt").input_ids
     eos = None if cfg.ignore_eos else tok.eos_token_id
     if cfg.attention in ("sinks", "sliding"):

@@ -16,9 +16,6 @@ def _suggest(key: str, known: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
 
 
-def _coerce(value: str, typ):
-    """Parse a `key=value` override with YAML's scalar rules (ints, floats, bools, lists)."""
-    return yaml.safe_load(value) if isinstance(value, str) else value
 
 
 def from_dict(cls, data: dict, source: str = "recipe"):
@@ -51,7 +48,7 @@ def load_recipe(cls, path: str | Path, overrides: list[str] = ()):
         key, sep, value = item.partition("=")
         if not sep:
             raise GqakitError(f"override '{item}' is not key=value; write e.g. steps=100")
-        data[key] = _coerce(value, None)
+        data[key] = yaml.safe_load(value)  # YAML's scalar rules: ints, floats, bools, lists
     return from_dict(cls, data, source=str(path))
 
 

@@ -9,7 +9,7 @@ def test_demo_converts_and_ranks(tmp_path, capsys):
     assert main(["demo", "--eval-tokens", "1024", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| original (MHA) | 8 |" in printed and "| MQA | 1 | random |" in printed
-    rows = json.loads((out / "results.json").read_text())["rows"]
+    rows = json.loads((out / "results.json").read_text())["results"]["rows"]
     assert [(r["kv_heads"], r["method"]) for r in rows] == [(8, "-")] + [
         (g, m) for g in (4, 2, 1) for m in ("mean", "first", "random")]
     assert [r["kv_bytes_per_token"] for r in rows[::3]] == [8192, 4096, 2048, 1024]

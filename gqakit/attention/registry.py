@@ -46,10 +46,6 @@ class TiledMask:
     key_padding: torch.Tensor | None  # (B, Tk) bool, True = real token
     model_mask: Callable | None  # the model's mask function when it is more than plain causal
 
-    @property
-    def shape(self) -> tuple[int, ...]:  # transformers inspects len(mask.shape) for 4-D masks
-        return ()
-
 
 def normalise_options(kind: str, options: dict, config=None) -> dict:
     """Validate a kind and its options; fill defaults. Raises AttentionOptionError."""

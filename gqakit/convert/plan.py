@@ -6,6 +6,7 @@ the meta device, and `--dry-run` can print it without touching the weights.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -46,7 +47,7 @@ class Plan:
     source_kv_itemsize: int
     target_kv_itemsize: int
 
-    @property
+    @functools.cached_property
     def shards(self) -> list[list[int]]:
         return assign_shards([(o.name, o.dtype, o.shape) for o in self.ops], self.max_shard_bytes)
 

@@ -107,14 +107,14 @@ def _tensor_seed(seed: int, name: str) -> int:
     return seed * 1_000_003 + zlib.crc32(name.encode())
 
 
-def _regroup_rows(t: torch.Tensor, plan: Plan, method: str, std: float, seed: int, name: str) -> torch.Tensor:
-    """Regroup a tensor with K/V heads along axis 0 (projection weight, bias or key norm)."""
-    if method == "random":
+def _regroup_rows(t: torch.Tensor, plan: Plan, std: float, seed: int, name: str) -> torch.Tensor:
+    """Regroup a K/V projection weight or bias (heads along axis 0) by the plan's method."""
+    if plan.method == "random":
         shape = (plan.groups * plan.head_dim, *t.shape[1:])
         if t.dim() == 1:  # biases start at zero, as the initializer would leave them
             return torch.zeros(shape, dtype=t.dtype)
         return random_heads(shape, std, _tensor_seed(seed, name), t.dtype)
-    return regroup(t, plan.num_key_value_heads, plan.groups, method)
+    return regroup(t, plan.num_key_value_heads, plan.groups, plan.method)
 
 
 def compute(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], std: float, seed: int,
@@ -131,7 +131,7 @@ def compute(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], std: float
     if op.kind == "norm":  # a key norm that spans heads is pooled, never re-initialised
         return regroup(t, plan.num_key_value_heads, plan.groups, "first" if plan.method == "first" else "mean").to(out_dtype)
     if op.kind == "kv":
-        new = _regroup_rows(t, plan, plan.method, std, seed, op.name)
+        new = _regroup_rows(t, plan, std, seed, op.name)
         if op.role:
             errors.setdefault(op.layer, {})[op.role] = relative_error(t, new, plan.num_key_value_heads)
         return new.to(out_dtype)
@@ -139,8 +139,8 @@ def compute(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], std: float
         q_rows = plan.num_attention_heads * plan.head_dim
         kv_rows = plan.num_key_value_heads * plan.head_dim
         q, k, v = t.split([q_rows, kv_rows, kv_rows], dim=0)  # rows: [q | k | v]
-        k2 = _regroup_rows(k, plan, plan.method, std, seed, op.name + ".k")
-        v2 = _regroup_rows(v, plan, plan.method, std, seed, op.name + ".v")
+        k2 = _regroup_rows(k, plan, std, seed, op.name + ".k")
+        v2 = _regroup_rows(v, plan, std, seed, op.name + ".v")
         if op.role:
             errors.setdefault(op.layer, {}).update(
                 k=relative_error(k, k2, plan.num_key_value_heads), v=relative_error(v, v2, plan.num_key_value_heads))
