@@ -4,10 +4,12 @@
     gqakit demo
     gqakit generate MODEL --attention sinks --sinks 4 --window 1020 --prompt-file F
     gqakit eval ppl|stream|passkey MODEL ...
+    gqakit uptrain RECIPE.yaml [key=value ...]   (also under torchrun / accelerate launch)
 """
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -88,6 +90,27 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
 
 
+def _run_uptrain(args: argparse.Namespace, command: str) -> None:
+    from .recipes import load_recipe
+    from .uptrain import UptrainConfig, uptrain
+
+    overrides = list(args.overrides)
+    if args.context_parallel is not None:
+        overrides.append(f"context_parallel={args.context_parallel}")
+    if args.force:
+        overrides.append("force=true")
+    if args.quiet:
+        overrides.append("progress=false")
+    cfg = load_recipe(UptrainConfig, args.recipe, overrides)
+    record = uptrain(cfg, command=command)
+    if int(os.environ.get("RANK", "0")):
+        return  # one report per run, from rank 0
+    if record.get("final_eval_ppl") is not None and record.get("initial_eval_ppl") is not None:
+        print(f"held-out perplexity {record['initial_eval_ppl']:.2f} -> {record['final_eval_ppl']:.2f}")
+    print(f"wrote {cfg.output_dir}: {record['budget']['steps']} steps, {record['budget']['tokens']:,} tokens "
+          f"({record['budget']['source']}) in {record['train_seconds']:.0f} s")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gqakit", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"gqakit {__version__}")
@@ -106,12 +129,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream text, far past the trained context with a sink cache")
     _add_generate_args(gen)
     gen.set_defaults(func=_run_generate)
+    up = sub.add_parser("uptrain", help="uptrain a converted model from a YAML recipe (accelerate, torchrun)")
+    up.add_argument("recipe", help="YAML recipe (see recipes/); keys map onto gqakit.uptrain.UptrainConfig")
+    up.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe keys, e.g. steps=20 lr=1e-4")
+    up.add_argument("--context-parallel", type=int, default=None, metavar="P",
+                    help="split each sequence over P processes with ring attention (= context_parallel=P)")
+    up.add_argument("--force", action="store_true", help="start over even if output_dir holds a run")
+    up.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    up.set_defaults(func=_run_uptrain,
+                    interrupted="the last checkpoint is kept: run the same command again to resume")
     add_eval_parser(sub)
     return parser
 
 
 def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> int:
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]  # key=value overrides after the options
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     command = " ".join([prog, *map(shlex.quote, argv)])
     try:
         args.func(args, command)
@@ -119,7 +155,8 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> in
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted; nothing was written", file=sys.stderr)
+        note = getattr(args, "interrupted", "nothing was written")
+        print(f"{parser.prog}: interrupted; {note}", file=sys.stderr)
         return 130
     return 0
 

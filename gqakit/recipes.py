@@ -16,8 +16,6 @@ def _suggest(key: str, known: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
 
 
-
-
 def from_dict(cls, data: dict, source: str = "recipe"):
     """Build dataclass `cls` from a mapping; unknown keys are an error naming the closest key."""
     known = [f.name for f in dataclasses.fields(cls)]
@@ -27,8 +25,14 @@ def from_dict(cls, data: dict, source: str = "recipe"):
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
-        if hints.get(key) in (tuple[str, ...], tuple[int, ...]) and isinstance(value, list):
-            value = tuple(value)
+        hint = hints.get(key)
+        if typing.get_origin(hint) is tuple:  # YAML lists (or one bare item) -> tuples
+            value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        if isinstance(value, str) and (hint is float or float in typing.get_args(hint)):
+            try:  # YAML 1.1 reads 3e-4 (no dot) as a string
+                value = float(value)
+            except ValueError:
+                raise GqakitError(f"{source}: {key}={value!r} is not a number") from None
         kwargs[key] = value
     try:
         return cls(**kwargs)

@@ -1,0 +1,178 @@
+"""`gqakit uptrain`'s recipe: one frozen dataclass, and the checks that run before any work starts.
+
+    gqakit uptrain recipes/uptrain_gqa4.yaml steps=50 lr=3e-4
+
+Budget, in the GQA paper's terms: `alpha: 0.05` is 5% of the source model's pretraining tokens, read
+from the `pretraining.json` the model folder carries (conversion copies it); otherwise give `steps` or
+`tokens`. One optimizer step consumes `batch_size * gradient_accumulation_steps * data-parallel ranks`
+sequences of `seq_len` tokens (the global batch), whatever the number of processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from ..errors import GqakitError
+
+TRAINABLE = ("all", "attention", "kv")
+ATTENTION = ("default", "tiled", "sliding", "sinks", "ring")
+LONG_CONTEXT = ("sliding", "sinks")  # attention kinds that make positions past the model's limit sensible
+MIXED_PRECISION = ("no", "bf16", "fp16")
+SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+BUDGET_RECORD = "pretraining.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class UptrainConfig:
+    """Every option of `gqakit uptrain`; YAML recipes and `key=value` overrides map onto it 1:1."""
+
+    model: str  # the converted checkpoint folder to uptrain
+    output_dir: str  # run folder: checkpoints/, metrics.csv, loss.png, and at the end the final model
+    data: tuple[str, ...] = ()  # .txt files (one document each), or .jsonl/.json/.parquet files/folders
+    text_column: str = "text"
+    eval_data: tuple[str, ...] = ()  # held-out documents; empty: hold out `eval_fraction` of the packed sequences
+    eval_fraction: float = 0.02
+    eval_sequences: int = 16  # at most this many held-out sequences per evaluation
+    # budget: exactly one of alpha (needs the model's pretraining record), tokens, steps
+    alpha: float | None = None
+    tokens: int | None = None
+    steps: int | None = None
+    # batch and sequence
+    seq_len: int = 512
+    batch_size: int = 8  # sequences per process per micro-step
+    gradient_accumulation_steps: int = 1
+    # optimiser and schedule: AdamW, linear warmup, cosine decay to min_lr_ratio * lr
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    warmup_fraction: float = 0.05  # used when warmup_steps is 0
+    weight_decay: float = 0.0
+    betas: tuple[float, ...] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    trainable: str = "all"  # all | attention | kv (only the K/V projections, and key norms)
+    # loss: next-token cross-entropy, plus optional distillation from the original (MHA) model
+    teacher: str | None = None
+    distill_weight: float = 0.5  # loss = (1 - w) * CE + w * T^2 * KL(teacher || student), with a teacher
+    distill_temperature: float = 1.0
+    # compute
+    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate's autocast; weights stay fp32)
+    gradient_checkpointing: bool = False
+    attention: str = "default"  # default | tiled | sliding | sinks (see gqakit.attention); ring via context_parallel
+    window: int | None = None
+    sinks: int | None = None
+    context_parallel: int = 1  # ranks that share one sequence (ring attention); the rest is data parallel
+    num_processes: int | None = None  # expected world size: refuse to run silently on fewer processes
+    # bookkeeping
+    seed: int = 0
+    log_every: int = 1
+    eval_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 50  # a crash loses at most this many steps
+    keep_checkpoints: int = 2
+    delete_checkpoints: bool = True  # remove checkpoints/ once the final model is saved
+    save_dtype: str = "auto"  # dtype of the final weights; auto = the source checkpoint's
+    threads: int | None = None  # torch CPU threads per process
+    progress: bool = True
+    force: bool = False  # start over even if output_dir holds a finished or different run
+
+    def to_dict(self) -> dict:
+        from ..recipes import to_dict
+
+        return to_dict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    steps: int
+    tokens_per_step: int
+    source: str  # how the step count was derived, for the record
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.tokens_per_step
+
+
+def _model_config(path: str) -> dict:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise GqakitError(f"model folder {path} does not exist; pass the path of a Hugging Face checkpoint folder")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise GqakitError(f"{path} has no config.json; point `model` at a Hugging Face checkpoint folder")
+    return json.loads(config.read_text())
+
+
+def pretraining_tokens(model: str) -> int | None:
+    """The source model's pretraining token count, when its folder records it."""
+    record = Path(model) / BUDGET_RECORD
+    if not record.is_file():
+        return None
+    tokens = json.loads(record.read_text()).get("pretraining_tokens")
+    return int(tokens) if tokens else None
+
+
+def resolve_budget(cfg: UptrainConfig, data_parallel: int) -> Budget:
+    """Optimizer steps and tokens per step for this recipe on `data_parallel` replicas."""
+    per_step = cfg.batch_size * cfg.gradient_accumulation_steps * data_parallel * cfg.seq_len
+    given = [k for k in ("alpha", "tokens", "steps") if getattr(cfg, k) is not None]
+    if len(given) != 1:
+        raise GqakitError(f"give exactly one budget: alpha, tokens or steps (got {', '.join(given) or 'none'}); "
+                          "e.g. alpha=0.05 or steps=100")
+    if cfg.steps is not None:
+        return Budget(cfg.steps, per_step, f"steps={cfg.steps}")
+    if cfg.tokens is not None:
+        return Budget(math.ceil(cfg.tokens / per_step), per_step, f"tokens={cfg.tokens}")
+    pretrained = pretraining_tokens(cfg.model)
+    if pretrained is None:
+        raise GqakitError(f"alpha={cfg.alpha} needs the source model's pretraining token count, but {cfg.model} has "
+                          f"no {BUDGET_RECORD} with 'pretraining_tokens'; give steps=N or tokens=N instead")
+    return Budget(max(1, round(cfg.alpha * pretrained / per_step)), per_step,
+                  f"alpha={cfg.alpha} of {pretrained:,} pretraining tokens")
+
+
+def _positive(cfg: UptrainConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise GqakitError(f"{name}={value} must be positive")
+
+
+def check(cfg: UptrainConfig) -> dict:
+    """Validate a recipe before any work starts; returns the model's config.json."""
+    _positive(cfg, "alpha", "tokens", "steps", "seq_len", "batch_size", "gradient_accumulation_steps", "lr",
+              "log_every", "checkpoint_every", "context_parallel", "distill_temperature", "keep_checkpoints",
+              "eval_sequences", "threads", "num_processes")
+    model_config = _model_config(cfg.model)
+    choices = {"trainable": TRAINABLE, "attention": ATTENTION[:-1], "mixed_precision": MIXED_PRECISION,
+               "save_dtype": SAVE_DTYPES}
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise GqakitError(f"{name}={getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    if not cfg.data:
+        raise GqakitError("the recipe has no training data; set data: [FILE.txt | FILE.jsonl | FOLDER, ...]")
+    for path in (*cfg.data, *cfg.eval_data):
+        if not Path(path).exists():
+            raise GqakitError(f"data path {path} does not exist; fix the path in the recipe's data/eval_data")
+    if cfg.teacher is not None:
+        _model_config(cfg.teacher)
+        if not 0.0 <= cfg.distill_weight <= 1.0:
+            raise GqakitError(f"distill_weight={cfg.distill_weight} must be in [0, 1] (0 = cross-entropy only)")
+    if not 0.0 <= cfg.eval_fraction < 0.5:
+        raise GqakitError(f"eval_fraction={cfg.eval_fraction} must be in [0, 0.5)")
+    if cfg.eval_every < 0:
+        raise GqakitError(f"eval_every={cfg.eval_every} must be >= 0 (0 = evaluate at the end only)")
+    limit = model_config.get("max_position_embeddings")
+    if limit and cfg.seq_len > limit and cfg.attention not in LONG_CONTEXT:
+        raise GqakitError(f"seq_len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions; lower seq_len "
+                          "or train a long-context attention (attention=sliding window=N, or attention=sinks)")
+    if cfg.attention in ("default", "tiled") and (cfg.window is not None or cfg.sinks is not None):
+        raise GqakitError(f"window/sinks only apply with attention=sliding or sinks (got attention={cfg.attention})")
+    if cfg.context_parallel > 1 and cfg.attention not in ("default", "tiled", "sliding", "sinks"):
+        raise GqakitError(f"context_parallel does not support attention={cfg.attention}")
+    if cfg.context_parallel > 1 and cfg.seq_len < 2 * cfg.context_parallel:
+        raise GqakitError(f"seq_len={cfg.seq_len} is shorter than 2 * context_parallel={2 * cfg.context_parallel}; "
+                          "lower context_parallel or raise seq_len")
+    if len(cfg.betas) != 2:
+        raise GqakitError(f"betas={list(cfg.betas)} must be two numbers, e.g. [0.9, 0.95]")
+    return model_config

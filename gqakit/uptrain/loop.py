@@ -1,0 +1,204 @@
+"""`gqakit uptrain`: an explicit training loop around `accelerator.prepare`.
+
+One optimizer step = `gradient_accumulation_steps` micro-steps on every process. Each process's loss
+is its summed token losses divided by the TOTAL target tokens of the step, times the number of
+processes (DDP averages gradients over processes); so the update is the gradient of the mean token
+loss of the global batch, whatever the split into micro-batches, data-parallel replicas and
+context-parallel shards. That is what makes 2 processes equal 1 with the same global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from . import modeling
+from .config import UptrainConfig, check, resolve_budget
+from .data import BatchOrder, load_packed
+from .loss import cross_entropy_sum, distillation_sum
+from .metrics import MetricsLog, plot
+from .parallel import SequenceParallel
+from .record import save_final, source_dtype
+from .run_folder import check_processes, plan_run, start_run
+from .state import CHECKPOINTS, load_checkpoint, save_checkpoint, set_rng_state
+
+
+def _sums(model, teacher, seqs: torch.Tensor, cfg: UptrainConfig, sp: SequenceParallel, autocast):
+    """(cross-entropy sum, distillation sum or None) of this rank's share of sequences (B, T + 1)."""
+    inputs, targets, positions = sp.shard(seqs)
+    with sp.attention():
+        logits = model(input_ids=inputs, position_ids=positions).logits  # (B, T_local, V)
+        ce = cross_entropy_sum(logits, targets)
+        kd = None
+        if teacher is not None:
+            with torch.no_grad(), autocast():
+                teacher_logits = teacher(input_ids=inputs, position_ids=positions).logits
+            kd = distillation_sum(logits, teacher_logits, targets, cfg.distill_temperature)
+    return ce, kd
+
+
+def _combine(ce, kd, cfg: UptrainConfig):
+    return ce if kd is None else (1 - cfg.distill_weight) * ce + cfg.distill_weight * kd
+
+
+@torch.no_grad()
+def evaluate(model, data: torch.Tensor, cfg: UptrainConfig, sp: SequenceParallel, accelerator) -> float:
+    """Mean held-out cross-entropy (nats/token) over `data`, split over the data-parallel ranks."""
+    model = accelerator.unwrap_model(model)  # no DDP collectives: ranks may hold different counts
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    mine = data[sp.dp_rank :: sp.data_parallel]
+    for i in range(0, len(mine), cfg.batch_size):
+        with accelerator.autocast():
+            ce, _ = _sums(model, None, mine[i : i + cfg.batch_size].to(accelerator.device), cfg, sp,
+                          accelerator.autocast)
+        total += torch.stack([ce.double(), torch.tensor(0.0, dtype=torch.float64, device=ce.device)])
+    total[1] = len(mine) * cfg.seq_len / sp.context_parallel  # every rank counts its share of the targets
+    total = accelerator.reduce(total, reduction="sum")
+    model.train(was_training)
+    return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+
+
+def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict, torch.nn.Module], None] | None = None
+            ) -> dict:
+    """Run (or resume) an uptraining; returns the run record. `on_step(step, row, model)` is called on
+    every rank after every optimizer step with the unwrapped model (tests use it to interrupt a run)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from transformers import AutoTokenizer
+
+    check(cfg)  # everything a user can get wrong, before any work starts
+    world = check_processes(cfg.num_processes, cfg.context_parallel)
+    recipe = cfg.to_dict()
+    resume_from = plan_run(cfg.output_dir, recipe, cfg.force)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    budget = resolve_budget(cfg, world // cfg.context_parallel)
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision)
+    is_main = accelerator.is_main_process
+    sp = SequenceParallel.create(cfg, accelerator)
+    set_seed(cfg.seed)
+    out = Path(cfg.output_dir)
+    if is_main:
+        start_run(out, recipe, fresh=resume_from is None)
+    accelerator.wait_for_everyone()
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    data = load_packed(cfg.data, cfg.eval_data, tokenizer, cfg.seq_len, cfg.eval_fraction, cfg.eval_sequences,
+                       cfg.seed, cfg.text_column)
+    order = BatchOrder(len(data.train), cfg.batch_size, cfg.gradient_accumulation_steps, sp.data_parallel, cfg.seed)
+
+    model = modeling.load_causal_lm(cfg.model)
+    attention_options = modeling.set_attention(model, cfg)
+    sp.prepare_model(model)
+    trainable, total_params = modeling.select_trainable(model, cfg.trainable)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    teacher = modeling.load_teacher(cfg, model)
+    if teacher is not None:
+        sp.prepare_model(teacher)
+        teacher.to(accelerator.device)
+    optimizer = modeling.make_optimizer(model, cfg)
+    scheduler = modeling.make_scheduler(optimizer, cfg, budget.steps)
+
+    start, rows = 0, []
+    if resume_from is not None:
+        model_state, trainer_state, rank_state = load_checkpoint(resume_from, accelerator.process_index)
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(trainer_state["optimizer"])
+        scheduler.load_state_dict(trainer_state["scheduler"])
+        start = rank_state["step"]
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if resume_from is not None:
+        set_rng_state(rank_state["rng"])
+    log = MetricsLog(out, start, enabled=is_main)
+    record_base = {"initial_eval_ppl": None}
+    if start and is_main:
+        record_base.update(rank_state.get("record", {}))
+    if start == 0 and len(data.eval):
+        record_base["initial_eval_ppl"] = math.exp(evaluate(model, data.eval, cfg, sp, accelerator))
+        if is_main:
+            log.log({"step": 0, "tokens": 0, "eval_loss": math.log(record_base["initial_eval_ppl"]),
+                     "eval_ppl": record_base["initial_eval_ppl"]})
+
+    bar = tqdm(total=budget.steps, initial=start, desc="uptrain", unit="step", disable=not (is_main and cfg.progress))
+    t0, step_tokens = time.perf_counter(), 0
+    model.train()
+    for step in range(start, budget.steps):
+        sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+        for micro in range(cfg.gradient_accumulation_steps):
+            idx = order.indices(step, micro, sp.dp_rank)
+            seqs = data.train[idx].to(accelerator.device)  # (B, T + 1)
+            last = micro == cfg.gradient_accumulation_steps - 1
+            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                ce, kd = _sums(model, teacher, seqs, cfg, sp, accelerator.autocast)
+                loss = _combine(ce, kd, cfg) * accelerator.num_processes / budget.tokens_per_step
+                accelerator.backward(loss)
+            sums[0] += ce.detach().double()
+            if kd is not None:
+                sums[1] += kd.detach().double()
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        sums = accelerator.reduce(sums, reduction="sum") / budget.tokens_per_step
+        step_tokens += budget.tokens_per_step
+        done = step + 1
+        row = {"step": done, "tokens": done * budget.tokens_per_step,
+               "loss": float(_combine(sums[0], sums[1] if teacher is not None else None, cfg)),
+               "ce": float(sums[0]), "kd": float(sums[1]) if teacher is not None else "",
+               "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else "",
+               "tokens_per_s": step_tokens / (time.perf_counter() - t0)}
+        if (cfg.eval_every and done % cfg.eval_every == 0 or done == budget.steps) and len(data.eval):
+            row["eval_loss"] = evaluate(model, data.eval, cfg, sp, accelerator)
+            row["eval_ppl"] = math.exp(row["eval_loss"])
+        if done % cfg.log_every == 0 or "eval_loss" in row or done == budget.steps:
+            log.log(row)
+        bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+        bar.update(1)
+        if done % cfg.checkpoint_every == 0 and done < budget.steps:
+            trainer_state = {"optimizer": optimizer.optimizer.state_dict() if hasattr(optimizer, "optimizer")
+                             else optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+            save_checkpoint(out, done, model_state=accelerator.get_state_dict(model), trainer_state=trainer_state,
+                            rank_state={"step": done, "data": order.position(done), "record": record_base},
+                            rank=accelerator.process_index, recipe=recipe, is_main=is_main,
+                            barrier=accelerator.wait_for_everyone, keep=cfg.keep_checkpoints)
+        if on_step is not None:
+            on_step(done, row, accelerator.unwrap_model(model))
+    bar.close()
+    log.close()
+
+    record = {
+        **record_base, "recipe": recipe, "command": command,
+        "budget": {"steps": budget.steps, "tokens_per_step": budget.tokens_per_step, "tokens": budget.tokens,
+                   "source": budget.source},
+        "warmup_steps": modeling.warmup_steps(cfg, budget.steps),
+        "global_batch": order.global_batch, "processes": accelerator.num_processes,
+        "data": data.describe(), "parameters": total_params, "trainable_parameters": trainable,
+        "attention_options": attention_options,
+        "final_eval_ppl": math.exp(log.rows[-1]["eval_loss"]) if is_main and log.rows and
+        log.rows[-1].get("eval_loss") not in ("", None) else None,
+        "save_dtype": source_dtype(cfg.model) if cfg.save_dtype == "auto" else cfg.save_dtype,
+        "train_seconds": round(time.perf_counter() - t0, 1),
+    }
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if is_main:
+        unwrapped = accelerator.unwrap_model(model)
+        sp.restore_model(unwrapped)
+        save_final(unwrapped, tokenizer, out, record, state_dict)
+        plot(log.rows, out / "loss.png", title=f"uptrain {Path(cfg.model).name}")
+        if cfg.delete_checkpoints:
+            shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    sp.close()
+    return record

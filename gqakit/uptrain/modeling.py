@@ -1,0 +1,115 @@
+"""The models of an uptraining run: the student (with its attention backend and trainable subset),
+the optional frozen teacher, and AdamW with a warmup + cosine schedule."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import GqakitError
+from .config import UptrainConfig
+
+
+def load_causal_lm(path: str):
+    """A local checkpoint in fp32 (master weights; mixed precision is autocast's business)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def attention_options(cfg: UptrainConfig) -> dict:
+    options = {}
+    if cfg.window is not None:
+        options["window"] = cfg.window
+    if cfg.sinks is not None:
+        options["sinks"] = cfg.sinks
+    return options
+
+
+def set_attention(model, cfg: UptrainConfig) -> dict:
+    """Switch to the recipe's gqakit attention kind; returns the options in force ({} for default)."""
+    if cfg.attention == "default":
+        return {}
+    from ..attention import use
+    from ..attention.registry import CONFIG_KEY
+
+    use(model, cfg.attention, **attention_options(cfg))
+    return dict(getattr(model.config, CONFIG_KEY))
+
+
+def _kv_names(model) -> list[str]:
+    """Parameter-name prefixes of the K/V projections (and key norms) per the architecture table."""
+    from ..convert.architectures import KNorm, find_family
+
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    spec = find_family(arch)
+    if spec is None:
+        raise GqakitError(f"trainable=kv does not know where {arch} keeps its K/V projections; "
+                          "use trainable=attention or trainable=all")
+    if spec.fused:
+        raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} fuses them in "
+                          f"{spec.qkv_proj.format(i='N')}; use trainable=attention")
+    prefixes = []
+    for i in range(model.config.num_hidden_layers):
+        prefixes += [spec.k_proj.format(i=i) + ".", spec.v_proj.format(i=i) + "."]
+        if spec.k_norm in (KNorm.SPANS_HEADS, KNorm.SHARED_PER_HEAD) and spec.k_norm_weight:
+            prefixes.append(spec.k_norm_weight.format(i=i))
+        elif spec.k_norm is KNorm.ONE_PER_HEAD and spec.k_norm_weight:
+            prefixes.append(spec.k_norm_weight.format(i=i, h=0).rsplit(".", 2)[0] + ".")
+    return prefixes
+
+
+def select_trainable(model, which: str) -> tuple[int, int]:
+    """Freeze all but `which` ('all', 'attention' or 'kv'); returns (trainable, total) parameter counts."""
+    if which == "kv":
+        prefixes = tuple(_kv_names(model))
+        train = lambda name: name.startswith(prefixes)  # noqa: E731
+    elif which == "attention":
+        train = lambda name: ".self_attn." in name  # noqa: E731
+    else:
+        train = lambda name: True  # noqa: E731
+    trainable = total = 0
+    for name, p in model.named_parameters():
+        p.requires_grad_(train(name))
+        trainable += p.numel() * p.requires_grad
+        total += p.numel()
+    if trainable == 0:
+        raise GqakitError(f"trainable={which} selects no parameter of {type(model).__name__}; use trainable=all")
+    return trainable, total
+
+
+def load_teacher(cfg: UptrainConfig, student) -> torch.nn.Module | None:
+    if cfg.teacher is None:
+        return None
+    teacher = load_causal_lm(cfg.teacher).eval().requires_grad_(False)
+    if teacher.config.vocab_size != student.config.vocab_size:
+        raise GqakitError(f"teacher {cfg.teacher} has vocab_size {teacher.config.vocab_size} but the model "
+                          f"{student.config.vocab_size}; distil from the model the student was converted from")
+    return teacher
+
+
+def make_optimizer(model, cfg: UptrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not norms, biases)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas))
+
+
+def warmup_steps(cfg: UptrainConfig, steps: int) -> int:
+    return cfg.warmup_steps or math.ceil(cfg.warmup_fraction * steps)
+
+
+def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine from 1 down to `min_ratio` at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_scheduler(optimizer, cfg: UptrainConfig, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = warmup_steps(cfg, steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup, cfg.min_lr_ratio))

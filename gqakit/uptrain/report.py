@@ -1,0 +1,78 @@
+"""The GQA-paper grid's table and plot, written from its cell results."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from ..recipes import to_dict
+
+FIELDS = ("name", "groups", "method", "alpha", "distill", "perplexity", "vs_mha", "steps", "tokens",
+          "train_seconds", "seconds")
+
+
+def _lookup(rows: list[dict]) -> dict:
+    return {(r["groups"], r["method"], r["alpha"], r["distill"]): r["perplexity"] for r in rows}
+
+
+def format_table(rows: list[dict]) -> str:
+    """One line per (G, method); columns alpha = 0, then each alpha without and with distillation."""
+    ppl = _lookup(rows)
+    mha = ppl[(8, "mha", 0.0, False)]
+    alphas = sorted({r["alpha"] for r in rows if r["alpha"] > 0})
+    header = ["K/V heads", "method", "alpha 0"] + [f"alpha {a:g}{' + KD' if kd else ''}" for a in alphas
+                                                   for kd in (False, True)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+             f"| 8 (MHA) | - | {mha:.2f} |" + " |" * (len(header) - 3)]
+    for g in sorted({r["groups"] for r in rows if r["method"] != "mha"}, reverse=True):
+        for method in dict.fromkeys(r["method"] for r in rows if r["groups"] == g):
+            cells = [ppl.get((g, method, 0.0, False))] + [ppl.get((g, method, a, kd)) for a in alphas
+                                                          for kd in (False, True)]
+            text = [f"{c:.2f}" if c is not None else "" for c in cells]
+            lines.append(f"| {g}{' (MQA)' if g == 1 else ''} | {method} | " + " | ".join(text) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Held-out perplexity against the uptraining fraction alpha, one panel per K/V head count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ppl = _lookup(rows)
+    mha = ppl[(8, "mha", 0.0, False)]
+    groups = sorted({r["groups"] for r in rows if r["method"] != "mha"}, reverse=True)
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4), dpi=120, sharey=True, squeeze=False)
+    colors = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:green"}
+    for ax, g in zip(axes[0], groups):
+        for method in dict.fromkeys(r["method"] for r in rows if r["groups"] == g):
+            for kd, style in ((False, "o-"), (True, "s--")):
+                points = sorted((a, p) for (gg, m, a, d), p in ppl.items()
+                                if gg == g and m == method and (d == kd or a == 0.0))
+                if len(points) > 1:
+                    ax.plot(*zip(*points), style, color=colors.get(method), lw=1.5, ms=4,
+                            label=f"{method}{' + KD' if kd else ''}")
+        ax.axhline(mha, color="black", lw=1, ls=":", label="MHA")
+        ax.set_yscale("log")
+        ax.set_title("MQA (1 K/V head)" if g == 1 else f"GQA-{g}")
+        ax.set_xlabel("uptraining alpha (fraction of pretraining tokens)")
+    axes[0][0].set_ylabel("held-out perplexity (log)")
+    axes[0][-1].legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_grid_report(out: Path, rows: list[dict], cfg, eval_tokens: int) -> None:
+    out = Path(out)
+    table = format_table(rows)
+    (out / "results.md").write_text(table + "\n")
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "results.json").write_text(json.dumps({"config": to_dict(cfg), "eval_tokens": eval_tokens,
+                                                   "results": rows}, indent=2) + "\n")
+    plot(rows, out / "gqa_paper.png")
+    print(table)

@@ -1,0 +1,43 @@
+"""A tiny model that `gqakit uptrain` can train in seconds: the embedded tokenizer, a 4-head Llama."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+
+from gqakit.reference import HELDOUT_TEXT, reference_model_path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def make_uptrain_model(path: Path, kv_heads: int = 2, seed: int = 0, pretraining_tokens: int | None = 20_000) -> Path:
+    """Save a tiny random Llama (vocab of the embedded tokenizer) with its tokenizer and, unless None,
+    a pretraining record so that alpha budgets resolve."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    source = reference_model_path()
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=128,
+                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(source / name, Path(path) / name)
+    if pretraining_tokens:
+        (Path(path) / "pretraining.json").write_text(json.dumps({"pretraining_tokens": pretraining_tokens}))
+    return Path(path)
+
+
+def make_text(path: Path, chars: int = 12_000) -> Path:
+    Path(path).write_text(Path(HELDOUT_TEXT).read_text(encoding="utf-8")[:chars], encoding="utf-8")
+    return Path(path)
+
+
+def write_recipe(path: Path, **fields) -> Path:
+    defaults = {"seq_len": 32, "batch_size": 2, "lr": 1.0e-3, "eval_sequences": 4, "progress": False,
+                "warmup_steps": 1, "threads": 1}
+    Path(path).write_text(yaml.safe_dump({**defaults, **fields}))
+    return Path(path)

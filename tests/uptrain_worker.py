@@ -1,0 +1,28 @@
+"""Run by the multi-process tests under torchrun: uptrain a recipe, then every rank saves the weights
+it ended with (rank-R.safetensors in DUMP_DIR), so the test can compare replicas."""
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from gqakit.recipes import load_recipe
+from gqakit.uptrain import UptrainConfig, uptrain
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    recipe, dump = sys.argv[1], Path(sys.argv[2])
+    cfg = load_recipe(UptrainConfig, recipe, sys.argv[3:])
+
+    def save(step, row, model):
+        if step == cfg.steps:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            save_file(state, str(dump / f"rank-{rank}.safetensors"))
+
+    uptrain(cfg, on_step=save)
+
+
+if __name__ == "__main__":
+    main()
