@@ -187,6 +187,8 @@ def _cli_error(capsys, argv) -> str:
     ({"steps": 3, "window": 16}, "window/sinks only apply with attention=sliding or sinks"),
     ({"steps": 3, "lr": "fast"}, "lr='fast' is not a number"),
     ({"steps": 3, "num_processes": 2}, "expects num_processes=2 but this run has 1"),
+    ({"steps": 3, "context_parallel": 2}, "context_parallel=2 does not divide the 1 processes"),
+    ({"steps": 3, "context_parallel": 20}, "seq_len=32 is shorter than 2 * context_parallel=40"),
 ])
 def test_bad_recipes_fail_in_one_line(tiny, tmp_path, capsys, fields, expected):
     recipe = {"model": str(tiny["model"]), "data": [str(tiny["text"])], "output_dir": str(tmp_path / "run"), **fields}
@@ -234,3 +236,33 @@ def test_resume_with_another_recipe_is_refused(tiny, tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     err = _cli_error(capsys, ["uptrain", str(recipe), "lr=0.01"])
     assert "holds an interrupted run of another recipe (lr: 0.001 there, 0.01 here)" in err
+
+
+def test_gradient_checkpointing_gives_the_same_run(tiny, tmp_path):
+    uptrain(_cfg(tiny, tmp_path / "a", steps=2))
+    uptrain(_cfg(tiny, tmp_path / "b", steps=2, gradient_checkpointing=True))
+    a, b = _losses(tmp_path / "a" / "run"), _losses(tmp_path / "b" / "run")
+    assert a == pytest.approx(b, abs=1e-6)
+
+
+def test_bf16_autocast_trains_fp32_weights(tiny, tmp_path):
+    record = uptrain(_cfg(tiny, tmp_path, steps=2, mixed_precision="bf16", save_dtype="float32"))
+    losses = _losses(tmp_path / "run")
+    assert all(math.isfinite(v) for v in losses.values())
+    assert record["save_dtype"] == "float32"
+    assert load_file(tmp_path / "run" / "model.safetensors")["model.norm.weight"].dtype == torch.float32
+
+
+def test_every_shipped_recipe_maps_onto_its_dataclass():
+    from pathlib import Path
+
+    from gqakit.recipes import from_dict
+    from gqakit.reference.train import PretrainConfig
+    from gqakit.uptrain.grid import GridConfig
+
+    recipes = Path(__file__).parents[1] / "recipes"
+    classes = {"reference_model.yaml": PretrainConfig, "gqa_paper.yaml": GridConfig}
+    for path in sorted(recipes.glob("*.yaml")):
+        cfg = load_recipe(classes.get(path.name, UptrainConfig), path)
+        if isinstance(cfg, GridConfig):
+            from_dict(UptrainConfig, {**cfg.uptrain, "model": cfg.model, "output_dir": "x", "alpha": 0.05})

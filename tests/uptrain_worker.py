@@ -1,5 +1,7 @@
-"""Run by the multi-process tests under torchrun: uptrain a recipe, then every rank saves the weights
-it ended with (rank-R.safetensors in DUMP_DIR), so the test can compare replicas."""
+"""Run by the multi-process tests under torchrun: uptrain a recipe; after the last step every rank
+saves its weights and the gradients of that step (rank-R.safetensors, keys `grad.NAME` for gradients)
+and the step's metrics (rank-R.json) in DUMP_DIR, so the test can compare replicas and set-ups."""
+import json
 import sys
 from pathlib import Path
 
@@ -19,7 +21,10 @@ def main() -> None:
         if step == cfg.steps:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            state.update({f"grad.{k}": p.grad.detach().clone() for k, p in model.named_parameters()
+                          if p.grad is not None})
             save_file(state, str(dump / f"rank-{rank}.safetensors"))
+            (dump / f"rank-{rank}.json").write_text(json.dumps(row))
 
     uptrain(cfg, on_step=save)
 

@@ -4,8 +4,10 @@
     gqakit.attention.use(model, "sliding", window=512)
     AutoModelForCausalLM.from_pretrained(path, attn_implementation="gqakit_tiled")
 
-Importing this package registers `gqakit_tiled`, `gqakit_sliding` and `gqakit_sinks`.
+Importing this package registers `gqakit_tiled`, `gqakit_sliding` and `gqakit_sinks`, and
+`gqakit_ring` (context-parallel ring attention; run it inside `ring.ring_context`, see ring.py).
 """
+from . import ring  # registers gqakit_ring
 from .registry import KINDS, AttentionOptionError, register_all, use
 
 register_all()

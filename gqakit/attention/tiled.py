@@ -136,34 +136,39 @@ class _TiledAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, tiles = ctx.scale, ctx.tiles
-        B, H, Tq, d = q.shape
-        G, r = k.shape[1], H // k.shape[1]
-        qf = _fold_q(q.float() * scale, G)  # (B*G, Tq*r, d)
-        kf = k.float().reshape(B * G, -1, d)  # (B*G, Tk, d)
-        vf = v.float().reshape(B * G, -1, d)
-        dof = _fold_q(dout.float(), G)  # (B*G, Tq*r, d)
-        # dS = P * (dP - D) with D = rowsum(dO * O); an lse gradient adds P * dlse to dS.
-        delta = (dof * _fold_q(out.float(), G)).sum(dim=2) - _fold_q(dlse.float(), G)  # (B*G, Tq*r)
-        lse_f = _fold_q(lse, G)  # (B*G, Tq*r)
-        lse_safe = lse_f.masked_fill(lse_f == _NEG_INF, float("inf"))  # dead rows: exp(s - inf) = 0
-        dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
-        for q0, q1, blocks in tiles.plan:
-            rows = slice(q0 * r, q1 * r)
-            qb, dob, dqb = qf[:, rows], dof[:, rows], dq[:, rows]  # (B*G, n, d)
-            lb, db = lse_safe[:, rows, None], delta[:, rows, None]  # (B*G, n, 1)
-            for k0, k1, needs_mask in blocks:
-                kb, vb = kf[:, k0:k1], vf[:, k0:k1]  # (B*G, bk, d)
-                s = torch.bmm(qb, kb.transpose(1, 2))  # (B*G, n, bk)
-                if needs_mask:
-                    tiles.apply_(s, r, q0, q1, k0, k1)
-                p = s.sub_(lb).exp_()  # recomputed probabilities
-                dv[:, k0:k1].baddbmm_(p.transpose(1, 2), dob)
-                ds = torch.bmm(dob, vb.transpose(1, 2)).sub_(db).mul_(p)  # (B*G, n, bk)
-                dqb.baddbmm_(ds, kb)
-                dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), qb)  # qb carries the scale already
-        dq = _unfold_q(dq.mul_(scale), B, H, Tq).to(q.dtype)
-        return dq, dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype), None, None
+        return (*_backward(q, k, v, out, lse, dout, dlse, ctx.scale, ctx.tiles), None, None)
+
+
+def _backward(q, k, v, out, lse, dout, dlse, scale: float, tiles: _Tiles):
+    """(dq, dk, dv) from the saved out and lse; with the out / lse of a larger softmax that this block
+    is part of (ring attention), the same formulas give this block's exact share of the gradients."""
+    B, H, Tq, d = q.shape
+    G, r = k.shape[1], H // k.shape[1]
+    qf = _fold_q(q.float() * scale, G)  # (B*G, Tq*r, d)
+    kf = k.float().reshape(B * G, -1, d)  # (B*G, Tk, d)
+    vf = v.float().reshape(B * G, -1, d)
+    dof = _fold_q(dout.float(), G)  # (B*G, Tq*r, d)
+    # dS = P * (dP - D) with D = rowsum(dO * O); an lse gradient adds P * dlse to dS.
+    delta = (dof * _fold_q(out.float(), G)).sum(dim=2) - _fold_q(dlse.float(), G)  # (B*G, Tq*r)
+    lse_f = _fold_q(lse, G)  # (B*G, Tq*r)
+    lse_safe = lse_f.masked_fill(lse_f == _NEG_INF, float("inf"))  # dead rows: exp(s - inf) = 0
+    dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+    for q0, q1, blocks in tiles.plan:
+        rows = slice(q0 * r, q1 * r)
+        qb, dob, dqb = qf[:, rows], dof[:, rows], dq[:, rows]  # (B*G, n, d)
+        lb, db = lse_safe[:, rows, None], delta[:, rows, None]  # (B*G, n, 1)
+        for k0, k1, needs_mask in blocks:
+            kb, vb = kf[:, k0:k1], vf[:, k0:k1]  # (B*G, bk, d)
+            s = torch.bmm(qb, kb.transpose(1, 2))  # (B*G, n, bk)
+            if needs_mask:
+                tiles.apply_(s, r, q0, q1, k0, k1)
+            p = s.sub_(lb).exp_()  # recomputed probabilities
+            dv[:, k0:k1].baddbmm_(p.transpose(1, 2), dob)
+            ds = torch.bmm(dob, vb.transpose(1, 2)).sub_(db).mul_(p)  # (B*G, n, bk)
+            dqb.baddbmm_(ds, kb)
+            dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), qb)  # qb carries the scale already
+    dq = _unfold_q(dq.mul_(scale), B, H, Tq).to(q.dtype)
+    return dq, dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
 
 
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
@@ -180,6 +185,29 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     Accumulates in fp32 and returns out (B, H, Tq, d) in q's dtype, plus with `return_lse` the fp32
     log-sum-exp (B, H, Tq). Fully masked query rows give 0 and lse -inf. Differentiable in q, k, v.
     """
+    tiles = _make_tiles(q, k, v, spec, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k)
+    out, lse = _TiledAttention.apply(q, k, v, float(scale), tiles)
+    return (out, lse) if return_lse else out
+
+
+def tiled_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                             lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None, *,
+                             scale: float, spec: MaskSpec = MaskSpec(), q_offset: int = 0, kv_offset: int = 0,
+                             key_padding: torch.Tensor | None = None, extra_mask: Callable | None = None,
+                             block_q: int = 128, block_k: int = 128):
+    """(dq, dk, dv) of `tiled_attention` given its out (B, H, Tq, d), lse (B, H, Tq) and their gradients.
+
+    `out` and `lse` may belong to a larger softmax that these keys are only one block of (ring
+    attention passes the merged out / lse): the result is then this block's exact share of the
+    gradients, and no forward is recomputed. Arguments as in `tiled_attention`.
+    """
+    tiles = _make_tiles(q, k, v, spec, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k)
+    dlse = torch.zeros_like(lse) if dlse is None else dlse
+    return _backward(q, k, v, out, lse, dout, dlse, float(scale), tiles)
+
+
+def _make_tiles(q, k, v, spec, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k) -> _Tiles:
+    """Check shapes (one-line ValueErrors) and build the block plan."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"expected q (B, H, Tq, d) and k, v (B, G, Tk, d); got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -195,6 +223,4 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
             raise ValueError(f"key_padding has shape {tuple(key_padding.shape)}; expected (batch, kv_length) "
                              f"= ({B}, {Tk}) with True for real tokens")
         key_padding = key_padding.to(device=q.device, dtype=torch.bool)
-    tiles = _Tiles(spec, B, Tq, Tk, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k, q.device)
-    out, lse = _TiledAttention.apply(q, k, v, float(scale), tiles)
-    return (out, lse) if return_lse else out
+    return _Tiles(spec, B, Tq, Tk, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k, q.device)

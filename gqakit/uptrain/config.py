@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import GqakitError
 
 TRAINABLE = ("all", "attention", "kv")
-ATTENTION = ("default", "tiled", "sliding", "sinks", "ring")
+ATTENTION = ("default", "tiled", "sliding", "sinks")
 LONG_CONTEXT = ("sliding", "sinks")  # attention kinds that make positions past the model's limit sensible
 MIXED_PRECISION = ("no", "bf16", "fp16")
 SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -59,7 +59,7 @@ class UptrainConfig:
     # compute
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate's autocast; weights stay fp32)
     gradient_checkpointing: bool = False
-    attention: str = "default"  # default | tiled | sliding | sinks (see gqakit.attention); ring via context_parallel
+    attention: str = "default"  # default | tiled | sliding | sinks (see gqakit.attention); the ring applies it
     window: int | None = None
     sinks: int | None = None
     context_parallel: int = 1  # ranks that share one sequence (ring attention); the rest is data parallel
@@ -144,7 +144,7 @@ def check(cfg: UptrainConfig) -> dict:
               "log_every", "checkpoint_every", "context_parallel", "distill_temperature", "keep_checkpoints",
               "eval_sequences", "threads", "num_processes")
     model_config = _model_config(cfg.model)
-    choices = {"trainable": TRAINABLE, "attention": ATTENTION[:-1], "mixed_precision": MIXED_PRECISION,
+    choices = {"trainable": TRAINABLE, "attention": ATTENTION, "mixed_precision": MIXED_PRECISION,
                "save_dtype": SAVE_DTYPES}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
@@ -168,8 +168,14 @@ def check(cfg: UptrainConfig) -> dict:
                           "or train a long-context attention (attention=sliding window=N, or attention=sinks)")
     if cfg.attention in ("default", "tiled") and (cfg.window is not None or cfg.sinks is not None):
         raise GqakitError(f"window/sinks only apply with attention=sliding or sinks (got attention={cfg.attention})")
-    if cfg.context_parallel > 1 and cfg.attention not in ("default", "tiled", "sliding", "sinks"):
-        raise GqakitError(f"context_parallel does not support attention={cfg.attention}")
+    if cfg.context_parallel > 1 and cfg.teacher is not None and cfg.attention in LONG_CONTEXT:
+        raise GqakitError(f"distillation with context_parallel runs the teacher inside the student's ring, which "
+                          f"would give it the student's attention={cfg.attention}; drop the teacher or use "
+                          "attention=default")
+    layer_types = set(model_config.get("layer_types") or ())
+    if cfg.context_parallel > 1 and len(layer_types) > 1:
+        raise GqakitError(f"context_parallel does not support models that mix attention layer types "
+                          f"({', '.join(sorted(layer_types))}); train this model with context_parallel=1")
     if cfg.context_parallel > 1 and cfg.seq_len < 2 * cfg.context_parallel:
         raise GqakitError(f"seq_len={cfg.seq_len} is shorter than 2 * context_parallel={2 * cfg.context_parallel}; "
                           "lower context_parallel or raise seq_len")

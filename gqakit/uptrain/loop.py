@@ -30,16 +30,16 @@ from .state import CHECKPOINTS, load_checkpoint, save_checkpoint, set_rng_state
 
 
 def _sums(model, teacher, seqs: torch.Tensor, cfg: UptrainConfig, sp: SequenceParallel, autocast):
-    """(cross-entropy sum, distillation sum or None) of this rank's share of sequences (B, T + 1)."""
+    """(cross-entropy sum, distillation sum or None) of this rank's share of sequences (B, T + 1);
+    call it inside `sp.attention()`."""
     inputs, targets, positions = sp.shard(seqs)
-    with sp.attention():
-        logits = model(input_ids=inputs, position_ids=positions).logits  # (B, T_local, V)
-        ce = cross_entropy_sum(logits, targets)
-        kd = None
-        if teacher is not None:
-            with torch.no_grad(), autocast():
-                teacher_logits = teacher(input_ids=inputs, position_ids=positions).logits
-            kd = distillation_sum(logits, teacher_logits, targets, cfg.distill_temperature)
+    logits = model(input_ids=inputs, position_ids=positions).logits  # (B, T_local, V)
+    ce = cross_entropy_sum(logits, targets)
+    kd = None
+    if teacher is not None:
+        with torch.no_grad(), autocast():
+            teacher_logits = teacher(input_ids=inputs, position_ids=positions).logits
+        kd = distillation_sum(logits, teacher_logits, targets, cfg.distill_temperature)
     return ce, kd
 
 
@@ -56,7 +56,7 @@ def evaluate(model, data: torch.Tensor, cfg: UptrainConfig, sp: SequenceParallel
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     mine = data[sp.dp_rank :: sp.data_parallel]
     for i in range(0, len(mine), cfg.batch_size):
-        with accelerator.autocast():
+        with accelerator.autocast(), sp.attention():
             ce, _ = _sums(model, None, mine[i : i + cfg.batch_size].to(accelerator.device), cfg, sp,
                           accelerator.autocast)
         total += torch.stack([ce.double(), torch.tensor(0.0, dtype=torch.float64, device=ce.device)])
@@ -71,6 +71,7 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     """Run (or resume) an uptraining; returns the run record. `on_step(step, row, model)` is called on
     every rank after every optimizer step with the unwrapped model (tests use it to interrupt a run)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import set_seed
     from transformers import AutoTokenizer
 
@@ -82,6 +83,9 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
         torch.set_num_threads(cfg.threads)
     budget = resolve_budget(cfg, world // cfg.context_parallel)
 
+    # accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with other
+    # settings; several runs in one process (the grid, tests) reset it, keeping the process group.
+    AcceleratorState._reset_state()
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision)
     is_main = accelerator.is_main_process
     sp = SequenceParallel.create(cfg, accelerator)
@@ -105,7 +109,7 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     model.config.use_cache = False
     teacher = modeling.load_teacher(cfg, model)
     if teacher is not None:
-        sp.prepare_model(teacher)
+        sp.prepare_teacher(teacher)
         teacher.to(accelerator.device)
     optimizer = modeling.make_optimizer(model, cfg)
     scheduler = modeling.make_scheduler(optimizer, cfg, budget.steps)
@@ -134,12 +138,14 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     t0, step_tokens = time.perf_counter(), 0
     model.train()
     for step in range(start, budget.steps):
+        optimizer.zero_grad(set_to_none=True)  # here, not after the step: on_step may read the gradients
         sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
         for micro in range(cfg.gradient_accumulation_steps):
             idx = order.indices(step, micro, sp.dp_rank)
             seqs = data.train[idx].to(accelerator.device)  # (B, T + 1)
             last = micro == cfg.gradient_accumulation_steps - 1
-            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            # backward inside the attention context: gradient checkpointing re-runs the forward
+            with contextlib.nullcontext() if last else accelerator.no_sync(model), sp.attention():
                 ce, kd = _sums(model, teacher, seqs, cfg, sp, accelerator.autocast)
                 loss = _combine(ce, kd, cfg) * accelerator.num_processes / budget.tokens_per_step
                 accelerator.backward(loss)
@@ -149,7 +155,6 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
         optimizer.step()
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         sums = accelerator.reduce(sums, reduction="sum") / budget.tokens_per_step
         step_tokens += budget.tokens_per_step
         done = step + 1
@@ -194,7 +199,6 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     state_dict = accelerator.get_state_dict(model)
     if is_main:
         unwrapped = accelerator.unwrap_model(model)
-        sp.restore_model(unwrapped)
         save_final(unwrapped, tokenizer, out, record, state_dict)
         plot(log.rows, out / "loss.png", title=f"uptrain {Path(cfg.model).name}")
         if cfg.delete_checkpoints:

@@ -42,8 +42,8 @@ class SequenceParallel:
     def prepare_model(self, model) -> None:
         """Switch a model to the attention this parallelism needs (nothing for data parallel)."""
 
-    def restore_model(self, model) -> None:
-        """Undo `prepare_model` before the final save, so the checkpoint loads with stock attention."""
+    def prepare_teacher(self, teacher) -> None:
+        """Switch the distillation teacher to the same attention path (it runs in the same context)."""
 
     def close(self) -> None:
         pass
