@@ -105,7 +105,11 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     sp.prepare_model(model)
     trainable, total_params = modeling.select_trainable(model, cfg.trainable)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)  # the name from transformers 5.x on
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     teacher = modeling.load_teacher(cfg, model)
     if teacher is not None:
