@@ -16,6 +16,25 @@ def _suggest(key: str, known: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
 
 
+def _coerce(key: str, value, hint, source: str):
+    """Numbers as the dataclass declares them: YAML 1.1 reads 3e-4 and 1e9 (no dot) as strings."""
+    kinds = (hint, *typing.get_args(hint))
+    if int in kinds and float not in kinds and not isinstance(value, bool) and isinstance(value, (str, float)):
+        try:
+            number = float(value)
+        except ValueError:
+            raise GqakitError(f"{source}: {key}={value!r} must be an integer") from None
+        if number != int(number):
+            raise GqakitError(f"{source}: {key}={value!r} must be an integer")
+        return int(number)
+    if float in kinds and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise GqakitError(f"{source}: {key}={value!r} is not a number") from None
+    return value
+
+
 def from_dict(cls, data: dict, source: str = "recipe"):
     """Build dataclass `cls` from a mapping; unknown keys are an error naming the closest key."""
     known = [f.name for f in dataclasses.fields(cls)]
@@ -28,11 +47,7 @@ def from_dict(cls, data: dict, source: str = "recipe"):
         hint = hints.get(key)
         if typing.get_origin(hint) is tuple:  # YAML lists (or one bare item) -> tuples
             value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
-        if isinstance(value, str) and (hint is float or float in typing.get_args(hint)):
-            try:  # YAML 1.1 reads 3e-4 (no dot) as a string
-                value = float(value)
-            except ValueError:
-                raise GqakitError(f"{source}: {key}={value!r} is not a number") from None
+        value = _coerce(key, value, hint, source)
         kwargs[key] = value
     try:
         return cls(**kwargs)

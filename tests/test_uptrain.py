@@ -25,8 +25,8 @@ def tiny(tmp_path_factory):
 
 def _cfg(tiny, tmp_path, **fields) -> UptrainConfig:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    recipe = write_recipe(tmp_path / "r.yaml", model=str(tiny["model"]), data=[str(tiny["text"])],
-                          output_dir=str(tmp_path / "run"), **fields)
+    fields = {"model": str(tiny["model"]), **fields}
+    recipe = write_recipe(tmp_path / "r.yaml", data=[str(tiny["text"])], output_dir=str(tmp_path / "run"), **fields)
     return load_recipe(UptrainConfig, recipe)
 
 
@@ -92,8 +92,11 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 # ---- runs ------------------------------------------------------------------------------------------
 
 def test_resumed_run_equals_the_uninterrupted_run(tiny, tmp_path):
-    """A crash after step 5 of 6 resumes from the step-4 checkpoint and continues the same run."""
-    common = dict(steps=6, checkpoint_every=2, gradient_accumulation_steps=2, eval_every=3)
+    """A crash after step 5 of 6 resumes from the step-4 checkpoint and continues the same run. The
+    model has attention dropout, so the run also depends on the RNG states the checkpoint restores."""
+    dropout_model = make_uptrain_model(tmp_path / "dropout", attention_dropout=0.2)
+    common = dict(steps=6, checkpoint_every=2, gradient_accumulation_steps=2, eval_every=3,
+                  model=str(dropout_model))
     whole = _cfg(tiny, tmp_path / "a", **common)
     uptrain(whole)
 
@@ -189,12 +192,49 @@ def _cli_error(capsys, argv) -> str:
     ({"steps": 3, "num_processes": 2}, "expects num_processes=2 but this run has 1"),
     ({"steps": 3, "context_parallel": 2}, "context_parallel=2 does not divide the 1 processes"),
     ({"steps": 3, "context_parallel": 20}, "seq_len=32 is shorter than 2 * context_parallel=40"),
+    ({"steps": 1.5}, "steps=1.5 must be an integer"),
+    ({"steps": 3, "mixed_precision": "fp16"}, "mixed_precision=fp16 needs a GPU"),
+    ({"steps": 3, "attention": "sliding"}, "attention=sliding: attention kind 'sliding' needs a window"),
+    ({"steps": 3, "data": ["/etc/hostname.csv"]}, "does not exist"),
 ])
 def test_bad_recipes_fail_in_one_line(tiny, tmp_path, capsys, fields, expected):
     recipe = {"model": str(tiny["model"]), "data": [str(tiny["text"])], "output_dir": str(tmp_path / "run"), **fields}
     err = _cli_error(capsys, ["uptrain", str(write_recipe(tmp_path / "r.yaml", **recipe))])
     assert expected in err
     assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_paths_that_would_be_clobbered_or_unreadable_are_refused(tiny, tmp_path, capsys):
+    csv_file = tmp_path / "rows.csv"
+    csv_file.write_text("text\nhello\n")
+    other = make_uptrain_model(tmp_path / "other", kv_heads=4)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] = 100
+    (other / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # the model writer's progress bar
+    cases = [
+        ({"output_dir": str(tiny["model"] / "run")}, "overlaps the model path"),
+        ({"data": [str(csv_file)]}, "is neither .txt nor .jsonl/.json/.parquet"),
+        ({"teacher": str(other)}, "has vocab_size 100 but the model 4096"),
+    ]
+    for fields, expected in cases:
+        recipe = {"model": str(tiny["model"]), "data": [str(tiny["text"])], "output_dir": str(tmp_path / "run"),
+                  "steps": 1, **fields}
+        assert expected in _cli_error(capsys, ["uptrain", str(write_recipe(tmp_path / "r.yaml", **recipe))])
+
+
+def test_resume_on_another_number_of_processes_is_refused(tiny, tmp_path, capsys):
+    def stop(step, row, model):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        uptrain(_cfg(tiny, tmp_path, steps=4, checkpoint_every=1), on_step=stop)
+    rank_file = tmp_path / "run" / "checkpoints" / "step-000001" / "rank-00000.json"
+    state = json.loads(rank_file.read_text())
+    state["shape"]["processes"] = 2  # as if two processes had written it
+    rank_file.write_text(json.dumps(state))
+    err = _cli_error(capsys, ["uptrain", str(tmp_path / "r.yaml")])
+    assert "checkpointed with processes=2 but this launch has processes=1" in err
 
 
 def test_long_sequences_are_allowed_with_a_window(tiny, tmp_path):

@@ -13,7 +13,8 @@ from gqakit.reference import HELDOUT_TEXT, reference_model_path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def make_uptrain_model(path: Path, kv_heads: int = 2, seed: int = 0, pretraining_tokens: int | None = 20_000) -> Path:
+def make_uptrain_model(path: Path, kv_heads: int = 2, seed: int = 0, pretraining_tokens: int | None = 20_000,
+                       attention_dropout: float = 0.0) -> Path:
     """Save a tiny random Llama (vocab of the embedded tokenizer) with its tokenizer and, unless None,
     a pretraining record so that alpha budgets resolve."""
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -21,7 +22,8 @@ def make_uptrain_model(path: Path, kv_heads: int = 2, seed: int = 0, pretraining
     source = reference_model_path()
     cfg = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=128,
-                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                      attention_dropout=attention_dropout)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     for name in TOKENIZER_FILES:

@@ -14,6 +14,8 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
 from ..errors import GqakitError
 
 TRAINABLE = ("all", "attention", "kv")
@@ -138,6 +140,57 @@ def _positive(cfg: UptrainConfig, *names: str) -> None:
             raise GqakitError(f"{name}={value} must be positive")
 
 
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+def _check_paths(cfg: UptrainConfig) -> None:
+    from ..evaluate.data import ROW_SUFFIXES
+
+    for path in (*cfg.data, *cfg.eval_data):
+        p = Path(path)
+        if not p.exists():
+            raise GqakitError(f"data path {path} does not exist; fix the path in the recipe's data/eval_data")
+        if p.is_file() and p.suffix.lower() not in (".txt", *ROW_SUFFIXES):
+            raise GqakitError(f"data file {path} is neither .txt nor .jsonl/.json/.parquet; convert it or list "
+                              "another file in data/eval_data")
+    out = Path(cfg.output_dir)
+    for name, path in (("model", cfg.model), ("teacher", cfg.teacher), *(("data", d) for d in cfg.data)):
+        if path is not None and (_inside(Path(path), out) or _inside(out, Path(path))):
+            raise GqakitError(f"output_dir {out} overlaps the {name} path {path}; choose an output_dir outside it")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((Path(cfg.model) / f).is_file() for f in tokenizer_files):
+        raise GqakitError(f"{cfg.model} holds no tokenizer files; copy the tokenizer of the source model into it")
+
+
+def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
+    """Attention options, the trainable subset and the teacher, from config.json alone."""
+    from types import SimpleNamespace
+
+    from ..attention.registry import AttentionOptionError, normalise_options
+    from ..convert.architectures import find_family
+
+    if cfg.attention != "default":
+        options = {k: v for k, v in (("window", cfg.window), ("sinks", cfg.sinks)) if v is not None}
+        try:
+            normalise_options(cfg.attention, options, SimpleNamespace(**model_config))
+        except AttentionOptionError as e:
+            raise GqakitError(f"attention={cfg.attention}: {e}") from None
+    arch = (model_config.get("architectures") or ["?"])[0]
+    if cfg.trainable == "kv":
+        spec = find_family(arch)
+        if spec is None or spec.fused:
+            why = "fuses them with Q" if spec is not None else "is not in gqakit's architecture tables"
+            raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} {why}; use "
+                              "trainable=attention or trainable=all")
+    if cfg.teacher is not None:
+        teacher = _model_config(cfg.teacher)
+        if teacher.get("vocab_size") != model_config.get("vocab_size"):
+            raise GqakitError(f"teacher {cfg.teacher} has vocab_size {teacher.get('vocab_size')} but the model "
+                              f"{model_config.get('vocab_size')}; distil from the model the student was converted from")
+
+
 def check(cfg: UptrainConfig) -> dict:
     """Validate a recipe before any work starts; returns the model's config.json."""
     _positive(cfg, "alpha", "tokens", "steps", "seq_len", "batch_size", "gradient_accumulation_steps", "lr",
@@ -151,18 +204,19 @@ def check(cfg: UptrainConfig) -> dict:
             raise GqakitError(f"{name}={getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
     if not cfg.data:
         raise GqakitError("the recipe has no training data; set data: [FILE.txt | FILE.jsonl | FOLDER, ...]")
-    for path in (*cfg.data, *cfg.eval_data):
-        if not Path(path).exists():
-            raise GqakitError(f"data path {path} does not exist; fix the path in the recipe's data/eval_data")
+    _check_paths(cfg)
+    _check_model_options(cfg, model_config)
+    if cfg.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise GqakitError("mixed_precision=fp16 needs a GPU (on CPU autocast would silently train in fp32); "
+                          "use mixed_precision=bf16 or no")
     if cfg.teacher is not None:
-        _model_config(cfg.teacher)
         if not 0.0 <= cfg.distill_weight <= 1.0:
             raise GqakitError(f"distill_weight={cfg.distill_weight} must be in [0, 1] (0 = cross-entropy only)")
     if not 0.0 <= cfg.eval_fraction < 0.5:
         raise GqakitError(f"eval_fraction={cfg.eval_fraction} must be in [0, 0.5)")
     if cfg.eval_every < 0:
         raise GqakitError(f"eval_every={cfg.eval_every} must be >= 0 (0 = evaluate at the end only)")
-    limit = model_config.get("max_position_embeddings")
+    limit = model_config.get("max_position_embeddings") or model_config.get("n_positions")
     if limit and cfg.seq_len > limit and cfg.attention not in LONG_CONTEXT:
         raise GqakitError(f"seq_len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions; lower seq_len "
                           "or train a long-context attention (attention=sliding window=N, or attention=sinks)")

@@ -28,7 +28,11 @@ def read_documents(paths: tuple[str, ...], text_column: str = "text") -> list[st
     for path in paths:
         p = Path(path)
         row_file = p.is_dir() or p.suffix.lower() in ROW_SUFFIXES
-        docs.extend(load_rows(p, text_column) if row_file else load_text_file(p))
+        try:
+            docs.extend(load_rows(p, text_column) if row_file else load_text_file(p))
+        except GqakitError as e:  # the evaluation loaders name CLI flags; a recipe has keys
+            message = str(e).replace("--text-column", "text_column=").replace("= NAME", "=NAME")
+            raise GqakitError(message.replace("--dataset", "data:").replace("--text", "data:")) from None
     return docs
 
 
@@ -75,7 +79,8 @@ def load_packed(data: tuple[str, ...], eval_data: tuple[str, ...], tokenizer, se
         held = pack(tokenize_stream(read_documents(eval_data, text_column), tokenizer), seq_len)
         train = packed
     else:
-        n_eval = min(len(packed) - 1, max(1 if eval_fraction > 0 else 0, round(eval_fraction * len(packed))))
+        wanted = min(eval_sequences, round(eval_fraction * len(packed)))  # no held-out sequence goes unused
+        n_eval = min(len(packed) - 1, max(1 if eval_fraction > 0 else 0, wanted))
         perm = torch.randperm(len(packed), generator=torch.Generator().manual_seed(seed + 7919))
         held, train = packed[perm[:n_eval].sort().values], packed[perm[n_eval:].sort().values]
     return PackedData(train, held[:eval_sequences], stream.numel())

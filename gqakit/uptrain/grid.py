@@ -47,7 +47,8 @@ class GridConfig:
 
 
 def _cells(cfg: GridConfig) -> list[dict]:
-    cells = [{"groups": 8, "method": "mha", "alpha": 0.0, "distill": False}]
+    heads = json.loads(Path(cfg.model, "config.json").read_text())["num_attention_heads"]
+    cells = [{"groups": heads, "method": "mha", "alpha": 0.0, "distill": False}]
     for g in cfg.groups:
         for method in cfg.methods:
             cells.append({"groups": g, "method": method, "alpha": 0.0, "distill": False})

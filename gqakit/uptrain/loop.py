@@ -33,12 +33,12 @@ def _sums(model, teacher, seqs: torch.Tensor, cfg: UptrainConfig, sp: SequencePa
     """(cross-entropy sum, distillation sum or None) of this rank's share of sequences (B, T + 1);
     call it inside `sp.attention()`."""
     inputs, targets, positions = sp.shard(seqs)
-    logits = model(input_ids=inputs, position_ids=positions).logits  # (B, T_local, V)
+    logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits  # (B, T_local, V)
     ce = cross_entropy_sum(logits, targets)
     kd = None
     if teacher is not None:
         with torch.no_grad(), autocast():
-            teacher_logits = teacher(input_ids=inputs, position_ids=positions).logits
+            teacher_logits = teacher(input_ids=inputs, position_ids=positions, use_cache=False).logits
         kd = distillation_sum(logits, teacher_logits, targets, cfg.distill_temperature)
     return ce, kd
 
@@ -78,22 +78,26 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     check(cfg)  # everything a user can get wrong, before any work starts
     world = check_processes(cfg.num_processes, cfg.context_parallel)
     recipe = cfg.to_dict()
-    resume_from = plan_run(cfg.output_dir, recipe, cfg.force)
+    budget = resolve_budget(cfg, world // cfg.context_parallel)
+    # what a checkpoint must match to be resumed exactly: the same global batch split the same way
+    shape = {"processes": world, "context_parallel": cfg.context_parallel, "steps": budget.steps,
+             "tokens_per_step": budget.tokens_per_step}
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    budget = resolve_budget(cfg, world // cfg.context_parallel)
 
     # accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with other
     # settings; several runs in one process (the grid, tests) reset it, keeping the process group.
     AcceleratorState._reset_state()
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision)
     is_main = accelerator.is_main_process
-    sp = SequenceParallel.create(cfg, accelerator)
-    set_seed(cfg.seed)
+    resume_from = plan_run(cfg.output_dir, recipe, cfg.force, shape)  # every rank reads; nobody writes yet
+    accelerator.wait_for_everyone()
     out = Path(cfg.output_dir)
     if is_main:
         start_run(out, recipe, fresh=resume_from is None)
     accelerator.wait_for_everyone()
+    sp = SequenceParallel.create(cfg, accelerator)
+    set_seed(cfg.seed)
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     data = load_packed(cfg.data, cfg.eval_data, tokenizer, cfg.seq_len, cfg.eval_fraction, cfg.eval_sequences,
@@ -110,7 +114,6 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
     teacher = modeling.load_teacher(cfg, model)
     if teacher is not None:
         sp.prepare_teacher(teacher)
@@ -118,7 +121,7 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     optimizer = modeling.make_optimizer(model, cfg)
     scheduler = modeling.make_scheduler(optimizer, cfg, budget.steps)
 
-    start, rows = 0, []
+    start = 0
     if resume_from is not None:
         model_state, trainer_state, rank_state = load_checkpoint(resume_from, accelerator.process_index)
         model.load_state_dict(model_state)
@@ -127,6 +130,8 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
         start = rank_state["step"]
     model, optimizer = accelerator.prepare(model, optimizer)
     if resume_from is not None:
+        if trainer_state.get("scaler") is not None and accelerator.scaler is not None:
+            accelerator.scaler.load_state_dict(trainer_state["scaler"])  # fp16 loss scale
         set_rng_state(rank_state["rng"])
     log = MetricsLog(out, start, enabled=is_main)
     record_base = {"initial_eval_ppl": None}
@@ -157,6 +162,7 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
             if kd is not None:
                 sums[1] += kd.detach().double()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step used
         optimizer.step()
         scheduler.step()
         sums = accelerator.reduce(sums, reduction="sum") / budget.tokens_per_step
@@ -165,7 +171,7 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
         row = {"step": done, "tokens": done * budget.tokens_per_step,
                "loss": float(_combine(sums[0], sums[1] if teacher is not None else None, cfg)),
                "ce": float(sums[0]), "kd": float(sums[1]) if teacher is not None else "",
-               "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else "",
+               "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else "",
                "tokens_per_s": step_tokens / (time.perf_counter() - t0)}
         if (cfg.eval_every and done % cfg.eval_every == 0 or done == budget.steps) and len(data.eval):
             row["eval_loss"] = evaluate(model, data.eval, cfg, sp, accelerator)
@@ -176,9 +182,11 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
         bar.update(1)
         if done % cfg.checkpoint_every == 0 and done < budget.steps:
             trainer_state = {"optimizer": optimizer.optimizer.state_dict() if hasattr(optimizer, "optimizer")
-                             else optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+                             else optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                             "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None}
             save_checkpoint(out, done, model_state=accelerator.get_state_dict(model), trainer_state=trainer_state,
-                            rank_state={"step": done, "data": order.position(done), "record": record_base},
+                            rank_state={"step": done, "shape": shape, "data": order.position(done),
+                                        "record": record_base},
                             rank=accelerator.process_index, recipe=recipe, is_main=is_main,
                             barrier=accelerator.wait_for_everyone, keep=cfg.keep_checkpoints)
         if on_step is not None:
@@ -208,5 +216,4 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
         if cfg.delete_checkpoints:
             shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
     accelerator.wait_for_everyone()
-    sp.close()
     return record

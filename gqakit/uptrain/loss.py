@@ -30,7 +30,3 @@ def distillation_sum(student: torch.Tensor, teacher: torch.Tensor, targets: torc
     log_p_t = torch.log_softmax(t, dim=-1)
     kl = (log_p_t.exp() * (log_p_t - torch.log_softmax(s, dim=-1))).sum()
     return kl * temperature**2
-
-
-def count_targets(targets: torch.Tensor) -> int:
-    return int((targets != IGNORE).sum())

@@ -43,7 +43,4 @@ class SequenceParallel:
         """Switch a model to the attention this parallelism needs (nothing for data parallel)."""
 
     def prepare_teacher(self, teacher) -> None:
-        """Switch the distillation teacher to the same attention path (it runs in the same context)."""
-
-    def close(self) -> None:
-        pass
+        """Switch the distillation teacher to this parallelism's attention (nothing for data parallel)."""

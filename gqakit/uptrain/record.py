@@ -11,7 +11,7 @@ import torch
 from .. import __version__
 from .run_folder import FINISHED, MARKER
 
-RUN_FILES = (FINISHED, MARKER, "metrics.csv", "loss.png", "log.txt")
+RUN_FILES = (FINISHED, MARKER, "metrics.csv", "loss.png", "tensorboard", "checkpoints")
 
 _SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,8 +35,9 @@ def _card(source: Path, record: dict) -> str:
         f"| budget | {budget['steps']} steps x {budget['tokens_per_step']:,} tokens = {budget['tokens']:,} tokens "
         f"({budget['source']}) |",
         f"| data | {', '.join(cfg['data'])} |",
-        f"| loss | cross-entropy" + (f" + {cfg['distill_weight']} x distillation from `{cfg['teacher']}` "
-                                     f"(T={cfg['distill_temperature']})" if cfg.get("teacher") else "") + " |",
+        "| loss | " + (f"(1 - w) x cross-entropy + w x T^2 x KL(teacher &#124;&#124; student), w={cfg['distill_weight']}, "
+                       f"T={cfg['distill_temperature']}, teacher `{cfg['teacher']}`" if cfg.get("teacher")
+                       else "cross-entropy") + " |",
         f"| optimiser | AdamW lr {cfg['lr']}, warmup {record['warmup_steps']} steps, cosine to "
         f"{cfg['min_lr_ratio']} x lr, weight decay {cfg['weight_decay']} |",
         f"| trained parameters | {cfg['trainable']} ({record['trainable_parameters']:,} of "
@@ -46,8 +47,8 @@ def _card(source: Path, record: dict) -> str:
         + (f", context parallel {cfg['context_parallel']}" if cfg['context_parallel'] > 1 else "") + " |",
         f"| processes | {record['processes']} |",
     ]
-    if record.get("final_eval_ppl") is not None:
-        lines.append(f"| held-out perplexity | {record.get('initial_eval_ppl', float('nan')):.2f} before, "
+    if record.get("final_eval_ppl") is not None and record.get("initial_eval_ppl") is not None:
+        lines.append(f"| held-out perplexity | {record['initial_eval_ppl']:.2f} before, "
                      f"{record['final_eval_ppl']:.2f} after |")
     if record['attention_options']:
         lines += ["", f"Trained with gqakit attention `{cfg['attention']}`: load it with "
@@ -66,7 +67,8 @@ def save_final(model, tokenizer, output_dir: Path, record: dict, state_dict: dic
     shutil.rmtree(tmp, ignore_errors=True)
     dtype = _SAVE_DTYPES[record["save_dtype"]]
     state = state_dict if state_dict is not None else model.state_dict()
-    model.save_pretrained(tmp, state_dict={k: v.to(dtype) for k, v in state.items()})
+    cast: dict[int, torch.Tensor] = {}  # one cast per storage, so tied weights stay tied (saved once)
+    model.save_pretrained(tmp, state_dict={k: cast.setdefault(v.data_ptr(), v.to(dtype)) for k, v in state.items()})
     config = json.loads((tmp / "config.json").read_text())
     config["dtype"] = record["save_dtype"]
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

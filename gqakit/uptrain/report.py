@@ -15,15 +15,19 @@ def _lookup(rows: list[dict]) -> dict:
     return {(r["groups"], r["method"], r["alpha"], r["distill"]): r["perplexity"] for r in rows}
 
 
+def _mha(rows: list[dict]) -> dict:
+    return next(r for r in rows if r["method"] == "mha")
+
+
 def format_table(rows: list[dict]) -> str:
     """One line per (G, method); columns alpha = 0, then each alpha without and with distillation."""
     ppl = _lookup(rows)
-    mha = ppl[(8, "mha", 0.0, False)]
+    mha = _mha(rows)
     alphas = sorted({r["alpha"] for r in rows if r["alpha"] > 0})
     header = ["K/V heads", "method", "alpha 0"] + [f"alpha {a:g}{' + KD' if kd else ''}" for a in alphas
                                                    for kd in (False, True)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-             f"| 8 (MHA) | - | {mha:.2f} |" + " |" * (len(header) - 3)]
+             f"| {mha['groups']} (MHA) | - | {mha['perplexity']:.2f} |" + " |" * (len(header) - 3)]
     for g in sorted({r["groups"] for r in rows if r["method"] != "mha"}, reverse=True):
         for method in dict.fromkeys(r["method"] for r in rows if r["groups"] == g):
             cells = [ppl.get((g, method, 0.0, False))] + [ppl.get((g, method, a, kd)) for a in alphas
@@ -41,7 +45,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ppl = _lookup(rows)
-    mha = ppl[(8, "mha", 0.0, False)]
+    mha = _mha(rows)["perplexity"]
     groups = sorted({r["groups"] for r in rows if r["method"] != "mha"}, reverse=True)
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4), dpi=120, sharey=True, squeeze=False)
     colors = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:green"}

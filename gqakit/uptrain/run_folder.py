@@ -19,10 +19,10 @@ def _identity(recipe: dict) -> dict:
     return {k: v for k, v in recipe.items() if k not in RESUME_FREE}
 
 
-def plan_run(output_dir: str | Path, recipe: dict, force: bool) -> Path | None:
+def plan_run(output_dir: str | Path, recipe: dict, force: bool, shape: dict) -> Path | None:
     """Decide, reading only, what to do with the run folder: the checkpoint to resume from, or None
-    for a fresh start. Refuses (one line, before any work) a folder that is not ours, a finished run
-    or a run of another recipe, unless `force`."""
+    for a fresh start. Refuses (one line, before any work) a folder that is not ours, a finished run,
+    a run of another recipe, or one written by another number of processes (`shape`), unless `force`."""
     out = Path(output_dir)
     if not out.exists() or force:
         return None
@@ -46,6 +46,12 @@ def plan_run(output_dir: str | Path, recipe: dict, force: bool) -> Path | None:
         raise GqakitError(f"output_dir {out} holds an interrupted run of another recipe ({key}: "
                           f"{theirs.get(key)!r} there, {mine.get(key)!r} here); resume it with the same recipe, "
                           "choose another output_dir, or pass force=true to start over")
+    theirs = json.loads((checkpoints[-1] / "rank-00000.json").read_text()).get("shape", {})
+    if theirs != shape:
+        key = next(k for k in sorted(set(shape) | set(theirs)) if shape.get(k) != theirs.get(k))
+        raise GqakitError(f"output_dir {out} holds a run checkpointed with {key}={theirs.get(key)} but this launch has "
+                          f"{key}={shape.get(key)}; resume it with the same launch (processes, context_parallel), "
+                          "or pass force=true to start over")
     return checkpoints[-1]
 
 

@@ -1,9 +1,10 @@
-"""Resumable training checkpoints, written atomically and read without unpickling.
+"""Resumable training checkpoints, written atomically and read without arbitrary unpickling.
 
     OUTPUT/checkpoints/step-000050/
         model.safetensors       every parameter, fp32 (safetensors)
-        trainer_state.pt        optimizer + LR-scheduler state dicts (tensors and numbers only;
-                                read back with torch.load(weights_only=True), which refuses code)
+        trainer_state.pt        optimizer, LR-scheduler (and fp16 loss-scaler) state dicts: tensors and
+                                numbers only, read back with torch.load(weights_only=True), whose
+                                restricted unpickler refuses anything else
         rank-00000.json ...     per process: step, data position, metrics so far, RNG states
         recipe.json             the recipe that wrote it (a resume with a different one is refused)
 
@@ -84,8 +85,6 @@ def save_checkpoint(output_dir: Path, step: int, *, model_state: dict, trainer_s
 def load_checkpoint(folder: Path, rank: int) -> tuple[dict, dict, dict]:
     """(model state, trainer state, this rank's state) of a checkpoint folder."""
     model_state = load_file(str(folder / "model.safetensors"))
-    trainer_state = torch.load(folder / "trainer_state.pt", weights_only=True)
-    rank_file = folder / f"rank-{rank:05d}.json"
-    if not rank_file.is_file():
-        rank_file = folder / "rank-00000.json"  # resumed on more ranks than wrote it: RNG from rank 0
-    return model_state, trainer_state, json.loads(rank_file.read_text())
+    trainer_state = torch.load(folder / "trainer_state.pt", weights_only=True, map_location="cpu")
+    # run_folder.plan_run has checked that the same number of processes resumes it
+    return model_state, trainer_state, json.loads((folder / f"rank-{rank:05d}.json").read_text())
