@@ -95,6 +95,10 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
     from .uptrain import UptrainConfig, uptrain
 
     overrides = list(args.overrides)
+    budget = ("alpha", "tokens", "steps")
+    given = {o.partition("=")[0] for o in overrides}
+    if given & set(budget):  # a budget on the command line replaces the recipe's
+        overrides = [f"{k}=null" for k in budget if k not in given] + overrides
     if args.context_parallel is not None:
         overrides.append(f"context_parallel={args.context_parallel}")
     if args.force:
