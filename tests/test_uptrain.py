@@ -306,3 +306,12 @@ def test_every_shipped_recipe_maps_onto_its_dataclass():
         cfg = load_recipe(classes.get(path.name, UptrainConfig), path)
         if isinstance(cfg, GridConfig):
             from_dict(UptrainConfig, {**cfg.uptrain, "model": cfg.model, "output_dir": "x", "alpha": 0.05})
+
+
+def test_a_budget_on_the_command_line_replaces_the_recipes(tiny, tmp_path, capsys):
+    from gqakit.cli import main
+
+    recipe = write_recipe(tmp_path / "r.yaml", model=str(tiny["model"]), data=[str(tiny["text"])],
+                          output_dir=str(tmp_path / "run"), alpha=0.5)
+    assert main(["uptrain", str(recipe), "steps=1", "-q"]) == 0
+    assert json.loads((tmp_path / "run" / "uptraining.json").read_text())["budget"]["steps"] == 1
