@@ -43,6 +43,26 @@ def _sums(model, teacher, seqs: torch.Tensor, cfg: UptrainConfig, sp: SequencePa
     return ce, kd
 
 
+def _checkpoint(accelerator, model, optimizer, scheduler, out: Path, step: int, cfg: UptrainConfig,
+                recipe: dict, rank_state: dict) -> None:
+    """Every rank: save resumable checkpoint `step` (model, optimizer, scheduler, loss scale, rank state)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
+    trainer_state = {"optimizer": inner.state_dict(), "scheduler": scheduler.state_dict(),
+                     "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None}
+    save_checkpoint(out, step, model_state=accelerator.get_state_dict(model), trainer_state=trainer_state,
+                    rank_state=rank_state, rank=accelerator.process_index, recipe=recipe,
+                    is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone,
+                    keep=cfg.keep_checkpoints)
+
+
+def _enable_checkpointing(model) -> None:
+    enable = getattr(model, "activation_checkpointing_enable", None)  # the name from transformers 5.x on
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _combine(ce, kd, cfg: UptrainConfig):
     return ce if kd is None else (1 - cfg.distill_weight) * ce + cfg.distill_weight * kd
 
@@ -109,11 +129,7 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     sp.prepare_model(model)
     trainable, total_params = modeling.select_trainable(model, cfg.trainable)
     if cfg.gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None)  # the name from transformers 5.x on
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)
     teacher = modeling.load_teacher(cfg, model)
     if teacher is not None:
         sp.prepare_teacher(teacher)
@@ -181,14 +197,8 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
         bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
         bar.update(1)
         if done % cfg.checkpoint_every == 0 and done < budget.steps:
-            trainer_state = {"optimizer": optimizer.optimizer.state_dict() if hasattr(optimizer, "optimizer")
-                             else optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                             "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None}
-            save_checkpoint(out, done, model_state=accelerator.get_state_dict(model), trainer_state=trainer_state,
-                            rank_state={"step": done, "shape": shape, "data": order.position(done),
-                                        "record": record_base},
-                            rank=accelerator.process_index, recipe=recipe, is_main=is_main,
-                            barrier=accelerator.wait_for_everyone, keep=cfg.keep_checkpoints)
+            _checkpoint(accelerator, model, optimizer, scheduler, out, done, cfg, recipe,
+                        {"step": done, "shape": shape, "data": order.position(done), "record": record_base})
         if on_step is not None:
             on_step(done, row, accelerator.unwrap_model(model))
     bar.close()
