@@ -21,7 +21,7 @@ def test_grid_runs_every_cell_once_and_writes_one_table_and_plot(tmp_path, capsy
     })
     rows = run_grid(cfg)
     names = [r["name"] for r in rows]
-    assert names == ["mha", "gqa2-mean-a0", "gqa2-mean-a0.1", "gqa2-mean-a0.1-kd",
+    assert names == ["mha", "mha-a0.1", "gqa2-mean-a0", "gqa2-mean-a0.1", "gqa2-mean-a0.1-kd",
                      "gqa2-random-a0", "gqa2-random-a0.1", "gqa2-random-a0.1-kd"]
     trained = [r for r in rows if r["alpha"] > 0]
     assert all(r["steps"] == 5 for r in trained)  # 10% of 3,200 tokens in steps of 2 x 32
@@ -32,7 +32,8 @@ def test_grid_runs_every_cell_once_and_writes_one_table_and_plot(tmp_path, capsy
     assert table.splitlines()[0] == "| K/V heads | method | alpha 0 | alpha 0.1 | alpha 0.1 + KD |"
     assert f"| 2 | mean | {by_name['gqa2-mean-a0']:.2f} | {by_name['gqa2-mean-a0.1']:.2f} |" in table
     assert (out / "gqa_paper.png").stat().st_size > 0
-    assert len(json.loads((out / "results.json").read_text())["results"]) == 7
+    assert len(json.loads((out / "results.json").read_text())["results"]) == 8
+    assert f"| 4 (MHA) | - | {by_name['mha']:.2f} | {by_name['mha-a0.1']:.2f} |  |" in table
     assert not (out / "models").exists()  # converted and uptrained models are not kept by default
 
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "cells").iterdir()}

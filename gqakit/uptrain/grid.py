@@ -42,6 +42,7 @@ class GridConfig:
     eval_text: str = "gqakit/assets/heldout_emma.txt"
     eval_tokens: int = 16384  # 0 = the whole text
     eval_window: int = 512
+    mha_control: bool = True  # also train the MHA model itself for each alpha (a baseline, not in the paper)
     keep_models: bool = False  # keep every converted and uptrained model (about 16 MB each)
     seed: int = 0
 
@@ -49,6 +50,9 @@ class GridConfig:
 def _cells(cfg: GridConfig) -> list[dict]:
     heads = json.loads(Path(cfg.model, "config.json").read_text())["num_attention_heads"]
     cells = [{"groups": heads, "method": "mha", "alpha": 0.0, "distill": False}]
+    if cfg.mha_control:  # the MHA model trained on for the same budgets: how much is conversion's gap?
+        for alpha in sorted({*cfg.alphas, *cfg.mqa_alphas}):
+            cells.append({"groups": heads, "method": "mha", "alpha": alpha, "distill": False})
     for g in cfg.groups:
         for method in cfg.methods:
             cells.append({"groups": g, "method": method, "alpha": 0.0, "distill": False})
@@ -60,7 +64,7 @@ def _cells(cfg: GridConfig) -> list[dict]:
 
 def _name(cell: dict) -> str:
     if cell["method"] == "mha":
-        return "mha"
+        return "mha" + (f"-a{cell['alpha']:g}" if cell["alpha"] else "")
     kind = "mqa" if cell["groups"] == 1 else f"gqa{cell['groups']}"
     return f"{kind}-{cell['method']}-a{cell['alpha']:g}" + ("-kd" if cell["distill"] else "")
 
@@ -98,10 +102,13 @@ def run_cell(cfg: GridConfig, cell: dict, work: Path, ids: torch.Tensor, mha_ppl
 
     t0 = time.perf_counter()
     row = {**cell, "name": _name(cell)}
-    if cell["method"] == "mha":
+    if cell["method"] == "mha" and not cell["alpha"]:
         row["perplexity"] = _perplexity(Path(cfg.model), ids, cfg.eval_window)
     else:
-        converted = work / ("mqa" if cell["groups"] == 1 else f"gqa{cell['groups']}") / cell["method"]
+        if cell["method"] == "mha":  # the control: the source model itself, trained on
+            converted = Path(cfg.model)
+        else:
+            converted = work / ("mqa" if cell["groups"] == 1 else f"gqa{cell['groups']}") / cell["method"]
         if not (converted / "config.json").is_file():
             convert(ConvertConfig(model_dir=cfg.model, groups=cell["groups"], output_dir=str(converted),
                                   method=cell["method"], seed=cfg.seed, force=True, progress=False))

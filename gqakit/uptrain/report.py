@@ -16,7 +16,11 @@ def _lookup(rows: list[dict]) -> dict:
 
 
 def _mha(rows: list[dict]) -> dict:
-    return next(r for r in rows if r["method"] == "mha")
+    return next(r for r in rows if r["method"] == "mha" and not r["alpha"])
+
+
+def _line(heads: str, method: str, cells: list) -> str:
+    return f"| {heads} | {method} | " + " | ".join(f"{c:.2f}" if c is not None else "" for c in cells) + " |"
 
 
 def format_table(rows: list[dict]) -> str:
@@ -27,13 +31,13 @@ def format_table(rows: list[dict]) -> str:
     header = ["K/V heads", "method", "alpha 0"] + [f"alpha {a:g}{' + KD' if kd else ''}" for a in alphas
                                                    for kd in (False, True)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-             f"| {mha['groups']} (MHA) | - | {mha['perplexity']:.2f} |" + " |" * (len(header) - 3)]
+             _line(f"{mha['groups']} (MHA)", "-", [mha["perplexity"]] + [
+                 None if kd else ppl.get((mha["groups"], "mha", a, False)) for a in alphas for kd in (False, True)])]
     for g in sorted({r["groups"] for r in rows if r["method"] != "mha"}, reverse=True):
-        for method in dict.fromkeys(r["method"] for r in rows if r["groups"] == g):
+        for method in dict.fromkeys(r["method"] for r in rows if r["groups"] == g and r["method"] != "mha"):
             cells = [ppl.get((g, method, 0.0, False))] + [ppl.get((g, method, a, kd)) for a in alphas
                                                           for kd in (False, True)]
-            text = [f"{c:.2f}" if c is not None else "" for c in cells]
-            lines.append(f"| {g}{' (MQA)' if g == 1 else ''} | {method} | " + " | ".join(text) + " |")
+            lines.append(_line(f"{g}{' (MQA)' if g == 1 else ''}", method, cells))
     return "\n".join(lines)
 
 
@@ -57,7 +61,11 @@ def plot(rows: list[dict], path: Path) -> None:
                 if len(points) > 1:
                     ax.plot(*zip(*points), style, color=colors.get(method), lw=1.5, ms=4,
                             label=f"{method}{' + KD' if kd else ''}")
-        ax.axhline(mha, color="black", lw=1, ls=":", label="MHA")
+        control = sorted((r["alpha"], r["perplexity"]) for r in rows if r["method"] == "mha")
+        if len(control) > 1:  # the MHA model trained on for the same budgets
+            ax.plot(*zip(*control), "^:", color="black", lw=1, ms=4, label="MHA (trained on)")
+        else:
+            ax.axhline(mha, color="black", lw=1, ls=":", label="MHA")
         ax.set_yscale("log")
         ax.set_title("MQA (1 K/V head)" if g == 1 else f"GQA-{g}")
         ax.set_xlabel("uptraining alpha (fraction of pretraining tokens)")
