@@ -76,8 +76,9 @@ def _run_worker(tmp_path, name: str, n: int, recipe, *overrides: str) -> tuple[d
 
 
 @pytest.mark.parametrize("processes,context_parallel,attention", [
-    (2, 2, {"teacher": True}), (4, 4, {}), (2, 2, {"attention": "sliding", "window": 8}), (4, 2, {}),
-], ids=["P2-distill", "P4", "P2-window", "2rings-x-P2"])
+    (2, 2, {"teacher": True}), (4, 4, {}), (2, 2, {"attention": "sliding", "window": 8}),
+    (4, 2, {"gradient_checkpointing": True}),
+], ids=["P2-distill", "P4", "P2-window", "2rings-x-P2-checkpointing"])
 def test_context_parallel_step_equals_the_single_process_step(tmp_path, processes, context_parallel, attention):
     """One training step with each sequence split over a ring (P = 2, 4; with 4 processes and P = 2 also
     data parallel over 2 rings) equals the single-process step on whole sequences: loss within 1e-5,
