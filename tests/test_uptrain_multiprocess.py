@@ -97,6 +97,7 @@ def test_context_parallel_step_equals_the_single_process_step(tmp_path, processe
                                  f"batch_size={batch}")
     assert row_ring["loss"] == pytest.approx(row_one["loss"], abs=1e-5)
     assert (row_one["kd"] != "") == ("teacher" in fields)
+    assert row_ring["eval_loss"] == pytest.approx(row_one["eval_loss"], abs=1e-5)  # held-out loss, sharded too
     grads = [k for k in one if k.startswith("grad.")]
     assert len(grads) == 20  # every parameter got a gradient
     for key in grads:

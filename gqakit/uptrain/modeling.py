@@ -103,7 +103,8 @@ def warmup_steps(cfg: UptrainConfig, steps: int) -> int:
 
 
 def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
-    """Linear warmup over `warmup` steps, then cosine from 1 down to `min_ratio` at the last step."""
+    """Linear warmup over `warmup` steps, then cosine from 1 towards `min_ratio`, reached at step `steps`
+    (one past the last step, which runs just above it)."""
     if step < warmup:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
