@@ -1,7 +1,5 @@
 """Bad input: a one-line error naming the problem and the fix, a non-zero exit, nothing written."""
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest

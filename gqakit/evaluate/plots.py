@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _figure(width: float = 7.0, height: float = 4.5):
+def new_figure(width: float = 7.0, height: float = 4.5):
+    """A figure on its own Agg canvas (save with fig.savefig)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -25,7 +26,7 @@ def _plain():
 
 def ppl_vs_kv_bytes(rows: list[dict], path: Path) -> None:
     """One point per model: KV-cache bytes per token (x, log) against perplexity (y)."""
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     for r in rows:
         ax.scatter(r["kv_bytes_per_token"], r["perplexity"], s=36)
@@ -46,7 +47,7 @@ def ppl_vs_position(curves: dict[str, list[dict]], path: Path, marks: dict[str, 
 
     `marks` draws labelled vertical lines (e.g. the cache size S + W, the model's trained context).
     """
-    fig = _figure(8.0, 4.5)
+    fig = new_figure(8.0, 4.5)
     ax = fig.add_subplot()
     for name, buckets in curves.items():
         xs = [(b["start"] + b["end"] - 1) / 2 for b in buckets]
@@ -72,7 +73,7 @@ def passkey_heatmap(lengths: list[int], depths: list[float], accuracy: dict[tupl
     import numpy as np
 
     grid = np.array([[accuracy[(n, d)] for n in lengths] for d in depths])  # (depths, lengths)
-    fig = _figure(1.6 + 1.1 * len(lengths), 1.4 + 0.55 * len(depths))
+    fig = new_figure(1.6 + 1.1 * len(lengths), 1.4 + 0.55 * len(depths))
     ax = fig.add_subplot()
     image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
     for i in range(len(depths)):

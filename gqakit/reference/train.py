@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..recipes import load_recipe, to_dict
+from ..uptrain.modeling import lr_factor
 from .tokenizer import EOS, train_bpe
 
 
@@ -60,10 +61,7 @@ def _heldout_text(text: str, chars: int) -> str:
 
 
 def _lr(step: int, cfg: PretrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cfg.lr * lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
 
 
 def unigram_perplexity(train_ids: list[int], eval_ids: list[int], vocab_size: int) -> float:

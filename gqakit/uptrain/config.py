@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..convert.run import read_config
 from ..errors import GqakitError
 
 TRAINABLE = ("all", "attention", "kv")
@@ -83,6 +84,10 @@ class UptrainConfig:
 
         return to_dict(self)
 
+    def attention_options(self) -> dict:
+        """The `gqakit.attention.use` options the recipe gives (window, sinks)."""
+        return {k: v for k, v in (("window", self.window), ("sinks", self.sinks)) if v is not None}
+
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
@@ -93,16 +98,6 @@ class Budget:
     @property
     def tokens(self) -> int:
         return self.steps * self.tokens_per_step
-
-
-def _model_config(path: str) -> dict:
-    folder = Path(path)
-    if not folder.is_dir():
-        raise GqakitError(f"model folder {path} does not exist; pass the path of a Hugging Face checkpoint folder")
-    config = folder / "config.json"
-    if not config.is_file():
-        raise GqakitError(f"{path} has no config.json; point `model` at a Hugging Face checkpoint folder")
-    return json.loads(config.read_text())
 
 
 def pretraining_tokens(model: str) -> int | None:
@@ -172,9 +167,8 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
     from ..convert.architectures import find_family
 
     if cfg.attention != "default":
-        options = {k: v for k, v in (("window", cfg.window), ("sinks", cfg.sinks)) if v is not None}
         try:
-            normalise_options(cfg.attention, options, SimpleNamespace(**model_config))
+            normalise_options(cfg.attention, cfg.attention_options(), SimpleNamespace(**model_config))
         except AttentionOptionError as e:
             raise GqakitError(f"attention={cfg.attention}: {e}") from None
     arch = (model_config.get("architectures") or ["?"])[0]
@@ -185,7 +179,7 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
             raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} {why}; use "
                               "trainable=attention or trainable=all")
     if cfg.teacher is not None:
-        teacher = _model_config(cfg.teacher)
+        teacher = read_config(Path(cfg.teacher))
         if teacher.get("vocab_size") != model_config.get("vocab_size"):
             raise GqakitError(f"teacher {cfg.teacher} has vocab_size {teacher.get('vocab_size')} but the model "
                               f"{model_config.get('vocab_size')}; distil from the model the student was converted from")
@@ -196,7 +190,7 @@ def check(cfg: UptrainConfig) -> dict:
     _positive(cfg, "alpha", "tokens", "steps", "seq_len", "batch_size", "gradient_accumulation_steps", "lr",
               "log_every", "checkpoint_every", "context_parallel", "distill_temperature", "keep_checkpoints",
               "eval_sequences", "threads", "num_processes")
-    model_config = _model_config(cfg.model)
+    model_config = read_config(Path(cfg.model))
     choices = {"trainable": TRAINABLE, "attention": ATTENTION, "mixed_precision": MIXED_PRECISION,
                "save_dtype": SAVE_DTYPES}
     for name, allowed in choices.items():

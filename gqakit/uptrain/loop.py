@@ -79,7 +79,7 @@ def evaluate(model, data: torch.Tensor, cfg: UptrainConfig, sp: SequenceParallel
         with accelerator.autocast(), sp.attention():
             ce, _ = _sums(model, None, mine[i : i + cfg.batch_size].to(accelerator.device), cfg, sp,
                           accelerator.autocast)
-        total += torch.stack([ce.double(), torch.tensor(0.0, dtype=torch.float64, device=ce.device)])
+        total[0] += ce.double()
     total[1] = len(mine) * cfg.seq_len / sp.context_parallel  # every rank counts its share of the targets
     total = accelerator.reduce(total, reduction="sum")
     model.train(was_training)

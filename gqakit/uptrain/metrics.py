@@ -56,12 +56,10 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot(rows: list[dict], path: Path, title: str = "") -> None:
     """Training loss and held-out perplexity against optimizer steps."""
-    import matplotlib
+    from ..evaluate.plots import new_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, left = plt.subplots(figsize=(7, 4.5), dpi=120)
+    fig = new_figure()
+    left = fig.add_subplot()
     steps, loss = _series(rows, "loss")
     left.plot(steps, loss, color="tab:blue", lw=1, label="training loss")
     steps_ce, ce = _series(rows, "ce")
@@ -79,6 +77,4 @@ def plot(rows: list[dict], path: Path, title: str = "") -> None:
         right.legend(loc="upper center", frameon=False)
     left.legend(loc="upper right", frameon=False)
     left.set_title(title)
-    fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)

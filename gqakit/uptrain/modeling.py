@@ -19,24 +19,11 @@ def load_causal_lm(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def attention_options(cfg: UptrainConfig) -> dict:
-    options = {}
-    if cfg.window is not None:
-        options["window"] = cfg.window
-    if cfg.sinks is not None:
-        options["sinks"] = cfg.sinks
-    return options
-
-
 def set_attention(model, cfg: UptrainConfig) -> dict:
     """Switch to the recipe's gqakit attention kind; returns the options in force ({} for default)."""
-    if cfg.attention == "default":
-        return {}
-    from ..attention import use
-    from ..attention.registry import CONFIG_KEY
+    from ..evaluate.models import apply_attention
 
-    use(model, cfg.attention, **attention_options(cfg))
-    return dict(getattr(model.config, CONFIG_KEY))
+    return apply_attention(model, cfg.attention, cfg.attention_options())
 
 
 def _kv_names(model) -> list[str]:

@@ -43,15 +43,13 @@ def format_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Held-out perplexity against the uptraining fraction alpha, one panel per K/V head count."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..evaluate.plots import new_figure
 
     ppl = _lookup(rows)
     mha = _mha(rows)["perplexity"]
     groups = sorted({r["groups"] for r in rows if r["method"] != "mha"}, reverse=True)
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4), dpi=120, sharey=True, squeeze=False)
+    fig = new_figure(4.2 * len(groups), 4)
+    axes = fig.subplots(1, len(groups), sharey=True, squeeze=False)
     colors = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:green"}
     for ax, g in zip(axes[0], groups):
         for method in dict.fromkeys(r["method"] for r in rows if r["groups"] == g):
@@ -71,9 +69,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("uptraining alpha (fraction of pretraining tokens)")
     axes[0][0].set_ylabel("held-out perplexity (log)")
     axes[0][-1].legend(frameon=False, fontsize=8)
-    fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
 
 
 def write_grid_report(out: Path, rows: list[dict], cfg, eval_tokens: int) -> None:

@@ -38,7 +38,8 @@ def checkpoint_dirs(output_dir: Path) -> list[Path]:
 
 def rng_state() -> dict:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    version, internal, py_gauss = random.getstate()
+    state = {"python": [version, list(internal), py_gauss],
              "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
              "torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
