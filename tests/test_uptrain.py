@@ -223,7 +223,9 @@ def test_paths_that_would_be_clobbered_or_unreadable_are_refused(tiny, tmp_path,
         assert expected in _cli_error(capsys, ["uptrain", str(write_recipe(tmp_path / "r.yaml", **recipe))])
 
 
-def test_resume_on_another_number_of_processes_is_refused(tiny, tmp_path, capsys):
+def test_resume_with_another_global_batch_is_refused(tiny, tmp_path, capsys):
+    """Another process count resumes (DCP reshards) only when the global batch stays the same: a launch
+    that would change the tokens per step (and so the data order and schedule) is refused in one line."""
     def stop(step, row, model):
         raise KeyboardInterrupt
 
@@ -231,10 +233,11 @@ def test_resume_on_another_number_of_processes_is_refused(tiny, tmp_path, capsys
         uptrain(_cfg(tiny, tmp_path, steps=4, checkpoint_every=1), on_step=stop)
     rank_file = tmp_path / "run" / "checkpoints" / "step-000001" / "rank-00000.json"
     state = json.loads(rank_file.read_text())
-    state["shape"]["processes"] = 2  # as if two processes had written it
+    state["shape"]["processes"] = 2  # as if two processes with half the batch each had written it...
+    state["shape"]["tokens_per_step"] *= 2  # ...but with the same batch_size: twice the global batch
     rank_file.write_text(json.dumps(state))
     err = _cli_error(capsys, ["uptrain", str(tmp_path / "r.yaml")])
-    assert "checkpointed with processes=2 but this launch has processes=1" in err
+    assert "checkpointed with tokens_per_step=" in err and "keep the global batch" in err
 
 
 def test_long_sequences_are_allowed_with_a_window(tiny, tmp_path):

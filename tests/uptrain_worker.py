@@ -1,6 +1,6 @@
 """Run by the multi-process tests under torchrun: uptrain a recipe; after the last step every rank
 saves its weights and the gradients of that step (rank-R.safetensors, keys `grad.NAME` for gradients)
-and the step's metrics (rank-R.json) in DUMP_DIR, so the test can compare replicas and set-ups."""
+and the step's metrics (rank-R.json) in DUMP_DIR (sharded tensors gathered whole), so the test can compare replicas and set-ups."""
 import json
 import sys
 from pathlib import Path
@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from gqakit.recipes import load_recipe
 from gqakit.uptrain import UptrainConfig, uptrain
+from gqakit.uptrain.fsdp import full_tensor
 
 
 def main() -> None:
@@ -20,9 +21,9 @@ def main() -> None:
     def save(step, row, model):
         if step == cfg.steps:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            state.update({f"grad.{k}": p.grad.detach().clone() for k, p in model.named_parameters()
-                          if p.grad is not None})
+            state = {k: full_tensor(v.detach()).clone() for k, v in model.state_dict().items()}
+            state.update({f"grad.{k}": full_tensor(p.grad.detach()).clone() for k, p in model.named_parameters()
+                          if p.grad is not None})  # FSDP: DTensors gathered whole (every rank takes part)
             save_file(state, str(dump / f"rank-{rank}.safetensors"))
             (dump / f"rank-{rank}.json").write_text(json.dumps(row))
 

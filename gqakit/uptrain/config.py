@@ -23,6 +23,7 @@ TRAINABLE = ("all", "attention", "kv")
 ATTENTION = ("default", "tiled", "sliding", "sinks")
 LONG_CONTEXT = ("sliding", "sinks")  # attention kinds that make positions past the model's limit sensible
 MIXED_PRECISION = ("no", "bf16", "fp16")
+SHARDING = ("ddp", "fsdp")
 SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 BUDGET_RECORD = "pretraining.json"
 
@@ -66,6 +67,8 @@ class UptrainConfig:
     window: int | None = None
     sinks: int | None = None
     context_parallel: int = 1  # ranks that share one sequence (ring attention); the rest is data parallel
+    sharding: str = "ddp"  # ddp: every process holds everything | fsdp: FSDP2, state sharded over all processes
+    device_memory: str | None = None  # per-rank memory the fit check plans for, e.g. 80GB or 24GiB; None: detect
     num_processes: int | None = None  # expected world size: refuse to run silently on fewer processes
     # bookkeeping
     seed: int = 0
@@ -192,7 +195,7 @@ def check(cfg: UptrainConfig) -> dict:
               "eval_sequences", "threads", "num_processes")
     model_config = read_config(Path(cfg.model))
     choices = {"trainable": TRAINABLE, "attention": ATTENTION, "mixed_precision": MIXED_PRECISION,
-               "save_dtype": SAVE_DTYPES}
+               "sharding": SHARDING, "save_dtype": SAVE_DTYPES}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise GqakitError(f"{name}={getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
@@ -203,6 +206,9 @@ def check(cfg: UptrainConfig) -> dict:
     if cfg.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise GqakitError("mixed_precision=fp16 needs a GPU (on CPU autocast would silently train in fp32); "
                           "use mixed_precision=bf16 or no")
+    if cfg.sharding == "fsdp" and cfg.mixed_precision == "fp16":
+        raise GqakitError("mixed_precision=fp16 with sharding=fsdp would need a sharded loss scaler; use "
+                          "mixed_precision=bf16 (FSDP2's policy: bf16 compute, fp32 reduction and master weights)")
     if cfg.teacher is not None:
         if not 0.0 <= cfg.distill_weight <= 1.0:
             raise GqakitError(f"distill_weight={cfg.distill_weight} must be in [0, 1] (0 = cross-entropy only)")

@@ -1,4 +1,5 @@
-"""`gqakit uptrain`: an explicit training loop around `accelerator.prepare`.
+"""`gqakit uptrain`: an explicit training loop; DDP through `accelerator.prepare`, FSDP2 through
+`gqakit.uptrain.fsdp` (both average gradients over the processes).
 
 One optimizer step = `gradient_accumulation_steps` micro-steps on every process. Each process's loss
 is its summed token losses divided by the TOTAL target tokens of the step, times the number of
@@ -26,7 +27,7 @@ from .metrics import MetricsLog, plot
 from .parallel import SequenceParallel
 from .record import save_final, source_dtype
 from .run_folder import check_processes, plan_run, start_run
-from .state import CHECKPOINTS, load_checkpoint, save_checkpoint, set_rng_state
+from .state import CHECKPOINTS, load_checkpoint, rank_record, save_checkpoint, set_rng_state
 
 
 def _sums(model, teacher, seqs: torch.Tensor, cfg: UptrainConfig, sp: SequenceParallel, autocast):
@@ -46,12 +47,11 @@ def _sums(model, teacher, seqs: torch.Tensor, cfg: UptrainConfig, sp: SequencePa
 def _checkpoint(accelerator, model, optimizer, scheduler, out: Path, step: int, cfg: UptrainConfig,
                 recipe: dict, rank_state: dict) -> None:
     """Every rank: save resumable checkpoint `step` (model, optimizer, scheduler, loss scale, rank state)."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
-    trainer_state = {"optimizer": inner.state_dict(), "scheduler": scheduler.state_dict(),
+    trainer_state = {"scheduler": scheduler.state_dict(),
                      "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None}
-    save_checkpoint(out, step, model_state=accelerator.get_state_dict(model), trainer_state=trainer_state,
-                    rank_state=rank_state, rank=accelerator.process_index, recipe=recipe,
-                    is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone,
+    save_checkpoint(out, step, model=model, optimizer=getattr(optimizer, "optimizer", optimizer),
+                    trainer_state=trainer_state, rank_state=rank_state, rank=accelerator.process_index,
+                    recipe=recipe, is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone,
                     keep=cfg.keep_checkpoints)
 
 
@@ -69,21 +69,61 @@ def _combine(ce, kd, cfg: UptrainConfig):
 
 @torch.no_grad()
 def evaluate(model, data: torch.Tensor, cfg: UptrainConfig, sp: SequenceParallel, accelerator) -> float:
-    """Mean held-out cross-entropy (nats/token) over `data`, split over the data-parallel ranks."""
-    model = accelerator.unwrap_model(model)  # no DDP collectives: ranks may hold different counts
+    """Mean held-out cross-entropy (nats/token) over `data`, split over the data-parallel ranks. Every
+    rank runs the same number of forward passes (FSDP gathers weights collectively): a rank whose share
+    has run out repeats a sequence and does not count it."""
+    model = accelerator.unwrap_model(model)  # no DDP buffer broadcasts; FSDP modules stay as they are
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     mine = data[sp.dp_rank :: sp.data_parallel]
-    for i in range(0, len(mine), cfg.batch_size):
+    batches = math.ceil(math.ceil(len(data) / sp.data_parallel) / cfg.batch_size)
+    for b in range(batches):
+        seqs = mine[b * cfg.batch_size : (b + 1) * cfg.batch_size]
+        counted = len(seqs) > 0
         with accelerator.autocast(), sp.attention():
-            ce, _ = _sums(model, None, mine[i : i + cfg.batch_size].to(accelerator.device), cfg, sp,
+            ce, _ = _sums(model, None, (seqs if counted else data[:1]).to(accelerator.device), cfg, sp,
                           accelerator.autocast)
-        total[0] += ce.double()
+        total[0] += ce.double() if counted else 0.0
     total[1] = len(mine) * cfg.seq_len / sp.context_parallel  # every rank counts its share of the targets
     total = accelerator.reduce(total, reduction="sum")
+    if hasattr(model, "reshard"):  # FSDP keeps the root unsharded after a forward without backward
+        model.reshard()
     model.train(was_training)
     return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+
+
+def _models(cfg: UptrainConfig, sp: SequenceParallel, accelerator):
+    """(student, teacher or None, attention options, (trainable, total) parameter counts). With
+    fsdp both models are built sharded, never whole on a rank."""
+    counts, options = {}, {}
+
+    def prepare_student(model):
+        options.update(modeling.set_attention(model, cfg))
+        sp.prepare_model(model)
+        counts["params"] = modeling.select_trainable(model, cfg.trainable)
+        if cfg.gradient_checkpointing:
+            _enable_checkpointing(model)
+
+    def prepare_teacher(teacher):
+        teacher.eval().requires_grad_(False)
+        sp.prepare_teacher(teacher)
+
+    if cfg.sharding == "fsdp":
+        from . import fsdp
+
+        mesh, policy = fsdp.make_mesh(accelerator.device.type), fsdp.mp_policy(cfg.mixed_precision)
+        model = fsdp.load_sharded(cfg.model, mesh, policy, accelerator.device, prepare_student)
+        teacher = None if cfg.teacher is None else fsdp.load_sharded(
+            cfg.teacher, mesh, policy, accelerator.device, prepare_teacher, role="teacher")
+    else:
+        model = modeling.load_causal_lm(cfg.model)
+        prepare_student(model)
+        teacher = modeling.load_teacher(cfg, model)
+        if teacher is not None:
+            prepare_teacher(teacher)
+            teacher.to(accelerator.device)
+    return model, teacher, options, counts["params"]
 
 
 def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict, torch.nn.Module], None] | None = None
@@ -107,8 +147,10 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
 
     # accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with other
     # settings; several runs in one process (the grid, tests) reset it, keeping the process group.
+    # Under fsdp, mixed precision is FSDP2's policy, not autocast.
     AcceleratorState._reset_state()
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision)
+    fsdp = cfg.sharding == "fsdp"
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no" if fsdp else cfg.mixed_precision)
     is_main = accelerator.is_main_process
     resume_from = plan_run(cfg.output_dir, recipe, cfg.force, shape)  # every rank reads; nobody writes yet
     accelerator.wait_for_everyone()
@@ -124,35 +166,31 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
                        cfg.seed, cfg.text_column)
     order = BatchOrder(len(data.train), cfg.batch_size, cfg.gradient_accumulation_steps, sp.data_parallel, cfg.seed)
 
-    model = modeling.load_causal_lm(cfg.model)
-    attention_options = modeling.set_attention(model, cfg)
-    sp.prepare_model(model)
-    trainable, total_params = modeling.select_trainable(model, cfg.trainable)
-    if cfg.gradient_checkpointing:
-        _enable_checkpointing(model)
-    teacher = modeling.load_teacher(cfg, model)
-    if teacher is not None:
-        sp.prepare_teacher(teacher)
-        teacher.to(accelerator.device)
+    model, teacher, attention_options, (trainable, total_params) = _models(cfg, sp, accelerator)
     optimizer = modeling.make_optimizer(model, cfg)
     scheduler = modeling.make_scheduler(optimizer, cfg, budget.steps)
+    if not fsdp:
+        model, optimizer = accelerator.prepare(model, optimizer)
 
     start = 0
     if resume_from is not None:
-        model_state, trainer_state, rank_state = load_checkpoint(resume_from, accelerator.process_index)
-        model.load_state_dict(model_state)
-        optimizer.load_state_dict(trainer_state["optimizer"])
+        trainer_state = load_checkpoint(resume_from, model, getattr(optimizer, "optimizer", optimizer))
         scheduler.load_state_dict(trainer_state["scheduler"])
-        start = rank_state["step"]
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if resume_from is not None:
         if trainer_state.get("scaler") is not None and accelerator.scaler is not None:
             accelerator.scaler.load_state_dict(trainer_state["scaler"])  # fp16 loss scale
-        set_rng_state(rank_state["rng"])
+        saved = rank_record(resume_from, 0)
+        mine = rank_record(resume_from, accelerator.process_index)
+        start = saved["step"]
+        if mine is not None and saved["shape"] == shape:
+            set_rng_state(mine["rng"])  # the same launch: every process continues its own random streams
+        else:  # resharded: no saved stream belongs to this process; derive one from (seed, step, rank)
+            set_seed(cfg.seed + 1_000_003 * start + accelerator.process_index)
+        if is_main:
+            print(f"uptrain: resuming {out} from step {start} ({resume_from.name})", flush=True)
     log = MetricsLog(out, start, enabled=is_main)
     record_base = {"initial_eval_ppl": None}
-    if start and is_main:
-        record_base.update(rank_state.get("record", {}))
+    if start:
+        record_base.update(saved.get("record", {}))
     if start == 0 and len(data.eval):
         record_base["initial_eval_ppl"] = math.exp(evaluate(model, data.eval, cfg, sp, accelerator))
         if is_main:
@@ -161,6 +199,7 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
 
     bar = tqdm(total=budget.steps, initial=start, desc="uptrain", unit="step", disable=not (is_main and cfg.progress))
     t0, step_tokens = time.perf_counter(), 0
+    trained = [p for group in optimizer.param_groups for p in group["params"]]  # what the optimizer updates
     model.train()
     for step in range(start, budget.steps):
         optimizer.zero_grad(set_to_none=True)  # here, not after the step: on_step may read the gradients
@@ -170,14 +209,14 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
             seqs = data.train[idx].to(accelerator.device)  # (B, T + 1)
             last = micro == cfg.gradient_accumulation_steps - 1
             # backward inside the attention context: gradient checkpointing re-runs the forward
-            with contextlib.nullcontext() if last else accelerator.no_sync(model), sp.attention():
+            with _gradient_sync(accelerator, model, fsdp, last), sp.attention():
                 ce, kd = _sums(model, teacher, seqs, cfg, sp, accelerator.autocast)
                 loss = _combine(ce, kd, cfg) * accelerator.num_processes / budget.tokens_per_step
                 accelerator.backward(loss)
             sums[0] += ce.detach().double()
             if kd is not None:
                 sums[1] += kd.detach().double()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip else None
+        grad_norm = _clip(accelerator, model, trained, cfg.grad_clip, fsdp) if cfg.grad_clip else None
         lr = optimizer.param_groups[0]["lr"]  # the rate this step used
         optimizer.step()
         scheduler.step()
@@ -209,7 +248,7 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
         "budget": {"steps": budget.steps, "tokens_per_step": budget.tokens_per_step, "tokens": budget.tokens,
                    "source": budget.source},
         "warmup_steps": modeling.warmup_steps(cfg, budget.steps),
-        "global_batch": order.global_batch, "processes": accelerator.num_processes,
+        "global_batch": order.global_batch, "processes": accelerator.num_processes, "sharding": cfg.sharding,
         "data": data.describe(), "parameters": total_params, "trainable_parameters": trainable,
         "attention_options": attention_options,
         "final_eval_ppl": math.exp(log.rows[-1]["eval_loss"]) if is_main and log.rows and
@@ -218,12 +257,31 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
         "train_seconds": round(time.perf_counter() - t0, 1),
     }
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
+    save_final(accelerator.unwrap_model(model), tokenizer, out, record, is_main=is_main,
+               barrier=accelerator.wait_for_everyone)
     if is_main:
-        unwrapped = accelerator.unwrap_model(model)
-        save_final(unwrapped, tokenizer, out, record, state_dict)
         plot(log.rows, out / "loss.png", title=f"uptrain {Path(cfg.model).name}")
         if cfg.delete_checkpoints:
             shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
     accelerator.wait_for_everyone()
     return record
+
+
+def _gradient_sync(accelerator, model, fsdp: bool, sync: bool):
+    """Reduce gradients only on the last micro-step of an optimizer step."""
+    if sync:
+        return contextlib.nullcontext()
+    if fsdp:
+        from .fsdp import gradient_sync
+
+        return gradient_sync(model, False)
+    return accelerator.no_sync(model)
+
+
+def _clip(accelerator, model, trained: list, max_norm: float, fsdp: bool) -> torch.Tensor:
+    """Clip the global gradient norm (over every shard); returns the norm before clipping."""
+    if not fsdp:
+        return accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    from .fsdp import full_tensor
+
+    return full_tensor(torch.nn.utils.clip_grad_norm_(trained, max_norm))  # DTensor grads: a global norm

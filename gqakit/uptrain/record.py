@@ -57,29 +57,62 @@ def _card(source: Path, record: dict) -> str:
     return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
 
 
-def save_final(model, tokenizer, output_dir: Path, record: dict, state_dict: dict | None = None) -> None:
-    """Main process: write the final model into the run folder; `uptraining.json` last marks it done."""
+def final_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a stock checkpoint of `model` holds: its state dict with tied weights once (under
+    the first name, as `save_pretrained` keeps it); FSDP parameters stay sharded DTensors."""
+    seen: set[int] = set()
+    out = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((name, t))
+    return out
+
+
+def save_final(model, tokenizer, output_dir: Path, record: dict, *, is_main: bool, barrier,
+               max_shard_bytes: int = 5 * 10**9) -> None:
+    """Every rank: stream the final weights into a stock Hugging Face folder in the run folder. A sharded
+    tensor is gathered whole, one tensor at a time, and written by the main process as it arrives (a
+    safetensors header is planned up front), so no rank ever holds more than one full tensor.
+    `uptraining.json`, written last, marks the run finished."""
+    from ..convert.checkpoint import DTYPE_NAMES, ShardWriter
     from ..convert.run import copy_side_files
+    from .fsdp import full_tensor
 
     out = Path(output_dir)
     source = Path(record["recipe"]["model"])
     tmp = out / ".final.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     dtype = _SAVE_DTYPES[record["save_dtype"]]
-    state = state_dict if state_dict is not None else model.state_dict()
-    cast: dict[int, torch.Tensor] = {}  # one cast per storage, so tied weights stay tied (saved once)
-    model.save_pretrained(tmp, state_dict={k: cast.setdefault(v.data_ptr(), v.to(dtype)) for k, v in state.items()})
-    config = json.loads((tmp / "config.json").read_text())
-    config["dtype"] = record["save_dtype"]
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    copy_side_files(source, tmp)
-    for name in RUN_FILES:  # when the source is itself an uptraining run folder
-        if (tmp / name).exists():
-            shutil.rmtree(tmp / name) if (tmp / name).is_dir() else (tmp / name).unlink()
-    if not (tmp / "tokenizer_config.json").exists():
-        tokenizer.save_pretrained(tmp)
-    (tmp / "README.md").write_text(_card(source, record))
-    for path in sorted(tmp.iterdir()):
-        os.replace(path, out / path.name)
-    tmp.rmdir()
-    (out / FINISHED).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    tensors = final_tensors(model)
+    writer = None
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        entries = [(name, DTYPE_NAMES[dtype if t.is_floating_point() else t.dtype], tuple(t.shape))
+                   for name, t in tensors]
+        writer = ShardWriter(tmp, entries, max_shard_bytes)
+    for name, t in tensors:
+        whole = full_tensor(t.detach())  # a collective for DTensors: every rank takes part
+        if writer is not None:
+            writer.write_tensor(name, whole.to(dtype) if whole.is_floating_point() else whole)
+        del whole
+    if is_main:
+        writer.finish()
+        model.config.save_pretrained(tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config["dtype"] = record["save_dtype"]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        copy_side_files(source, tmp)
+        for name in RUN_FILES:  # when the source is itself an uptraining run folder
+            if (tmp / name).exists():
+                shutil.rmtree(tmp / name) if (tmp / name).is_dir() else (tmp / name).unlink()
+        if not (tmp / "tokenizer_config.json").exists():
+            tokenizer.save_pretrained(tmp)
+        if not (tmp / "generation_config.json").exists() and getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        (tmp / "README.md").write_text(_card(source, record))
+        for path in sorted(tmp.iterdir()):
+            os.replace(path, out / path.name)
+        tmp.rmdir()
+        (out / FINISHED).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    barrier()

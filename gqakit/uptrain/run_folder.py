@@ -11,8 +11,12 @@ from .state import checkpoint_dirs
 
 MARKER = "uptrain-recipe.json"  # written when a run starts: this folder belongs to gqakit uptrain
 FINISHED = "uptraining.json"  # written last: the final model in this folder is complete
-# Keys that may change between an interrupted run and its resumption without changing the run.
-RESUME_FREE = {"progress", "force", "threads", "checkpoint_every", "keep_checkpoints", "delete_checkpoints", "log_every"}
+# Keys that may change between an interrupted run and its resumption without changing the run. The
+# process layout may change too (DCP reshards): `shape` then checks that the global batch is the same.
+RESUME_FREE = {"progress", "force", "threads", "checkpoint_every", "keep_checkpoints", "delete_checkpoints", "log_every",
+               "batch_size", "gradient_accumulation_steps", "context_parallel", "num_processes", "sharding"}
+# What the launch must keep for a resumed run to continue the same run: steps and tokens per step.
+SAME_RUN = ("steps", "tokens_per_step")
 
 
 def _identity(recipe: dict) -> dict:
@@ -22,7 +26,9 @@ def _identity(recipe: dict) -> dict:
 def plan_run(output_dir: str | Path, recipe: dict, force: bool, shape: dict) -> Path | None:
     """Decide, reading only, what to do with the run folder: the checkpoint to resume from, or None
     for a fresh start. Refuses (one line, before any work) a folder that is not ours, a finished run,
-    a run of another recipe, or one written by another number of processes (`shape`), unless `force`."""
+    a run of another recipe, or one whose launch (`shape`) splits the budget into other steps, unless `force`.
+    Another number of processes, context parallelism or sharding resumes (resharded), provided the
+    global batch (tokens per step) and the step count are the same."""
     out = Path(output_dir)
     if not out.exists() or force:
         return None
@@ -47,11 +53,13 @@ def plan_run(output_dir: str | Path, recipe: dict, force: bool, shape: dict) -> 
                           f"{theirs.get(key)!r} there, {mine.get(key)!r} here); resume it with the same recipe, "
                           "choose another output_dir, or pass force=true to start over")
     theirs = json.loads((checkpoints[-1] / "rank-00000.json").read_text()).get("shape", {})
-    if theirs != shape:
-        key = next(k for k in sorted(set(shape) | set(theirs)) if shape.get(k) != theirs.get(k))
-        raise GqakitError(f"output_dir {out} holds a run checkpointed with {key}={theirs.get(key)} but this launch has "
-                          f"{key}={shape.get(key)}; resume it with the same launch (processes, context_parallel), "
-                          "or pass force=true to start over")
+    for key in SAME_RUN:
+        if theirs.get(key) != shape.get(key):
+            raise GqakitError(
+                f"output_dir {out} holds a run checkpointed with {key}={theirs.get(key)} but this launch has "
+                f"{key}={shape.get(key)} ({theirs.get('processes')} processes then, {shape.get('processes')} now); "
+                "keep the global batch: batch_size x gradient_accumulation_steps x data-parallel processes must stay "
+                "the same (e.g. double gradient_accumulation_steps on half the processes), or pass force=true")
     return checkpoints[-1]
 
 

@@ -1,30 +1,68 @@
-"""Resumable training checkpoints, written atomically and read without arbitrary unpickling.
+"""Resumable training checkpoints with `torch.distributed.checkpoint` (DCP), written atomically and
+read without arbitrary unpickling.
 
     OUTPUT/checkpoints/step-000050/
-        model.safetensors       every parameter, fp32 (safetensors)
-        trainer_state.pt        optimizer, LR-scheduler (and fp16 loss-scaler) state dicts: tensors and
-                                numbers only, read back with torch.load(weights_only=True), whose
-                                restricted unpickler refuses anything else
+        state/                  DCP: model parameters and AdamW moments; each rank writes its own shards
+                                (FSDP) or one rank writes each replicated tensor (DDP); no rank gathers
+        trainer.json            optimizer param groups (lr, betas...), LR scheduler, fp16 loss scale
         rank-00000.json ...     per process: step, data position, metrics so far, RNG states
-        recipe.json             the recipe that wrote it (a resume with a different one is refused)
+        recipe.json             the recipe that wrote it; written last, it marks the folder complete
+
+DCP stores tensors with their global shapes and shard offsets, so a checkpoint loads onto any number
+of processes (it reshards) and onto either sharding. Only tensors go through DCP; everything else is
+JSON. DCP reads tensors with `torch.load(weights_only=True)` and its index (`.metadata`) with pickle:
+that one file is read here by an unpickler that accepts DCP's own metadata classes and nothing else.
 
 A checkpoint folder is written under a temporary name and renamed when complete, so a crash while
-writing leaves the previous checkpoint intact: a run loses at most one checkpoint interval.
+writing (even SIGKILL) leaves the previous checkpoint intact: a run loses at most one interval.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
 CHECKPOINTS = "checkpoints"
 _PREFIX = "step-"
+_SAFE_GLOBALS = {  # what DCP's .metadata pickle may name
+    ("torch.distributed.checkpoint.metadata", None), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"), ("torch", "Size"), ("torch", "float32"),
+    ("torch", "bfloat16"), ("torch", "float16"), ("torch", "float64"), ("torch", "int64"), ("torch", "int32"),
+    ("torch", "uint8"), ("torch", "bool"), ("torch", "strided"), ("torch", "contiguous_format"),
+    ("torch._utils", "_get_layout"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, None) in _SAFE_GLOBALS or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which a DCP index never holds")
+
+
+def _reader(path: Path):
+    """DCP's file reader with the restricted metadata unpickler."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
 
 
 def checkpoint_dirs(output_dir: Path) -> list[Path]:
@@ -57,9 +95,23 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
-def save_checkpoint(output_dir: Path, step: int, *, model_state: dict, trainer_state: dict | None,
-                    rank_state: dict, rank: int, recipe: dict, is_main: bool, barrier, keep: int) -> Path:
-    """Write checkpoint `step` (every rank calls this; `barrier()` synchronises them)."""
+def _dcp_state(model, optimizer) -> tuple[dict, list]:
+    """({"model": ..., "optimizer": ...} tensors for DCP, the optimizer's param groups for JSON)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state["state"]}, optim_state["param_groups"]
+
+
+def _single() -> bool:
+    return not torch.distributed.is_initialized()
+
+
+def save_checkpoint(output_dir: Path, step: int, *, model, optimizer, trainer_state: dict, rank_state: dict,
+                    rank: int, recipe: dict, is_main: bool, barrier, keep: int) -> Path:
+    """Write checkpoint `step`; every rank calls this (`barrier()` synchronises them)."""
+    import torch.distributed.checkpoint as dcp
+
     root = Path(output_dir) / CHECKPOINTS
     final = root / f"{_PREFIX}{step:06d}"
     tmp = root / f".{final.name}.tmp"
@@ -67,10 +119,10 @@ def save_checkpoint(output_dir: Path, step: int, *, model_state: dict, trainer_s
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    tensors, param_groups = _dcp_state(model, optimizer)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp / "state"), overwrite=True), no_dist=_single())
     if is_main:
-        save_file({k: v.detach().float().cpu().clone() for k, v in model_state.items()},  # clone: tied weights
-                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        torch.save(trainer_state, tmp / "trainer_state.pt")
+        (tmp / "trainer.json").write_text(json.dumps({**trainer_state, "param_groups": param_groups}))
     (tmp / f"rank-{rank:05d}.json").write_text(json.dumps({**rank_state, "rng": rng_state()}))
     barrier()
     if is_main:
@@ -83,9 +135,25 @@ def save_checkpoint(output_dir: Path, step: int, *, model_state: dict, trainer_s
     return final
 
 
-def load_checkpoint(folder: Path, rank: int) -> tuple[dict, dict, dict]:
-    """(model state, trainer state, this rank's state) of a checkpoint folder."""
-    model_state = load_file(str(folder / "model.safetensors"))
-    trainer_state = torch.load(folder / "trainer_state.pt", weights_only=True, map_location="cpu")
-    # run_folder.plan_run has checked that the same number of processes resumes it
-    return model_state, trainer_state, json.loads((folder / f"rank-{rank:05d}.json").read_text())
+def load_checkpoint(folder: Path, model, optimizer) -> dict:
+    """Load a checkpoint's model and optimizer state in place (resharding as needed); returns the
+    trainer state (scheduler, loss scale)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    tensors, _ = _dcp_state(model, optimizer)
+    dcp.load(tensors, storage_reader=_reader(folder / "state"), no_dist=_single())
+    trainer_state = json.loads((folder / "trainer.json").read_text())
+    groups = trainer_state.pop("param_groups")
+    for group in groups:  # JSON turned tuples into lists
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
+    return trainer_state
+
+
+def rank_record(folder: Path, rank: int) -> dict | None:
+    """What process `rank` recorded in a checkpoint (step, data position, RNG), if it took part."""
+    path = folder / f"rank-{rank:05d}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
