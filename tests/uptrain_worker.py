@@ -1,8 +1,13 @@
 """Run by the multi-process tests under torchrun: uptrain a recipe; after the last step every rank
 saves its weights and the gradients of that step (rank-R.safetensors, keys `grad.NAME` for gradients)
-and the step's metrics (rank-R.json) in DUMP_DIR (sharded tensors gathered whole), so the test can compare replicas and set-ups."""
+and the step's metrics (rank-R.json) in DUMP_DIR (sharded tensors gathered whole).
+
+With GQAKIT_TEST_STALL_AT=k, every rank stops after step k (after that step's checkpoint is written),
+rank 0 creates DUMP_DIR/stalled, and all wait to be killed: the tests SIGKILL the run there."""
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -17,10 +22,16 @@ def main() -> None:
     torch.set_num_threads(1)
     recipe, dump = sys.argv[1], Path(sys.argv[2])
     cfg = load_recipe(UptrainConfig, recipe, sys.argv[3:])
+    stall_at = int(os.environ.get("GQAKIT_TEST_STALL_AT", "0"))
 
     def save(step, row, model):
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if step == stall_at:
+            if rank == 0:
+                (dump / "stalled").touch()
+            while True:
+                time.sleep(1)
         if step == cfg.steps:
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             state = {k: full_tensor(v.detach()).clone() for k, v in model.state_dict().items()}
             state.update({f"grad.{k}": full_tensor(p.grad.detach()).clone() for k, p in model.named_parameters()
                           if p.grad is not None})  # FSDP: DTensors gathered whole (every rank takes part)
