@@ -318,3 +318,20 @@ def test_a_budget_on_the_command_line_replaces_the_recipes(tiny, tmp_path, capsy
                           output_dir=str(tmp_path / "run"), alpha=0.5)
     assert main(["uptrain", str(recipe), "steps=1", "-q"]) == 0
     assert json.loads((tmp_path / "run" / "uptraining.json").read_text())["budget"]["steps"] == 1
+
+
+def test_fsdp_refuses_a_model_it_cannot_wrap_before_any_work(tiny, tmp_path, capsys, monkeypatch):
+    """A model class that names no decoder-layer class cannot be sharded per layer: one line naming the
+    model and the fix, and the run folder is never created."""
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+    monkeypatch.setattr(LlamaPreTrainedModel, "_no_split_modules", None)  # inherited by model and decoder
+    _cfg(tiny, tmp_path, steps=1, sharding="fsdp")
+    err = _cli_error(capsys, ["uptrain", str(tmp_path / "r.yaml")])
+    assert "sharding=fsdp cannot wrap LlamaForCausalLM" in err and "use sharding=ddp" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_fsdp_with_fp16_is_refused(tiny, tmp_path, capsys):
+    _cfg(tiny, tmp_path, steps=1, sharding="fsdp", mixed_precision="fp16")
+    assert "mixed_precision=fp16" in _cli_error(capsys, ["uptrain", str(tmp_path / "r.yaml")])

@@ -209,6 +209,12 @@ def check(cfg: UptrainConfig) -> dict:
     if cfg.sharding == "fsdp" and cfg.mixed_precision == "fp16":
         raise GqakitError("mixed_precision=fp16 with sharding=fsdp would need a sharded loss scaler; use "
                           "mixed_precision=bf16 (FSDP2's policy: bf16 compute, fp32 reduction and master weights)")
+    if cfg.sharding == "fsdp":
+        from .fsdp import check_wrappable
+
+        for role, path in (("model", cfg.model), ("teacher", cfg.teacher)):
+            if path is not None:
+                check_wrappable(path, role)
     if cfg.teacher is not None:
         if not 0.0 <= cfg.distill_weight <= 1.0:
             raise GqakitError(f"distill_weight={cfg.distill_weight} must be in [0, 1] (0 = cross-entropy only)")

@@ -62,6 +62,25 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return layers
 
 
+def check_wrappable(path: str, role: str = "model") -> None:
+    """Refuse, before any work, a checkpoint whose model FSDP cannot be applied to per decoder layer
+    (built on the meta device from config.json: no weights are read)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    try:
+        with init_empty_weights(include_buffers=True):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # an architecture transformers cannot build as a causal LM
+        raise GqakitError(f"sharding=fsdp cannot build the {role} {path} ({str(e).splitlines()[0]}); "
+                          "use sharding=ddp") from None
+    try:
+        decoder_layers(model)
+    except GqakitError as e:
+        raise GqakitError(f"{role} {path}: {e}") from None
+
+
 def shard(model, mesh, policy, role: str = "model") -> None:
     """fully_shard every decoder layer, then the root (embeddings, final norm, head)."""
     from torch.distributed.fsdp import fully_shard
