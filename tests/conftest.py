@@ -10,3 +10,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_cache_root(tmp_path_factory):
+    """Implicit token caches (gqakit uptrain's data) go to a temporary folder, never ~/.cache; worker
+    processes that the tests start inherit the variable."""
+    import os
+
+    before = os.environ.get("GQAKIT_CACHE_DIR")
+    os.environ["GQAKIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("token-caches"))
+    yield
+    if before is None:
+        os.environ.pop("GQAKIT_CACHE_DIR", None)
+    else:
+        os.environ["GQAKIT_CACHE_DIR"] = before

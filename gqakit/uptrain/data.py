@@ -1,25 +1,40 @@
-"""Training data: read with `datasets`, tokenise, pack into fixed-length sequences, order by seed.
+"""Training data: token caches, windows read on demand, a held-out split by document, order by seed.
 
-Documents (a .txt file is one document; .jsonl / .json / .parquet files give one per row) are
-tokenised without special tokens and concatenated with the tokenizer's EOS after each one. The
-stream is cut into sequences of `seq_len + 1` tokens that overlap by one, so that every one of the
-`seq_len` inputs has its target inside the sequence: `inputs = seq[:-1]`, `targets = seq[1:]`. The
-targets are shifted here, before any sharding along time (context parallelism needs that).
+    data = load_training_data(cfg, tokenizer, is_main=accelerator.is_main_process,
+                              barrier=accelerator.wait_for_everyone)
+
+Documents (a .txt file is one document; .jsonl / .json / .parquet files and save_to_disk datasets give
+one per row) are tokenised once into a token cache (`token_build`, format in `token_cache`): the
+ids of every document followed by the tokenizer's EOS, in one flat file on disk. A `data:` entry may
+also be a cache made by `gqakit tokenize`, used as it is. The main process builds or checks the caches;
+the other ranks wait at `barrier()` and then only open them. Training windows of `seq_len + 1` tokens
+that overlap by one (`inputs = seq[:-1]`, `targets = seq[1:]`, shifted here, before any sharding along
+time) are read from the file when a batch asks for them (`windows.Windows`); the held-out windows, a
+few, are read into memory. Without `eval_data` the held-out windows come from whole held-out documents
+(`windows.split_held_out`).
 
 Order is a pure function of (seed, step): epoch e visits the training sequences in
 `randperm(n, seed + e)`, and optimizer step s takes the next `global_batch` of that endless stream. A
 resumed run therefore needs only the step number to continue exactly where it stopped, and every
 rank agrees on the order without talking to the others.
+
+`read_documents`, `tokenize_stream` and `pack` are the in-memory reference that the cache and the
+windows are tested against (and what small callers may still use).
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..errors import GqakitError
 from ..evaluate.data import ROW_SUFFIXES, eos_id, load_rows, load_text_file
+from .sources import CHUNK_BYTES, Source, resolve_source
+from .token_build import cache_root, ensure_cache, implicit_cache_path
+from .token_cache import CacheProblem, TokenCache, open_cache, tokenizer_fingerprint
+from .windows import Corpus, Windows, split_held_out
 
 
 def read_documents(paths: tuple[str, ...], text_column: str = "text") -> list[str]:
@@ -60,30 +75,107 @@ def pack(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 @dataclasses.dataclass
 class PackedData:
-    train: torch.Tensor  # (N, seq_len + 1)
-    eval: torch.Tensor  # (M, seq_len + 1), possibly empty
+    train: Windows | torch.Tensor  # (N, seq_len + 1) windows, read on demand
+    eval: torch.Tensor  # (M, seq_len + 1) in memory, possibly empty; M <= eval_sequences
     train_tokens: int  # tokens in the stream the training sequences were cut from
+    held_out: str = "none"  # documents | tail | eval_data | none (windows.split_held_out)
+    held_out_documents: int = 0
 
     def describe(self) -> dict:
         return {"train_sequences": len(self.train), "eval_sequences": len(self.eval),
-                "train_stream_tokens": self.train_tokens}
+                "train_stream_tokens": self.train_tokens, "held_out": self.held_out,
+                "held_out_documents": self.held_out_documents}
+
+
+def _groups(entries: tuple[str, ...]) -> list[Source | list[Source]]:
+    """Token caches as they are; each run of consecutive other entries becomes one implicit cache."""
+    out: list[Source | list[Source]] = []
+    for source in map(resolve_source, entries):
+        if source.kind == "cache":
+            out.append(source)
+        elif out and isinstance(out[-1], list):
+            out[-1].append(source)
+        else:
+            out.append([source])
+    return out
+
+
+def _open_caches(groups: list[Source | list[Source]], tokenizer, *, text_column: str, root: Path, num_proc: int,
+                 chunk_bytes: int, progress: bool, is_main: bool, barrier: Callable[[], None]) -> list[TokenCache]:
+    """The caches of `groups` (`_groups`), in order: built or checked (checksums) on the main process,
+    then opened on every rank."""
+    fingerprint, name = tokenizer_fingerprint(tokenizer), str(getattr(tokenizer, "name_or_path", "") or "MODEL")
+    folders = [g.path if isinstance(g, Source) else implicit_cache_path(g, fingerprint, root, text_column, chunk_bytes)
+               for g in groups]
+    if is_main:
+        try:
+            for group in groups:
+                if isinstance(group, Source):
+                    open_cache(group.path, fingerprint=fingerprint, tokenizer_name=name, verify=True, progress=progress)
+                else:
+                    ensure_cache(group, tokenizer, root=root, text_column=text_column, num_proc=num_proc,
+                                 chunk_bytes=chunk_bytes, progress=progress)
+        except Exception:
+            barrier()  # release the other ranks: they find no usable cache and stop too
+            raise
+    barrier()
+    caches = []
+    for folder in folders:
+        try:
+            caches.append(open_cache(folder, fingerprint=fingerprint, tokenizer_name=name))
+        except CacheProblem as e:
+            if is_main:
+                raise
+            raise GqakitError(f"the main process did not prepare a usable token cache: {folder} {e.reason}; see the "
+                              "main process's error") from None
+    return caches
+
+
+def prepare_data(data: tuple[str, ...], eval_data: tuple[str, ...], tokenizer, *, seq_len: int,
+                 eval_fraction: float, eval_sequences: int, seed: int, text_column: str = "text",
+                 cache_dir: str | None = None, num_proc: int = 1, progress: bool = False, is_main: bool = True,
+                 barrier: Callable[[], None] = lambda: None, chunk_bytes: int = CHUNK_BYTES) -> PackedData:
+    """Training windows and held-out sequences from `data` (and `eval_data`), through token caches."""
+    options = dict(text_column=text_column, root=cache_root(cache_dir), num_proc=num_proc, chunk_bytes=chunk_bytes,
+                   progress=progress, is_main=is_main)
+    train_groups, eval_groups = _groups(data), _groups(eval_data)
+    caches = _open_caches(train_groups + eval_groups, tokenizer, barrier=barrier, **options)  # one barrier for both
+    corpus = Corpus(caches[:len(train_groups)])
+    if eval_data:
+        held = Corpus(caches[len(train_groups):])
+        limit = min(held.tokens, eval_sequences * seq_len + 1)
+        if (limit - 1) // seq_len < 1:
+            raise GqakitError(f"the eval_data holds {held.tokens} tokens, fewer than one sequence of seq_len+1="
+                              f"{seq_len + 1}; add held-out text or lower seq_len")
+        train = Windows(corpus.spans(0, corpus.tokens), seq_len)
+        if len(train) < 1:
+            raise GqakitError(f"the data holds {corpus.tokens} tokens, fewer than one sequence of seq_len+1="
+                              f"{seq_len + 1}; add data or lower seq_len")
+        return PackedData(train, Windows(held.spans(0, limit), seq_len)[:], corpus.tokens, "eval_data")
+    split = split_held_out(corpus, seq_len, eval_fraction, eval_sequences, seed)
+    train = Windows([s for a, b in split.train for s in corpus.spans(a, b)], seq_len)
+    held = Windows([s for a, b in split.held for s in corpus.spans(a, b)], seq_len)
+    return PackedData(train, held[: min(eval_sequences, len(held))], train.tokens, split.kind, split.documents)
+
+
+def load_training_data(cfg, tokenizer, *, is_main: bool = True, barrier: Callable[[], None] = lambda: None
+                       ) -> PackedData:
+    """`prepare_data` for an `UptrainConfig` (data, eval_data, seq_len, eval_fraction, eval_sequences,
+    seed, text_column, cache_dir, num_proc, progress). Call it on every rank with `is_main` and a
+    `barrier` that all ranks reach (accelerator.is_main_process, accelerator.wait_for_everyone)."""
+    return prepare_data(cfg.data, cfg.eval_data, tokenizer, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction,
+                        eval_sequences=cfg.eval_sequences, seed=cfg.seed, text_column=cfg.text_column,
+                        cache_dir=cfg.cache_dir, num_proc=cfg.num_proc, progress=cfg.progress, is_main=is_main,
+                        barrier=barrier)
 
 
 def load_packed(data: tuple[str, ...], eval_data: tuple[str, ...], tokenizer, seq_len: int,
                 eval_fraction: float, eval_sequences: int, seed: int, text_column: str = "text") -> PackedData:
-    """Training and held-out sequences. Without `eval_data`, a seeded `eval_fraction` of the packed
-    sequences is held out (at least one when the fraction is positive)."""
-    stream = tokenize_stream(read_documents(data, text_column), tokenizer)
-    packed = pack(stream, seq_len)
-    if eval_data:
-        held = pack(tokenize_stream(read_documents(eval_data, text_column), tokenizer), seq_len)
-        train = packed
-    else:
-        wanted = min(eval_sequences, round(eval_fraction * len(packed)))  # no held-out sequence goes unused
-        n_eval = min(len(packed) - 1, max(1 if eval_fraction > 0 else 0, wanted))
-        perm = torch.randperm(len(packed), generator=torch.Generator().manual_seed(seed + 7919))
-        held, train = packed[perm[:n_eval].sort().values], packed[perm[n_eval:].sort().values]
-    return PackedData(train, held[:eval_sequences], stream.numel())
+    """The older entry point: `prepare_data` with the default cache root and one tokenising process.
+    Every caller acts as the main process (a file lock makes concurrent callers build a cache once, and
+    each checks its checksums); prefer `load_training_data`."""
+    return prepare_data(data, eval_data, tokenizer, seq_len=seq_len, eval_fraction=eval_fraction,
+                        eval_sequences=eval_sequences, seed=seed, text_column=text_column)
 
 
 class BatchOrder:
