@@ -5,10 +5,13 @@
     gqakit generate MODEL --attention sinks --sinks 4 --window 1020 --prompt-file F
     gqakit eval ppl|stream|passkey MODEL ...
     gqakit uptrain RECIPE.yaml [key=value ...]   (also under torchrun / accelerate launch)
+    gqakit tokenize DATA... -o TOKENS --tokenizer MODEL   (a token cache that uptrain's data: can name)
+    gqakit uptrain RECIPE.yaml --plan --processes 8 --device-memory 80GB   (memory per rank; trains nothing)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -106,6 +109,16 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
     if args.quiet:
         overrides.append("progress=false")
     cfg = load_recipe(UptrainConfig, args.recipe, overrides)
+    if args.device_memory is not None:
+        cfg = dataclasses.replace(cfg, device_memory=args.device_memory)
+    if args.plan:  # arithmetic from config.json alone: no data, tokenizer or output folder needed
+        from .uptrain.memory_plan import describe_plan
+
+        print(describe_plan(cfg, args.processes))
+        return
+    if args.processes is not None:
+        raise GqakitError("--processes only applies with --plan; a run's world size is the launcher's "
+                          "(torchrun --nproc_per_node N ...)")
     record = uptrain(cfg, command=command)
     if int(os.environ.get("RANK", "0")):
         return  # one report per run, from rank 0
@@ -113,6 +126,26 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
         print(f"held-out perplexity {record['initial_eval_ppl']:.2f} -> {record['final_eval_ppl']:.2f}")
     print(f"wrote {cfg.output_dir}: {record['budget']['steps']} steps, {record['budget']['tokens']:,} tokens "
           f"({record['budget']['source']}) in {record['train_seconds']:.0f} s")
+
+
+def _run_tokenize(args: argparse.Namespace, command: str) -> None:
+    from .uptrain.token_build import tokenize_to
+
+    header = tokenize_to(args.data, args.output, args.tokenizer, num_proc=args.num_proc, text_column=args.text_column,
+                         force=args.force, progress=not args.quiet)
+    print(f"wrote {args.output}: {header['tokens']:,} tokens, {header['documents']:,} documents in "
+          f"{header['seconds']:.1f} s")
+
+
+def _add_tokenize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("data", nargs="+", help=".txt/.jsonl/.json/.parquet files, folders of them, datasets "
+                                           "save_to_disk folders, or hf:NAME (a hub dataset, streamed)")
+    p.add_argument("-o", "--output", required=True, help="the token cache folder to write")
+    p.add_argument("--tokenizer", required=True, metavar="MODEL", help="model folder whose tokenizer to use")
+    p.add_argument("--num-proc", type=int, default=1, metavar="N", help="tokenising processes (default: 1)")
+    p.add_argument("--text-column", default="text", metavar="NAME", help="column of row files (default: text)")
+    p.add_argument("--force", action="store_true", help="replace an existing token cache at -o")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,9 +172,19 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--context-parallel", type=int, default=None, metavar="P",
                     help="split each sequence over P processes with ring attention (= context_parallel=P)")
     up.add_argument("--force", action="store_true", help="start over even if output_dir holds a run")
+    up.add_argument("--plan", action="store_true",
+                    help="print the per-rank memory plan (parameters, gradients, optimizer, activations) and whether "
+                         "it fits, then exit without training or writing anything")
+    up.add_argument("--processes", type=int, default=None, metavar="N",
+                    help="with --plan: the world size to plan for (default: the recipe's num_processes, or 1)")
+    up.add_argument("--device-memory", default=None, metavar="SIZE",
+                    help="memory per rank, e.g. 80GB or 24GiB (= device_memory=SIZE; default: this machine's)")
     up.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     up.set_defaults(func=_run_uptrain,
                     interrupted="the last checkpoint is kept: run the same command again to resume")
+    tok = sub.add_parser("tokenize", help="tokenise training data once into a token cache (see gqakit.uptrain.token_build)")
+    _add_tokenize_args(tok)
+    tok.set_defaults(func=_run_tokenize, interrupted="nothing was written")
     add_eval_parser(sub)
     return parser
 

@@ -81,6 +81,9 @@ class UptrainConfig:
     threads: int | None = None  # torch CPU threads per process
     progress: bool = True
     force: bool = False  # start over even if output_dir holds a finished or different run
+    # data at scale: data files are tokenised once into a token cache (gqakit.uptrain.token_build)
+    cache_dir: str | None = None  # where; default $GQAKIT_CACHE_DIR, else ~/.cache/gqakit/tokens
+    num_proc: int = 1  # processes that tokenise (the stream is the same for any number)
 
     def to_dict(self) -> dict:
         from ..recipes import to_dict
@@ -144,17 +147,20 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def _check_paths(cfg: UptrainConfig) -> None:
-    from ..evaluate.data import ROW_SUFFIXES
+    from .sources import resolve_source
 
     for path in (*cfg.data, *cfg.eval_data):
-        p = Path(path)
-        if not p.exists():
-            raise GqakitError(f"data path {path} does not exist; fix the path in the recipe's data/eval_data")
-        if p.is_file() and p.suffix.lower() not in (".txt", *ROW_SUFFIXES):
-            raise GqakitError(f"data file {path} is neither .txt nor .jsonl/.json/.parquet; convert it or list "
-                              "another file in data/eval_data")
+        resolve_source(path)  # a readable file, a folder of them, a save_to_disk folder, a token cache, or hf:NAME
     out = Path(cfg.output_dir)
-    for name, path in (("model", cfg.model), ("teacher", cfg.teacher), *(("data", d) for d in cfg.data)):
+    if cfg.cache_dir is not None:
+        cache = Path(cfg.cache_dir).expanduser()
+        if cache.exists() and not cache.is_dir():
+            raise GqakitError(f"cache_dir {cfg.cache_dir} is a file; give a folder for the token caches")
+        if _inside(cache, out) or _inside(out, cache):
+            raise GqakitError(f"cache_dir {cfg.cache_dir} overlaps output_dir {out}; keep the token caches outside "
+                              "the run folder")
+    for name, path in (("model", cfg.model), ("teacher", cfg.teacher),
+                       *(("data", d) for d in cfg.data if not d.startswith("hf:"))):
         if path is not None and (_inside(Path(path), out) or _inside(out, Path(path))):
             raise GqakitError(f"output_dir {out} overlaps the {name} path {path}; choose an output_dir outside it")
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -192,7 +198,7 @@ def check(cfg: UptrainConfig) -> dict:
     """Validate a recipe before any work starts; returns the model's config.json."""
     _positive(cfg, "alpha", "tokens", "steps", "seq_len", "batch_size", "gradient_accumulation_steps", "lr",
               "log_every", "checkpoint_every", "context_parallel", "distill_temperature", "keep_checkpoints",
-              "eval_sequences", "threads", "num_processes")
+              "eval_sequences", "threads", "num_processes", "num_proc")
     model_config = read_config(Path(cfg.model))
     choices = {"trainable": TRAINABLE, "attention": ATTENTION, "mixed_precision": MIXED_PRECISION,
                "sharding": SHARDING, "save_dtype": SAVE_DTYPES}

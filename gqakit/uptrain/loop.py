@@ -21,8 +21,9 @@ from tqdm.auto import tqdm
 
 from . import modeling
 from .config import UptrainConfig, check, resolve_budget
-from .data import BatchOrder, load_packed
+from .data import BatchOrder, load_training_data
 from .loss import cross_entropy_sum, distillation_sum
+from .memory_plan import check_fits
 from .metrics import MetricsLog, plot
 from .parallel import SequenceParallel
 from .record import save_final, source_dtype
@@ -40,6 +41,8 @@ def _sums(model, teacher, seqs: torch.Tensor, cfg: UptrainConfig, sp: SequencePa
     if teacher is not None:
         with torch.no_grad(), autocast():
             teacher_logits = teacher(input_ids=inputs, position_ids=positions, use_cache=False).logits
+        if hasattr(teacher, "reshard"):  # FSDP keeps a root gathered after a forward without backward
+            teacher.reshard()
         kd = distillation_sum(logits, teacher_logits, targets, cfg.distill_temperature)
     return ce, kd
 
@@ -137,6 +140,7 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
 
     check(cfg)  # everything a user can get wrong, before any work starts
     world = check_processes(cfg.num_processes, cfg.context_parallel)
+    check_fits(cfg, world)  # a run that cannot fit is refused with the numbers and the fix, before any work
     recipe = cfg.to_dict()
     budget = resolve_budget(cfg, world // cfg.context_parallel)
     # what a checkpoint must match to be resumed exactly: the same global batch split the same way
@@ -162,8 +166,7 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     set_seed(cfg.seed)
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    data = load_packed(cfg.data, cfg.eval_data, tokenizer, cfg.seq_len, cfg.eval_fraction, cfg.eval_sequences,
-                       cfg.seed, cfg.text_column)
+    data = load_training_data(cfg, tokenizer, is_main=is_main, barrier=accelerator.wait_for_everyone)
     order = BatchOrder(len(data.train), cfg.batch_size, cfg.gradient_accumulation_steps, sp.data_parallel, cfg.seed)
 
     model, teacher, attention_options, (trainable, total_params) = _models(cfg, sp, accelerator)

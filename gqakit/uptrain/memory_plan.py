@@ -1,0 +1,520 @@
+"""Per-rank memory of an uptraining run, before any work: `gqakit uptrain RECIPE --plan` prints it and
+`check_fits` refuses (one line: the numbers and the fix) a run that would not fit.
+
+Parameters are counted exactly: the model (and the teacher) is built from its config.json on the meta
+device (shapes, no storage); tied weights count once. The rest is arithmetic. N parameters, N_t the
+trainable ones under `trainable`, W processes, L decoder layers, h hidden size, a / g query / K/V heads
+of size d, I the MLP width, V the vocabulary, n = batch_size * ceil(seq_len / context_parallel) tokens
+per rank per micro-step; c bytes of the compute dtype (2 with bf16/fp16, else 4), s bytes of the
+residual stream (2 under fsdp with bf16, whose policy casts the parameters; else 4: ddp's autocast
+keeps fp32 weights, so the stream stays fp32). shard(X) = sum over X's tensors of ceil(rows / W) *
+row size, the busiest rank's share under FSDP2 (dim 0 split into W equal, padded chunks); X under ddp.
+
+  parameters       4 shard(N)            fp32 master weights (the loop loads fp32)
+  gradients        4 shard(N_t)          fp32, trainable parameters only
+  optimizer        8 shard(N_t)          AdamW's exp_avg and exp_avg_sq, fp32 (its 4-byte `step` per tensor left out)
+  adamw step       4 shard(N_t)          during optimizer.step only: foreach AdamW's sqrt(exp_avg_sq) temporary
+  ddp buckets      4 N_t                 ddp, W > 1: accelerate's DDP has gradient_as_bucket_view=False, which keeps
+                                         a second copy of the gradients in its buckets (torch DDP docs)
+  teacher          4 shard(N_teacher)    frozen, fp32 as the loop loads it
+  fsdp gather      c (R + R_teacher + 2 Lmax) + 4 Lmax_t
+                                         fsdp: FSDP2 does not reshard the root unit (embeddings, final norm, head:
+                                         R parameters) after forward, so it stays gathered through backward (the
+                                         teacher's, run under no_grad, stays gathered); about two decoder layers are
+                                         gathered at a time (the one computing, the one prefetched: Lmax, the largest
+                                         of student and teacher); one layer's unsharded fp32 gradient (Lmax_t) waits
+                                         for its reduce-scatter
+  fsdp no-sync     4 N_t                 fsdp with gradient_accumulation_steps > 1: while gradient sync is off,
+                                         FSDP2 accumulates UNSHARDED gradients, in the reduce dtype (fp32)
+  autocast copies  c N_lin               ddp with bf16/fp16: half-precision copies of the Linear weights (N_lin),
+                                         the trainable ones cached by autocast until the forward ends, all of them
+                                         kept by autograd until backward when not checkpointing
+  activations      n (L A + F)           without activation checkpointing (minus the first layer's input norm
+                                         when the embeddings are frozen: its input needs no gradient)
+                   n (L h s + A + F)     with it (per decoder layer, as transformers does): every layer's input,
+                                         plus one layer's activations recomputed in backward
+  logits           12 n V                cross-entropy's fp32 log-probabilities (kept for backward), and in
+                                         backward their fp32 gradient and the logits' (3 x 4 bytes)
+  distillation     (c + 28) n V          with a teacher: its logits, and the KL's fp32 tensors at its peak
+                                         (7 x 4 bytes, two of which it keeps for backward)
+
+A and F are the bytes per token autograd keeps for one decoder layer and for the final norm and head:
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (eq. 2,
+sbh(34 + 5as/h) for GPT with 16-bit activations), redone for a Llama-style decoder (RMSNorm, RoPE,
+SwiGLU, no dropout) with exact attention that keeps no score matrix (sdpa, flash, gqakit's tiled
+kernel keep q, k, v, the output and an fp32 logsumexp: Dao et al. 2022), so the 5as/h term goes:
+
+  norm     = 4h + 4 + [norm weights train] h s    transformers' RMSNorm computes in fp32: its fp32 input
+             (or upcast) and rsqrt, and for its weight's gradient the normalised input
+  feed(k)  = the input of k trainable projections reading one norm's output, kept for their weight
+             gradients: k h c under autocast (one cast copy each), else h s once; 0 when k = 0
+  A = 2 norm + feed(q, k, v trainable) + feed(gate, up trainable) + (2ad + 2gd) c + 4a + 3I c + [down trains] I c
+      (q and k after RoPE, v, the output that o_proj reads as a view, the logsumexp; SiLU's input, its
+      output and up's output, kept by their product; the product, down_proj's input)
+  F = norm + feed(lm_head trainable)
+
+tests/test_uptrain_plan.py checks these against the tensors autograd really saves for a tiny Llama.
+Left out: RoPE tables and token ids, the teacher's per-layer transients under no_grad, the ring's K/V
+blocks in flight (context_parallel), the CUDA context and allocator fragmentation (keep a few GB
+spare).
+
+The total is the peak of a step, not the sum of the lines: the loop sets gradients to None before each
+step and backward allocates them as it frees the activations, so
+
+  total = held + max(activations + logits + distillation + fsdp no-sync [+ gradients when
+                     gradient_accumulation_steps > 1 keeps them across micro-steps], gradients + adamw step)
+
+where `held` is every other line. tests/test_uptrain_plan.py measures a tiny Llama's peak with torch's
+MemTracker: the total is at or above it, by at most 20%.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from ..errors import GqakitError
+from .config import MIXED_PRECISION, SHARDING, TRAINABLE, UptrainConfig
+
+GB = 10**9
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# What trains under each `trainable`, per Llama-style layer: (norm weights, of q/k/v, of gate/up, down, lm_head)
+_TRAINS = {"all": (True, 3, 2, True, True), "attention": (False, 3, 0, False, False),
+           "kv": (False, 2, 0, False, False)}
+
+
+def parse_size(value) -> int:
+    """Bytes from '80GB' (80 * 10^9), '24GiB' (24 * 2^30), '512MB', or a plain number of bytes."""
+    match = re.fullmatch(r"(\d+\.?\d*(?:e\d+)?|\.\d+)\s*([kmgt]?i?b)?", str(value).strip(), re.IGNORECASE)
+    number = float(match.group(1)) if match and not isinstance(value, bool) else 0.0
+    unit = (match.group(2) or "").lower() if match else ""
+    if number <= 0 or unit not in _UNITS:
+        raise GqakitError(f"device memory {value!r} is not a size; write e.g. 80GB (80 x 10^9 bytes) or 24GiB "
+                          "(24 x 2^30 bytes)")
+    return int(number * _UNITS[unit])
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / GB:.2f}"
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" + ("es" if n != 1 else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCount:
+    """A model's parameters as the plan needs them, counted on the meta device (tied weights once)."""
+
+    path: str
+    architecture: str
+    total: int
+    rows: tuple[tuple[int, int], ...]  # per tensor: (dim-0 rows, elements per row)
+    trains: dict  # trainable mode -> per tensor, does it train (None: the mode does not apply)
+    trainable: dict  # trainable mode -> parameters (None: the mode does not apply)
+    root: int  # parameters outside the decoder layers: embeddings, final norm, head
+    layer: int  # parameters of the largest decoder layer
+    layer_trainable: dict  # trainable mode -> trainable parameters of the largest decoder layer
+    linear: int  # Linear weights (autocast copies them)
+    linear_trainable: dict
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    def shard(self, world: int, trainable: str | None = None) -> int:
+        """Elements on the busiest rank when every tensor's dim 0 is split `world` ways (FSDP2);
+        all tensors, or those `trainable` trains."""
+        keep = self.trains[trainable] if trainable else None
+        return sum(math.ceil(r / world) * e for i, (r, e) in enumerate(self.rows) if keep is None or keep[i])
+
+
+def count_model(path: str | Path) -> ModelCount:
+    """Count the parameters of the checkpoint folder's model from its config.json alone."""
+    from ..convert.run import read_config
+
+    config = read_config(Path(path))  # one-line errors for a missing folder or config.json
+    return _count(str(Path(path).resolve()), json.dumps(config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _count(path: str, config_json: str) -> ModelCount:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .modeling import select_trainable
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))  # from_config mutates its config
+    except Exception as e:  # noqa: BLE001 - any failure of transformers here is the config's
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GqakitError(f"cannot build the model of {path}/config.json on the meta device ({why}); "
+                          "check config.json") from None
+    try:
+        from .fsdp import decoder_layers  # the units sharding=fsdp wraps
+
+        layers = decoder_layers(model)
+    except (ImportError, GqakitError):
+        layers = []
+    params = [p for _, p in model.named_parameters()]  # tied weights once
+    linear = list({id(m.weight): m.weight for m in model.modules()
+                   if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}.values())
+    trains, trainable, layer_trainable, linear_trainable = {}, {}, {}, {}
+    for mode in TRAINABLE:
+        try:
+            trainable[mode] = select_trainable(model, mode)[0]
+        except GqakitError:
+            trains[mode] = trainable[mode] = layer_trainable[mode] = linear_trainable[mode] = None
+            continue
+        trains[mode] = tuple(p.requires_grad for p in params)
+        layer_trainable[mode] = max((sum(p.numel() for p in m.parameters() if p.requires_grad) for m in layers),
+                                    default=0)
+        linear_trainable[mode] = sum(w.numel() for w in linear if w.requires_grad)
+    total = sum(p.numel() for p in params)
+    h, a = config.hidden_size, config.num_attention_heads
+    return ModelCount(
+        path=path, architecture=(getattr(config, "architectures", None) or [type(model).__name__])[0], total=total,
+        rows=tuple((p.shape[0] if p.dim() else 1, math.prod(p.shape[1:])) for p in params),
+        trains=trains, trainable=trainable,
+        root=total - sum(p.numel() for m in layers for p in m.parameters()),
+        layer=max((sum(p.numel() for p in m.parameters()) for m in layers), default=0),
+        layer_trainable=layer_trainable, linear=sum(w.numel() for w in linear), linear_trainable=linear_trainable,
+        layers=config.num_hidden_layers, hidden=h, heads=a,
+        kv_heads=getattr(config, "num_key_value_heads", None) or a,
+        head_dim=getattr(config, "head_dim", None) or h // a,
+        intermediate=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h,
+        vocab=config.vocab_size,
+    )
+
+
+def _dtypes(cfg: UptrainConfig) -> tuple[int, int, bool]:
+    """(compute bytes c, residual-stream bytes s, autocast over fp32 weights?)"""
+    half = cfg.mixed_precision in ("bf16", "fp16")
+    c = 2 if half else 4
+    if cfg.sharding == "fsdp":
+        return c, c, False  # FSDP2's policy gathers the parameters in the compute dtype
+    return c, 4, half
+
+
+def tokens_per_rank(cfg: UptrainConfig) -> int:
+    """Tokens one rank holds per micro-step: its sequences, each cut in context_parallel pieces."""
+    return cfg.batch_size * math.ceil(cfg.seq_len / cfg.context_parallel)
+
+
+def activation_bytes(m: ModelCount, cfg: UptrainConfig, checkpointing: bool) -> int:
+    """Bytes autograd keeps for the decoder of one rank's micro-step (see the module docstring)."""
+    c, s, autocast = _dtypes(cfg)
+    norms, qkv, gate_up, down, head = _TRAINS[cfg.trainable]
+    h, a, g, d, inter = m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate
+    norm = 4 * h + 4 + (h * s if norms else 0)
+
+    def feed(k: int) -> int:
+        return 0 if k == 0 else k * h * c if autocast else h * s
+
+    layer = 2 * norm + feed(qkv) + feed(gate_up) + (2 * a * d + 2 * g * d) * c + 4 * a + 3 * inter * c + \
+        (inter * c if down else 0)
+    final = norm + feed(int(head))
+    if checkpointing:
+        per_token = m.layers * h * s + layer + final
+    else:  # frozen embeddings: the first norm's input needs no gradient, so it keeps nothing
+        per_token = m.layers * layer - (0 if norms else norm) + final
+    return tokens_per_rank(cfg) * per_token
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    name: str
+    bytes: int
+    how: str
+    phase: str = "held"  # held (the whole step) | backward | gradients | step: see `peak`
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    change: str
+    total: int
+    fits: bool
+    combined: bool = False  # several changes together, tried when none fits alone
+
+
+def _lines(cfg: UptrainConfig, world: int, m: ModelCount, t: ModelCount | None) -> tuple[list[Line], Line]:
+    """The plan's lines, and the activations line under the other gradient_checkpointing choice."""
+    c, _, autocast = _dtypes(cfg)
+    fsdp = cfg.sharding == "fsdp"
+    W = world if fsdp else 1
+    over = f", sharded over {world}" if fsdp else ""
+    dtype = {2: "bf16" if cfg.mixed_precision != "fp16" else "fp16", 4: "fp32"}[c]
+    trained = m.trainable[cfg.trainable]
+    lines = [Line("parameters", 4 * m.shard(W), f"fp32 master weights of {m.total:,}{over}"),
+             Line("gradients", 4 * m.shard(W, cfg.trainable), f"fp32, {trained:,} trainable{over}", "gradients"),
+             Line("optimizer", 8 * m.shard(W, cfg.trainable), f"AdamW exp_avg + exp_avg_sq, fp32{over}"),
+             Line("adamw step", 4 * m.shard(W, cfg.trainable), "optimizer.step's sqrt(exp_avg_sq), fp32", "step")]
+    if not fsdp and world > 1:
+        lines.append(Line("ddp buckets", 4 * trained, "DDP's copy of the gradients (gradient_as_bucket_view=False)"))
+    if t is not None:
+        lines.append(Line("teacher", 4 * t.shard(W), f"fp32 frozen weights of {t.total:,}{over}"))
+    if fsdp:
+        biggest = max(m.layer, t.layer if t else 0)
+        roots = m.root + (t.root if t else 0)
+        lines.append(Line("fsdp gather", c * (roots + 2 * biggest) + 4 * m.layer_trainable[cfg.trainable],
+                          f"{dtype}: root{'s' if t else ''} ({roots:,}) + 2 layers ({biggest:,} each) gathered, "
+                          "1 layer's fp32 gradient", "backward"))
+        if cfg.gradient_accumulation_steps > 1:
+            lines.append(Line("fsdp no-sync", 4 * trained, "unsharded fp32 gradients accumulated while sync is off",
+                              "backward"))
+    if autocast:
+        n = m.linear_trainable[cfg.trainable] if cfg.gradient_checkpointing else m.linear
+        lines.append(Line("autocast copies", c * n, f"{dtype} copies of {n:,} Linear weights", "backward"))
+    n, V = tokens_per_rank(cfg), m.vocab
+    act_dtype = dtype if c == 4 or fsdp else f"{dtype} (fp32 residual stream)"
+    how = {True: "with activation checkpointing", False: "no activation checkpointing"}
+    ckpt = cfg.gradient_checkpointing
+    lines.append(Line("activations", activation_bytes(m, cfg, ckpt), f"{act_dtype}, {how[ckpt]}", "backward"))
+    other = Line("activations", activation_bytes(m, cfg, not ckpt), how[not ckpt])
+    lines.append(Line("logits", 12 * n * V, f"fp32 log-probs + 2 gradients, {n:,} tokens x {V:,}", "backward"))
+    if t is not None:
+        lines.append(Line("distillation", (c + 28) * n * V, f"teacher logits + the KL's fp32 tensors, {n:,} x {V:,}",
+                          "backward"))
+    return lines, other
+
+
+def peak(lines, gradient_accumulation_steps: int) -> int:
+    """A step's peak: the held lines, plus the larger of the backward phase (activations, logits...; with
+    the gradients when accumulation keeps them across micro-steps) and the optimizer step's."""
+    phase = {name: sum(line.bytes for line in lines if line.phase == name)
+             for name in ("held", "backward", "gradients", "step")}
+    backward = phase["backward"] + (phase["gradients"] if gradient_accumulation_steps > 1 else 0)
+    return phase["held"] + max(backward, phase["gradients"] + phase["step"])
+
+
+def _total(cfg: UptrainConfig, world: int, m: ModelCount, t: ModelCount | None) -> int:
+    return peak(_lines(cfg, world, m, t)[0], cfg.gradient_accumulation_steps)
+
+
+def _fixes(cfg: UptrainConfig, world: int, m: ModelCount, t: ModelCount | None, memory: int) -> list[Fix]:
+    """Every single change that lowers the peak, with its total; if none fits alone, the first combination
+    that does (or the last tried)."""
+    replace = dataclasses.replace
+    fixes, now = [], _total(cfg, world, m, t)
+
+    def add(change: str, new: UptrainConfig, w: int = world) -> None:
+        total = _total(new, w, m, t)
+        if total < now:
+            fixes.append(Fix(change, total, total <= memory))
+
+    def ranks(new: UptrainConfig) -> int | None:
+        """The fewest processes (world * 2^k, k <= 10) on which `new` fits, if any."""
+        scale = range(11) if new.sharding == "fsdp" else range(1)
+        return next((world << k for k in scale if _total(new, world << k, m, t) <= memory), None)
+
+    fsdp = replace(cfg, sharding="fsdp")
+    if cfg.sharding == "ddp" and world > 1:
+        add("sharding=fsdp", fsdp)
+    more = ranks(fsdp)
+    if more is not None and more > world:
+        add(f"sharding=fsdp on {more} processes" if cfg.sharding == "ddp" else f"{more} processes", fsdp, more)
+    if not cfg.gradient_checkpointing:
+        add("gradient_checkpointing=true", replace(cfg, gradient_checkpointing=True))
+    if cfg.mixed_precision == "no":
+        add("mixed_precision=bf16", replace(cfg, mixed_precision="bf16"))
+    rings = [p for p in range(cfg.context_parallel + 1, world + 1) if world % p == 0 and cfg.seq_len >= 2 * p]
+    if rings:
+        p = next((p for p in rings if _total(replace(cfg, context_parallel=p), world, m, t) <= memory), rings[-1])
+        add(f"context_parallel={p}", replace(cfg, context_parallel=p))
+    if cfg.trainable != "kv" and m.trainable["kv"] is not None:
+        add("trainable=kv", replace(cfg, trainable="kv"))
+    if cfg.batch_size > 1:
+        def smaller(b: int) -> UptrainConfig:  # the same global batch in more micro-steps
+            return replace(cfg, batch_size=b, gradient_accumulation_steps=math.ceil(
+                cfg.batch_size * cfg.gradient_accumulation_steps / b))
+
+        b = next((b for b in range(cfg.batch_size - 1, 0, -1) if _total(smaller(b), world, m, t) <= memory), 1)
+        add(f"batch_size={b} with gradient_accumulation_steps={smaller(b).gradient_accumulation_steps}", smaller(b))
+    if any(f.fits for f in fixes):
+        return fixes
+    new, changes = cfg, []
+    for change, key, value in (("sharding=fsdp", "sharding", "fsdp"), ("gradient_checkpointing=true",
+                               "gradient_checkpointing", True), ("mixed_precision=bf16", "mixed_precision", "bf16"),
+                               ("batch_size=1", "batch_size", 1), ("trainable=kv", "trainable", "kv")):
+        if getattr(new, key) == value or (key == "trainable" and m.trainable["kv"] is None):
+            continue
+        new, changes = replace(new, **{key: value}), [*changes, change]
+        w = ranks(new)
+        if w is not None:
+            on = f" on {w} processes" if w != world else ""
+            return [*fixes, Fix(" + ".join(changes) + on, _total(new, w, m, t), True, combined=True)]
+    w = world << 10 if new.sharding == "fsdp" else world
+    return [*fixes, Fix(" + ".join(changes) + f" on {w} processes", _total(new, w, m, t), False, combined=True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The per-rank memory lines of a recipe on `world` processes, and whether they fit the device."""
+
+    cfg: UptrainConfig
+    world: int
+    model: ModelCount
+    teacher: ModelCount | None
+    lines: tuple[Line, ...]
+    other_activations: Line  # the activations under the other gradient_checkpointing choice
+    device_memory: int | None = None
+    device_source: str = ""
+    fixes: tuple[Fix, ...] = ()
+
+    def __getitem__(self, name: str) -> int:
+        """Bytes of line `name` (0 when the plan has no such line)."""
+        return sum(line.bytes for line in self.lines if line.name == name)
+
+    @property
+    def total(self) -> int:
+        """The peak of a step (see `peak`)."""
+        return peak(self.lines, self.cfg.gradient_accumulation_steps)
+
+    @property
+    def state(self) -> int:
+        """Parameters + gradients + optimizer state."""
+        return self["parameters"] + self["gradients"] + self["optimizer"]
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.total <= self.device_memory
+
+    def advice(self) -> str:
+        """Which changes would make the plan fit, with their totals."""
+        good = [f"{f.change} ({_gb(f.total)} GB)" for f in self.fixes if f.fits and not f.combined]
+        short = [f"{f.change} ({_gb(f.total)} GB)" for f in self.fixes if not f.fits and not f.combined]
+        if good:
+            alone = f"; not enough alone: {'; '.join(short)}" if short else ""
+            return "fits with any one of: " + "; ".join(good) + alone
+        both = next((f for f in self.fixes if f.combined), None)
+        if both is not None and both.fits:
+            return f"no single change fits ({'; '.join(short)}); together {both.change} fit ({_gb(both.total)} GB)"
+        even = f"; even {both.change} would need {_gb(both.total)} GB" if both is not None else ""
+        tried = "; ".join(short) or "no option left"
+        return f"nothing gqakit can change fits ({tried}){even}; use devices with more memory"
+
+    def refusal(self) -> str:
+        parts = ", ".join(f"{line.name} {_gb(line.bytes)}" for line in self.lines if line.bytes)
+        return (f"uptrain needs {_gb(self.total)} GB per rank at its peak (GB: {parts}) on "
+                f"{_processes(self.world)} with sharding={self.cfg.sharding}, but the device has "
+                f"{_gb(self.device_memory)} GB ({self.device_source}); "
+                f"{self.advice()}")
+
+
+def _validate(cfg: UptrainConfig, world: int) -> None:
+    for name, allowed in (("sharding", SHARDING), ("trainable", TRAINABLE), ("mixed_precision", MIXED_PRECISION)):
+        if getattr(cfg, name) not in allowed:
+            raise GqakitError(f"{name}={getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    for name, value in (("batch_size", cfg.batch_size), ("seq_len", cfg.seq_len),
+                        ("context_parallel", cfg.context_parallel), ("processes", world)):
+        if not isinstance(value, int) or value <= 0:
+            raise GqakitError(f"{name}={value!r} must be a positive integer")
+    if world % cfg.context_parallel:
+        raise GqakitError(f"context_parallel={cfg.context_parallel} does not divide {_processes(world)}; plan for a "
+                          f"multiple of {cfg.context_parallel} processes (--processes N)")
+
+
+def plan_memory(cfg: UptrainConfig, world: int, device_memory: int | None = None, device_source: str = ""
+                ) -> MemoryPlan:
+    """Per-rank memory of `cfg` on `world` processes, from the model's (and teacher's) config.json only;
+    with `device_memory` (bytes) it also says whether it fits and, if not, what would."""
+    _validate(cfg, world)
+    m = count_model(cfg.model)
+    if m.trainable[cfg.trainable] is None:
+        raise GqakitError(f"trainable={cfg.trainable} does not apply to {m.architecture} (no separate K/V "
+                          "projections gqakit knows of); use trainable=attention or trainable=all")
+    t = count_model(cfg.teacher) if cfg.teacher else None
+    lines, other = _lines(cfg, world, m, t)
+    plan = MemoryPlan(cfg, world, m, t, tuple(lines), other, device_memory, device_source)
+    if plan.fits is False:
+        plan = dataclasses.replace(plan, fixes=tuple(_fixes(cfg, world, m, t, device_memory)))
+    return plan
+
+
+def detect_device_memory() -> tuple[int | None, str]:
+    """(bytes, where from) of this process's device: the GPU's total memory, or on CPU the machine's
+    MemAvailable shared by its LOCAL_WORLD_SIZE processes; (None, ...) when unknown."""
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        props = torch.cuda.get_device_properties(index)
+        return props.total_memory, f"cuda:{index} ({props.name})"
+    try:
+        found = re.search(r"^MemAvailable:\s+(\d+)\s+kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
+    except OSError:
+        found = None
+    if found is None:
+        return None, "unknown device memory"
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return int(found.group(1)) * 1024 // local, f"this machine's available memory / {local} local process(es)"
+
+
+def resolve_device_memory(given: int | str | None, cfg: UptrainConfig) -> tuple[int | None, str]:
+    """(bytes, where from): `given`, else the recipe's device_memory, else this machine's device."""
+    if given is not None:
+        return parse_size(given), f"{given:,} bytes given" if isinstance(given, int) else f"device memory {given}"
+    if cfg.device_memory is not None:
+        return parse_size(cfg.device_memory), f"device_memory={cfg.device_memory}"
+    return detect_device_memory()
+
+
+def check_fits(cfg: UptrainConfig, world: int, device_memory_bytes: int | None = None) -> MemoryPlan | None:
+    """Before any work: raise GqakitError (the numbers and the fix) when `cfg` on `world` processes does
+    not fit the device memory (given, else the recipe's device_memory, else detected); None when unknown."""
+    memory, source = resolve_device_memory(device_memory_bytes, cfg)
+    if memory is None:
+        return None
+    plan = plan_memory(cfg, world, memory, source)
+    if not plan.fits:
+        raise GqakitError(plan.refusal())
+    return plan
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan as a table: GB per rank per line, the total and the verdict."""
+    cfg, m, t = plan.cfg, plan.model, plan.teacher
+    head = [f"uptrain memory plan: {cfg.model} ({m.architecture}), {m.total:,} parameters, "
+            f"{m.trainable[cfg.trainable]:,} trainable (trainable={cfg.trainable})"
+            + (f"; teacher {cfg.teacher}, {t.total:,} parameters" if t else ""),
+            f"{_processes(plan.world)}, sharding={cfg.sharding}, mixed_precision={cfg.mixed_precision}, "
+            f"gradient_checkpointing={str(cfg.gradient_checkpointing).lower()}, "
+            f"context_parallel={cfg.context_parallel}: "
+            f"{cfg.batch_size} x {math.ceil(cfg.seq_len / cfg.context_parallel):,} tokens per rank per micro-step", ""]
+    when = {"held": "always", "backward": "fwd-bwd", "gradients": "bwd-step", "step": "step"}
+    rows = [(line.name, _gb(line.bytes), when[line.phase], line.how) for line in plan.lines]
+    rows = [(n, g, w, h + (f" ({plan.other_activations.how}: {_gb(plan.other_activations.bytes)})"
+                           if n == "activations" else "")) for n, g, w, h in rows]
+    accumulates = cfg.gradient_accumulation_steps > 1
+    rows.append(("total", _gb(plan.total), "peak", "always + the larger of fwd-bwd"
+                 + (" + bwd-step (accumulation keeps gradients)" if accumulates else "") + " and bwd-step + step"))
+    if plan.device_memory is not None:
+        rows.append(("device memory", _gb(plan.device_memory), "", plan.device_source))
+    width = max(len(g) for _, g, _, _ in rows)
+    table = [f"{'per rank':<16} {'GB':>{width}}  {'when':<8}  what"] + \
+        [f"{n:<16} {g:>{width}}  {w:<8}  {h}".rstrip() for n, g, w, h in rows]
+    if plan.fits is None:
+        verdict = f"fit: unknown ({plan.device_source}); give --device-memory SIZE, e.g. 80GB"
+    elif plan.fits:
+        verdict = (f"fits: {_gb(plan.device_memory - plan.total)} GB to spare (GB = 10^9 bytes; keep a few for the "
+                   "CUDA context and allocator fragmentation)")
+    else:
+        verdict = f"does not fit: {_gb(plan.total - plan.device_memory)} GB over; {plan.advice()}"
+    return "\n".join(head + table + [verdict])
+
+
+def describe_plan(cfg: UptrainConfig, processes: int | None = None) -> str:
+    """`gqakit uptrain RECIPE --plan`: the table for `processes` (default the recipe's num_processes, or 1)."""
+    world = processes if processes is not None else cfg.num_processes or 1
+    memory, source = resolve_device_memory(None, cfg)
+    return format_plan(plan_memory(cfg, world, memory, source))
