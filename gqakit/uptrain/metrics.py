@@ -78,3 +78,45 @@ def plot(rows: list[dict], path: Path, title: str = "") -> None:
     left.legend(loc="upper right", frameon=False)
     left.set_title(title)
     fig.savefig(path)
+
+
+def plot_heldout(rows: list[dict], path: Path, references: dict[str, float], title: str = "") -> None:
+    """Held-out perplexity against training tokens, with reference models' perplexities on the same
+    held-out windows as horizontal lines (log scale when it spans a decade)."""
+    from ..evaluate.plots import new_figure
+
+    pairs = [(int(r["tokens"]), float(r["eval_ppl"])) for r in rows if r.get("eval_ppl") not in ("", None)]
+    fig = new_figure()
+    ax = fig.add_subplot()
+    ax.plot([t for t, _ in pairs], [p for _, p in pairs], "o-", color="tab:red", label="uptrained model")
+    for i, (name, ppl) in enumerate(references.items()):
+        ax.axhline(ppl, ls="--", lw=1, color=f"C{i}", label=f"{name} ({ppl:,.1f})")
+    values = [p for _, p in pairs] + list(references.values())
+    if max(values) / max(min(values), 1e-9) > 10:
+        ax.set_yscale("log")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_title(title)
+    ax.legend(frameon=False)
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m gqakit.uptrain.metrics RUN_DIR -o PLOT.png [--reference NAME=PPL ...]"""
+    import argparse
+    import csv as _csv
+
+    p = argparse.ArgumentParser(prog="python -m gqakit.uptrain.metrics", description=plot_heldout.__doc__)
+    p.add_argument("run_dir")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--reference", action="append", default=[], metavar="NAME=PPL")
+    p.add_argument("--title", default="")
+    args = p.parse_args(argv)
+    with (Path(args.run_dir) / "metrics.csv").open() as f:
+        rows = list(_csv.DictReader(f))
+    refs = {k: float(v) for k, _, v in (r.partition("=") for r in args.reference)}
+    plot_heldout(rows, Path(args.output), refs, args.title)
+
+
+if __name__ == "__main__":
+    main()

@@ -45,7 +45,8 @@ def _card(source: Path, record: dict) -> str:
         f"| sequence | {cfg['seq_len']} tokens, global batch {record['global_batch']} sequences |",
         f"| attention | {cfg['attention']}" + (f" {record['attention_options']}" if record['attention_options'] else "")
         + (f", context parallel {cfg['context_parallel']}" if cfg['context_parallel'] > 1 else "") + " |",
-        f"| processes | {record['processes']} |",
+        f"| processes | {record['processes']} (sharding {record.get('sharding', 'ddp')}"
+        + (f", {cfg['mixed_precision']} mixed precision" if cfg.get("mixed_precision", "no") != "no" else "") + ") |",
     ]
     if record.get("final_eval_ppl") is not None and record.get("initial_eval_ppl") is not None:
         lines.append(f"| held-out perplexity | {record['initial_eval_ppl']:.2f} before, "
