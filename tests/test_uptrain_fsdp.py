@@ -12,6 +12,7 @@ so an absolute weight tolerance would say little); and with fp32: losses within 
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import signal
@@ -58,18 +59,29 @@ def _launch(dump: Path, n: int, recipe: Path, *overrides: str) -> tuple[list[dic
 
 
 def _kill_after(dump: Path, n: int, recipe: Path, step: int, *overrides: str) -> None:
-    """Start a run, wait until every rank has passed step `step` (its checkpoint written), SIGKILL it."""
+    """Start a run, wait until every rank has passed step `step` (its checkpoint written), SIGKILL every
+    worker and the launcher."""
     dump.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(_command(n, recipe, dump, *overrides), env=_env(GQAKIT_TEST_STALL_AT=str(step)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 600
-    while not (dump / "stalled").exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    proc.stderr.close()
+    pids = [dump / f"stalled-{r}.pid" for r in range(n)]
+    try:
+        while not all(p.is_file() and p.read_text() for p in pids):
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        for p in pids:
+            if p.is_file() and p.read_text():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(p.read_text()), signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stderr.close()
+    for p in pids:
+        p.unlink()
 
 
 def _same(rows: list[dict], ref: list[dict], tol: float, start: int = 0) -> None:

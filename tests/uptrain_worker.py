@@ -3,7 +3,7 @@ saves its weights and the gradients of that step (rank-R.safetensors, keys `grad
 and the step's metrics (rank-R.json) in DUMP_DIR (sharded tensors gathered whole).
 
 With GQAKIT_TEST_STALL_AT=k, every rank stops after step k (after that step's checkpoint is written),
-rank 0 creates DUMP_DIR/stalled, and all wait to be killed: the tests SIGKILL the run there."""
+writes its pid to DUMP_DIR/stalled-RANK.pid and waits to be killed: the tests SIGKILL the run there."""
 import json
 import os
 import sys
@@ -27,9 +27,8 @@ def main() -> None:
     def save(step, row, model):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if step == stall_at:
-            if rank == 0:
-                (dump / "stalled").touch()
-            while True:
+            (dump / f"stalled-{rank}.pid").write_text(str(os.getpid()))  # torchrun's workers have their own
+            while True:                                                     # process groups: the test kills each
                 time.sleep(1)
         if step == cfg.steps:
             state = {k: full_tensor(v.detach()).clone() for k, v in model.state_dict().items()}
