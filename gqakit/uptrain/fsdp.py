@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -127,8 +128,7 @@ def _local_rows(param) -> tuple[int, int]:
 def materialise(model, path: str, device: torch.device) -> None:
     """Give a sharded meta model local storage on `device` and fill every rank's rows from the
     checkpoint's safetensors files (non-persistent buffers keep their computed values)."""
-    from ..convert.checkpoint import DTYPES, scan_checkpoint
-    from pathlib import Path
+    from ..convert.checkpoint import DTYPES, load_tensor, scan_checkpoint
 
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
@@ -162,8 +162,6 @@ def materialise(model, path: str, device: torch.device) -> None:
                 local[:rows].copy_(part)
         for name, b in model.named_buffers():  # persistent buffers the checkpoint stores (rare)
             if name in tensors:
-                from ..convert.checkpoint import load_tensor
-
                 b.copy_(load_tensor(tensors[name], name))
 
 
