@@ -143,7 +143,8 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     check_fits(cfg, world)  # a run that cannot fit is refused with the numbers and the fix, before any work
     recipe = cfg.to_dict()
     budget = resolve_budget(cfg, world // cfg.context_parallel)
-    # what a checkpoint must match to be resumed exactly: the same global batch split the same way
+    # the launch, recorded in checkpoints: a resume needs the same steps and tokens per step
+    # (run_folder.plan_run); the same processes too for every rank to continue its own RNG streams
     shape = {"processes": world, "context_parallel": cfg.context_parallel, "steps": budget.steps,
              "tokens_per_step": budget.tokens_per_step}
     if cfg.threads:
