@@ -33,8 +33,10 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..convert.checkpoint import atomic_output
 from ..errors import GqakitError
 from ..evaluate.data import eos_id
+from .config import _inside
 from .sources import CHUNK_BYTES, HUB, ROWS_PER_BATCH, Source, describe_files, iter_pieces, resolve_source
 from .token_cache import (DOCUMENTS, FORMAT, HEADER, TOKENS, VERSION, CacheProblem, is_token_cache, open_cache,
                           token_dtype, tokenizer_fingerprint)
@@ -180,17 +182,6 @@ def _tokenize_segment(segment: _Segment, work: Path, tokenizer, dtype: np.dtype,
         f.unlink()
 
 
-def _publish(tmp: Path, folder: Path) -> None:
-    """Move the finished `tmp` to `folder`, replacing what is there."""
-    if folder.exists():
-        old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-        os.rename(folder, old)
-        os.rename(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, folder)
-
-
 def build_cache(sources: list[Source], folder: str | Path, tokenizer, *, text_column: str = "text", num_proc: int = 1,
                 chunk_bytes: int = CHUNK_BYTES, segment_bytes: int = SEGMENT_BYTES, progress: bool = False) -> dict:
     """Tokenise `sources` into the token cache `folder` (replacing it); returns its header."""
@@ -200,28 +191,29 @@ def build_cache(sources: list[Source], folder: str | Path, tokenizer, *, text_co
     t0 = time.perf_counter()
     eos, dtype = eos_id(tokenizer), token_dtype(len(tokenizer))
     files = describe_files(sources)  # before reading: an edit made while we read shows as stale later
-    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "work").mkdir(parents=True)
-    writer = None
-    try:
+    with atomic_output(folder, force=True) as tmp:  # a failed build leaves nothing; a rebuild replaces
+        (tmp / "work").mkdir()
         writer = _StreamWriter(tmp, dtype, eos)
-        with _datasets_quiet(), tqdm(unit="tok", unit_scale=True, desc="tokenize", disable=not progress) as bar:
-            segment = None
-            for source in sources:
-                for texts, ends in iter_pieces(source, text_column, chunk_bytes):
-                    segment = segment or _Segment(tmp / "work" / "pieces.arrow")
-                    segment.add(texts, ends)
-                    if segment.chars >= segment_bytes:
-                        segment.close()
-                        _tokenize_segment(segment, tmp / "work", tokenizer, dtype, num_proc, writer)
-                        bar.update(writer.tokens - bar.n)
-                        segment = None
-            if segment is not None:
-                segment.close()
-                _tokenize_segment(segment, tmp / "work", tokenizer, dtype, num_proc, writer)
-                bar.update(writer.tokens - bar.n)
-        checksums = writer.close()
+        try:
+            with _datasets_quiet(), tqdm(unit="tok", unit_scale=True, desc="tokenize", disable=not progress) as bar:
+                segment = None
+                for source in sources:
+                    for texts, ends in iter_pieces(source, text_column, chunk_bytes):
+                        segment = segment or _Segment(tmp / "work" / "pieces.arrow")
+                        segment.add(texts, ends)
+                        if segment.chars >= segment_bytes:
+                            segment.close()
+                            _tokenize_segment(segment, tmp / "work", tokenizer, dtype, num_proc, writer)
+                            bar.update(writer.tokens - bar.n)
+                            segment = None
+                if segment is not None:
+                    segment.close()
+                    _tokenize_segment(segment, tmp / "work", tokenizer, dtype, num_proc, writer)
+                    bar.update(writer.tokens - bar.n)
+            checksums = writer.close()
+        except BaseException:
+            writer.close()
+            raise
         if not writer.tokens:
             raise GqakitError(f"{', '.join(s.entry for s in sources) or 'the data'} holds no text; add data")
         (tmp / "work").rmdir()
@@ -235,18 +227,7 @@ def build_cache(sources: list[Source], folder: str | Path, tokenizer, *, text_co
             "seconds": round(time.perf_counter() - t0, 2),
         }
         (tmp / HEADER).write_text(json.dumps(header, indent=1))  # last: a folder with a header is complete
-        _publish(tmp, folder)
-    except BaseException:
-        if writer is not None:
-            writer.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return header
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    path, folder = path.resolve(), folder.resolve()
-    return path == folder or folder in path.parents
 
 
 def tokenize_to(data: list[str], output: str | Path, tokenizer: str, *, num_proc: int = 1, text_column: str = "text",
