@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import shlex
 import sys
@@ -95,7 +96,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 def _run_uptrain(args: argparse.Namespace, command: str) -> None:
     from .recipes import load_recipe
-    from .uptrain import UptrainConfig, uptrain
+    from .uptrain.config import UptrainConfig  # without torch: a bad recipe is refused at once
 
     overrides = list(args.overrides)
     budget = ("alpha", "tokens", "steps")
@@ -119,6 +120,8 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
     if args.processes is not None:
         raise GqakitError("--processes only applies with --plan; a run's world size is the launcher's "
                           "(torchrun --nproc_per_node N ...)")
+    from .uptrain.loop import uptrain
+
     record = uptrain(cfg, command=command)
     if int(os.environ.get("RANK", "0")):
         return  # one report per run, from rank 0
@@ -196,16 +199,39 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> in
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     command = " ".join([prog, *map(shlex.quote, argv)])
+    note = getattr(args, "interrupted", "nothing was written")
     try:
         args.func(args, command)
     except GqakitError as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        _say(f"{parser.prog}: error: {e}")
+        return 2
+    except OSError as e:
+        if e.errno not in _ENVIRONMENT:
+            raise  # not a state of the machine the user can fix: a bug, keep its traceback
+        where = f" ({e.filename})" if e.filename else ""
+        _say(f"{parser.prog}: error: {_ENVIRONMENT[e.errno]}{where}; {note}")
         return 2
     except KeyboardInterrupt:
-        note = getattr(args, "interrupted", "nothing was written")
-        print(f"{parser.prog}: interrupted; {note}", file=sys.stderr)
+        _say(f"{parser.prog}: interrupted; {note}")
         return 130
     return 0
+
+
+# Failures of the machine rather than of gqakit: one line with the fix, like any user error.
+_ENVIRONMENT = {
+    errno.ENOSPC: "no space left on the device; free space or write to another disk",
+    errno.EDQUOT: "disk quota exceeded; free space or write to another disk",
+    errno.EFBIG: "a file would pass the size limit (ulimit -f) or the file system's; raise it or write elsewhere",
+    errno.EROFS: "the file system is read-only; write to another folder",
+    errno.EACCES: "permission denied; fix the permissions or write to another folder",
+    errno.EPERM: "operation not permitted; fix the permissions or write to another folder",
+}
+
+
+def _say(line: str) -> None:
+    """One line on stderr, whatever bytes a path in it holds (non-UTF-8 names are escaped, not fatal)."""
+    sys.stderr.write(line.encode("utf-8", "backslashreplace").decode("utf-8", "replace").replace("\n", " ") + "\n")
+    sys.stderr.flush()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -260,10 +260,12 @@ def test_run_folder_is_never_clobbered(tiny, tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")
     assert "is not empty and not a gqakit uptrain run" in _cli_error(capsys, ["uptrain", str(recipe)])
-    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+    assert "so force will not replace it" in _cli_error(capsys, ["uptrain", str(recipe), "--force"])
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"  # --force never deletes what gqakit did not write
     from gqakit.cli import main
 
-    assert main(["uptrain", str(recipe), "--force", "-q"]) == 0  # --force replaces it
+    (tmp_path / "run" / "notes.txt").unlink()
+    assert main(["uptrain", str(recipe), "-q"]) == 0  # an empty folder is fine
     capsys.readouterr()
     assert "holds a finished run" in _cli_error(capsys, ["uptrain", str(recipe)])
     assert "holds a finished run" in _cli_error(capsys, ["uptrain", str(recipe), "steps=2"])

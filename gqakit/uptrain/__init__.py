@@ -2,6 +2,13 @@
 several (torchrun / accelerate launch), with optional distillation and ring-attention context
 parallelism. See `config.UptrainConfig` for every option."""
 from .config import UptrainConfig
-from .loop import uptrain
 
 __all__ = ["UptrainConfig", "uptrain"]
+
+
+def __getattr__(name: str):
+    if name == "uptrain":  # imported on first use: a recipe can be read and checked without torch
+        from .loop import uptrain
+
+        return uptrain
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

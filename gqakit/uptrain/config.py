@@ -14,10 +14,8 @@ import json
 import math
 from pathlib import Path
 
-import torch
-
-from ..convert.run import read_config
 from ..errors import GqakitError
+from ..recipes import check_fields, option, to_dict
 
 TRAINABLE = ("all", "attention", "kv")
 ATTENTION = ("default", "tiled", "sliding", "sinks")
@@ -37,57 +35,58 @@ class UptrainConfig:
     data: tuple[str, ...] = ()  # .txt files (one document each), or .jsonl/.json/.parquet files/folders
     text_column: str = "text"
     eval_data: tuple[str, ...] = ()  # held-out documents; empty: hold out `eval_fraction` of the packed sequences
-    eval_fraction: float = 0.02
-    eval_sequences: int = 16  # at most this many held-out sequences per evaluation
+    eval_fraction: float = option(0.02, at_least=0, below=0.5)
+    eval_sequences: int = option(16, above=0)  # at most this many held-out sequences per evaluation
     # budget: exactly one of alpha (needs the model's pretraining record), tokens, steps
-    alpha: float | None = None
-    tokens: int | None = None
-    steps: int | None = None
+    alpha: float | None = option(None, above=0)
+    tokens: int | None = option(None, above=0)
+    steps: int | None = option(None, above=0)
     # batch and sequence
-    seq_len: int = 512
-    batch_size: int = 8  # sequences per process per micro-step
-    gradient_accumulation_steps: int = 1
+    seq_len: int = option(512, above=0)
+    batch_size: int = option(8, above=0)  # sequences per process per micro-step
+    gradient_accumulation_steps: int = option(1, above=0)
     # optimiser and schedule: AdamW, linear warmup, cosine decay to min_lr_ratio * lr
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 0
-    warmup_fraction: float = 0.05  # used when warmup_steps is 0
-    weight_decay: float = 0.0
-    betas: tuple[float, ...] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    trainable: str = "all"  # all | attention | kv (only the K/V projections, and key norms)
+    lr: float = option(3e-4, above=0)
+    min_lr_ratio: float = option(0.1, at_least=0, at_most=1)
+    warmup_steps: int = option(0, at_least=0)
+    warmup_fraction: float = option(0.05, at_least=0, at_most=1)  # used when warmup_steps is 0
+    weight_decay: float = option(0.0, at_least=0)
+    betas: tuple[float, ...] = option((0.9, 0.95), length=2, at_least=0, below=1)
+    grad_clip: float = option(1.0, at_least=0)
+    trainable: str = option("all", choices=TRAINABLE)  # kv: only the K/V projections (and key norms)
     # loss: next-token cross-entropy, plus optional distillation from the original (MHA) model
     teacher: str | None = None
-    distill_weight: float = 0.5  # loss = (1 - w) * CE + w * T^2 * KL(teacher || student), with a teacher
-    distill_temperature: float = 1.0
+    distill_weight: float = option(0.5, at_least=0, at_most=1)  # loss = (1-w) CE + w T^2 KL(teacher || student)
+    distill_temperature: float = option(1.0, above=0)
     # compute
-    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate's autocast; weights stay fp32)
+    mixed_precision: str = option("no", choices=MIXED_PRECISION)  # accelerate's autocast; weights stay fp32
     gradient_checkpointing: bool = False
-    attention: str = "default"  # default | tiled | sliding | sinks (see gqakit.attention); the ring applies it
-    window: int | None = None
-    sinks: int | None = None
-    context_parallel: int = 1  # ranks that share one sequence (ring attention); the rest is data parallel
-    sharding: str = "ddp"  # ddp: every process holds everything | fsdp: FSDP2, state sharded over all processes
+    attention: str = option("default", choices=ATTENTION)  # see gqakit.attention; the ring applies it too
+    window: int | None = option(None, above=0)
+    sinks: int | None = option(None, at_least=0)
+    context_parallel: int = option(1, above=0)  # ranks sharing one sequence (ring attention); the rest: data parallel
+    sharding: str = option("ddp", choices=SHARDING)  # ddp: every process holds all; fsdp: FSDP2, state sharded
     device_memory: str | None = None  # per-rank memory the fit check plans for, e.g. 80GB or 24GiB; None: detect
-    num_processes: int | None = None  # expected world size: refuse to run silently on fewer processes
+    num_processes: int | None = option(None, above=0)  # expected world size: refuse to run silently on fewer processes
     # bookkeeping
-    seed: int = 0
-    log_every: int = 1
-    eval_every: int = 0  # 0: only at the end
-    checkpoint_every: int = 50  # a crash loses at most this many steps
-    keep_checkpoints: int = 2
+    seed: int = option(0, at_least=0)
+    log_every: int = option(1, above=0)
+    eval_every: int = option(0, at_least=0)  # 0: only at the end
+    checkpoint_every: int = option(50, above=0)  # a crash loses at most this many steps
+    keep_checkpoints: int = option(2, above=0)
     delete_checkpoints: bool = True  # remove checkpoints/ once the final model is saved
-    save_dtype: str = "auto"  # dtype of the final weights; auto = the source checkpoint's
-    threads: int | None = None  # torch CPU threads per process
+    save_dtype: str = option("auto", choices=SAVE_DTYPES)  # final weights; auto = the source checkpoint's
+    threads: int | None = option(None, above=0)  # torch CPU threads per process
     progress: bool = True
     force: bool = False  # start over even if output_dir holds a finished or different run
     # data at scale: data files are tokenised once into a token cache (gqakit.uptrain.token_build)
     cache_dir: str | None = None  # where; default $GQAKIT_CACHE_DIR, else ~/.cache/gqakit/tokens
-    num_proc: int = 1  # processes that tokenise (the stream is the same for any number)
+    num_proc: int = option(1, above=0)  # processes that tokenise (the stream is the same for any number)
+
+    def __post_init__(self):
+        check_fields(self)  # types and ranges, as declared beside each field
 
     def to_dict(self) -> dict:
-        from ..recipes import to_dict
-
         return to_dict(self)
 
     def attention_options(self) -> dict:
@@ -134,19 +133,14 @@ def resolve_budget(cfg: UptrainConfig, data_parallel: int) -> Budget:
                   f"alpha={cfg.alpha} of {pretrained:,} pretraining tokens")
 
 
-def _positive(cfg: UptrainConfig, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if value is not None and value <= 0:
-            raise GqakitError(f"{name}={value} must be positive")
-
-
 def _inside(path: Path, folder: Path) -> bool:
     path, folder = path.resolve(), folder.resolve()
     return path == folder or folder in path.parents
 
 
 def _check_paths(cfg: UptrainConfig) -> None:
+    from ..convert.checkpoint import scan_checkpoint
+    from ..convert.run import read_config
     from .sources import resolve_source
 
     for path in (*cfg.data, *cfg.eval_data):
@@ -159,10 +153,15 @@ def _check_paths(cfg: UptrainConfig) -> None:
         if _inside(cache, out) or _inside(out, cache):
             raise GqakitError(f"cache_dir {cfg.cache_dir} overlaps output_dir {out}; keep the token caches outside "
                               "the run folder")
-    for name, path in (("model", cfg.model), ("teacher", cfg.teacher),
-                       *(("data", d) for d in cfg.data if not d.startswith("hf:"))):
-        if path is not None and (_inside(Path(path), out) or _inside(out, Path(path))):
+    inputs = (("model", cfg.model), ("teacher", cfg.teacher), *(("data", d) for d in cfg.data),
+              *(("eval_data", d) for d in cfg.eval_data))
+    for name, path in inputs:  # the run folder may be replaced (force) or written into: it holds no input
+        if path is not None and not path.startswith("hf:") and (_inside(Path(path), out) or _inside(out, Path(path))):
             raise GqakitError(f"output_dir {out} overlaps the {name} path {path}; choose an output_dir outside it")
+    for path in (cfg.model, cfg.teacher):
+        if path is not None:
+            read_config(Path(path))
+            scan_checkpoint(Path(path))  # safetensors weights that are all there (headers only)
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((Path(cfg.model) / f).is_file() for f in tokenizer_files):
         raise GqakitError(f"{cfg.model} holds no tokenizer files; copy the tokenizer of the source model into it")
@@ -188,6 +187,8 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
             raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} {why}; use "
                               "trainable=attention or trainable=all")
     if cfg.teacher is not None:
+        from ..convert.run import read_config
+
         teacher = read_config(Path(cfg.teacher))
         if teacher.get("vocab_size") != model_config.get("vocab_size"):
             raise GqakitError(f"teacher {cfg.teacher} has vocab_size {teacher.get('vocab_size')} but the model "
@@ -196,19 +197,15 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
 
 def check(cfg: UptrainConfig) -> dict:
     """Validate a recipe before any work starts; returns the model's config.json."""
-    _positive(cfg, "alpha", "tokens", "steps", "seq_len", "batch_size", "gradient_accumulation_steps", "lr",
-              "log_every", "checkpoint_every", "context_parallel", "distill_temperature", "keep_checkpoints",
-              "eval_sequences", "threads", "num_processes", "num_proc")
-    model_config = read_config(Path(cfg.model))
-    choices = {"trainable": TRAINABLE, "attention": ATTENTION, "mixed_precision": MIXED_PRECISION,
-               "sharding": SHARDING, "save_dtype": SAVE_DTYPES}
-    for name, allowed in choices.items():
-        if getattr(cfg, name) not in allowed:
-            raise GqakitError(f"{name}={getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    from ..convert.run import read_config
+
+    model_config = read_config(Path(cfg.model))  # field types and ranges were checked when cfg was built
     if not cfg.data:
         raise GqakitError("the recipe has no training data; set data: [FILE.txt | FILE.jsonl | FOLDER, ...]")
     _check_paths(cfg)
     _check_model_options(cfg, model_config)
+    import torch
+
     if cfg.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise GqakitError("mixed_precision=fp16 needs a GPU (on CPU autocast would silently train in fp32); "
                           "use mixed_precision=bf16 or no")
@@ -221,13 +218,6 @@ def check(cfg: UptrainConfig) -> dict:
         for role, path in (("model", cfg.model), ("teacher", cfg.teacher)):
             if path is not None:
                 check_wrappable(path, role)
-    if cfg.teacher is not None:
-        if not 0.0 <= cfg.distill_weight <= 1.0:
-            raise GqakitError(f"distill_weight={cfg.distill_weight} must be in [0, 1] (0 = cross-entropy only)")
-    if not 0.0 <= cfg.eval_fraction < 0.5:
-        raise GqakitError(f"eval_fraction={cfg.eval_fraction} must be in [0, 0.5)")
-    if cfg.eval_every < 0:
-        raise GqakitError(f"eval_every={cfg.eval_every} must be >= 0 (0 = evaluate at the end only)")
     limit = model_config.get("max_position_embeddings") or model_config.get("n_positions")
     if limit and cfg.seq_len > limit and cfg.attention not in LONG_CONTEXT:
         raise GqakitError(f"seq_len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions; lower seq_len "
@@ -245,6 +235,4 @@ def check(cfg: UptrainConfig) -> dict:
     if cfg.context_parallel > 1 and cfg.seq_len < 2 * cfg.context_parallel:
         raise GqakitError(f"seq_len={cfg.seq_len} is shorter than 2 * context_parallel={2 * cfg.context_parallel}; "
                           "lower context_parallel or raise seq_len")
-    if len(cfg.betas) != 2:
-        raise GqakitError(f"betas={list(cfg.betas)} must be two numbers, e.g. [0.9, 0.95]")
     return model_config

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,6 +20,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import GqakitError
 from . import modeling
 from .config import UptrainConfig, check, resolve_budget
 from .data import BatchOrder, load_training_data
@@ -28,7 +30,9 @@ from .metrics import MetricsLog, plot
 from .parallel import SequenceParallel
 from .record import save_final, source_dtype
 from .run_folder import check_processes, plan_run, start_run
-from .state import CHECKPOINTS, load_checkpoint, rank_record, save_checkpoint, set_rng_state
+from .run_lock import run_lock
+from .state import CHECKPOINTS, checkpoint_dirs, load_checkpoint, rank_record, save_checkpoint, set_rng_state
+from .token_build import load_tokenizer
 
 
 def _sums(model, teacher, seqs: torch.Tensor, cfg: UptrainConfig, sp: SequenceParallel, autocast):
@@ -135,8 +139,6 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     every rank after every optimizer step with the unwrapped model (tests use it to interrupt a run)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import set_seed
-    from transformers import AutoTokenizer
 
     check(cfg)  # everything a user can get wrong, before any work starts
     world = check_processes(cfg.num_processes, cfg.context_parallel)
@@ -149,6 +151,7 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
              "tokens_per_step": budget.tokens_per_step}
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    plan_run(cfg.output_dir, recipe, cfg.force, shape)  # refuse a folder we may not use before touching it
 
     # accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with other
     # settings; several runs in one process (the grid, tests) reset it, keeping the process group.
@@ -156,25 +159,50 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     AcceleratorState._reset_state()
     fsdp = cfg.sharding == "fsdp"
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no" if fsdp else cfg.mixed_precision)
-    is_main = accelerator.is_main_process
-    resume_from = plan_run(cfg.output_dir, recipe, cfg.force, shape)  # every rank reads; nobody writes yet
-    accelerator.wait_for_everyone()
     out = Path(cfg.output_dir)
-    if is_main:
-        start_run(out, recipe, fresh=resume_from is None)
-    accelerator.wait_for_everyone()
+    say = _Say(accelerator.is_main_process and cfg.progress)
+    with run_lock(out, _Say(True)) if accelerator.is_main_process else contextlib.nullcontext():
+        accelerator.wait_for_everyone()
+        resume_from = plan_run(out, recipe, cfg.force, shape)  # again, now that no other run can change it
+        return _train(cfg, accelerator, say, recipe, budget, shape, resume_from, command, on_step)
+
+
+class _Say:
+    """Start-up news on stderr from the main process (silenced by progress=false)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __call__(self, line: str) -> None:
+        if self.enabled:
+            print(line, file=sys.stderr, flush=True)
+
+
+def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, shape: dict, resume_from: Path | None,
+           command: str, on_step) -> dict:
+    """The run itself, holding the run folder's lock: load, (resume,) train, save the final model."""
+    from accelerate.utils import set_seed
+
+    fsdp = cfg.sharding == "fsdp"
+    is_main = accelerator.is_main_process
+    out = Path(cfg.output_dir)
     sp = SequenceParallel.create(cfg, accelerator)
     set_seed(cfg.seed)
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
+    say(f"uptrain: reading {len(cfg.data)} data source{'s' if len(cfg.data) > 1 else ''}")
     data = load_training_data(cfg, tokenizer, is_main=is_main, barrier=accelerator.wait_for_everyone)
     order = BatchOrder(len(data.train), cfg.batch_size, cfg.gradient_accumulation_steps, sp.data_parallel, cfg.seed)
-
+    say(f"uptrain: loading {cfg.model}" + (f" and the teacher {cfg.teacher}" if cfg.teacher else "") +
+        f" ({cfg.sharding} over {accelerator.num_processes} process{'es' if accelerator.num_processes > 1 else ''})")
     model, teacher, attention_options, (trainable, total_params) = _models(cfg, sp, accelerator)
     optimizer = modeling.make_optimizer(model, cfg)
     scheduler = modeling.make_scheduler(optimizer, cfg, budget.steps)
     if not fsdp:
         model, optimizer = accelerator.prepare(model, optimizer)
+    if is_main:
+        start_run(out, recipe, fresh=resume_from is None)  # a failed start-up above leaves the folder as it was
+    accelerator.wait_for_everyone()
 
     start = 0
     if resume_from is not None:
@@ -196,6 +224,7 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     if start:
         record_base.update(saved.get("record", {}))
     if start == 0 and len(data.eval):
+        say(f"uptrain: held-out loss before training ({len(data.eval)} sequences)")
         record_base["initial_eval_ppl"] = math.exp(evaluate(model, data.eval, cfg, sp, accelerator))
         if is_main:
             log.log({"step": 0, "tokens": 0, "eval_loss": math.log(record_base["initial_eval_ppl"]),
@@ -220,18 +249,22 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
             sums[0] += ce.detach().double()
             if kd is not None:
                 sums[1] += kd.detach().double()
-        grad_norm = _clip(accelerator, model, trained, cfg.grad_clip, fsdp) if cfg.grad_clip else None
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step used
-        optimizer.step()
-        scheduler.step()
+        grad_norm = float(_clip(accelerator, model, trained, cfg.grad_clip or math.inf, fsdp))  # global, every rank
         sums = accelerator.reduce(sums, reduction="sum") / budget.tokens_per_step
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step used
         step_tokens += budget.tokens_per_step
         done = step + 1
         row = {"step": done, "tokens": done * budget.tokens_per_step,
                "loss": float(_combine(sums[0], sums[1] if teacher is not None else None, cfg)),
                "ce": float(sums[0]), "kd": float(sums[1]) if teacher is not None else "",
-               "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else "",
-               "tokens_per_s": step_tokens / (time.perf_counter() - t0)}
+               "lr": lr, "grad_norm": grad_norm, "tokens_per_s": step_tokens / (time.perf_counter() - t0)}
+        # fp16's loss scaler skips a step with non-finite gradients by design; anything else non-finite has diverged
+        if not math.isfinite(row["loss"]) or not (math.isfinite(grad_norm) or accelerator.scaler is not None):
+            log.log(row)
+            log.close()
+            raise GqakitError(_diverged(out, done, row, cfg))
+        optimizer.step()
+        scheduler.step()
         if (cfg.eval_every and done % cfg.eval_every == 0 or done == budget.steps) and len(data.eval):
             row["eval_loss"] = evaluate(model, data.eval, cfg, sp, accelerator)
             row["eval_ppl"] = math.exp(row["eval_loss"])
@@ -269,6 +302,15 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
             shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
     accelerator.wait_for_everyone()
     return record
+
+
+def _diverged(out: Path, step: int, row: dict, cfg: UptrainConfig) -> str:
+    """The one line that stops a run whose loss or gradient norm is not finite."""
+    kept = checkpoint_dirs(out)
+    last = f"checkpoint {kept[-1].name} is kept" if kept else "no checkpoint was written yet"
+    return (f"step {step}: the loss is {row['loss']:g} and the gradient norm {row['grad_norm']:g}, so training "
+            f"diverged and no final model was written ({last}); lower lr (now {cfg.lr:g}), raise warmup_steps or "
+            "set grad_clip, and start over with force=true")
 
 
 def _gradient_sync(accelerator, model, fsdp: bool, sync: bool):

@@ -112,8 +112,10 @@ def save_final(model, tokenizer, output_dir: Path, record: dict, *, is_main: boo
         if not (tmp / "generation_config.json").exists() and getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         (tmp / "README.md").write_text(_card(source, record))
-        for path in sorted(tmp.iterdir()):
-            os.replace(path, out / path.name)
+        files = sorted(path.name for path in tmp.iterdir())
+        for name in files:
+            os.replace(tmp / name, out / name)
         tmp.rmdir()
-        (out / FINISHED).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        finished = {**record, "files": files}  # what --force may later replace (run_folder.own_entries)
+        (out / FINISHED).write_text(json.dumps(finished, indent=2, default=str) + "\n")
     barrier()

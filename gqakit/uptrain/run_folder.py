@@ -1,16 +1,25 @@
 """The run folder's life cycle (fresh, resume, finished) and the process-count checks at start-up."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
 from pathlib import Path
 
 from ..errors import GqakitError
-from .state import checkpoint_dirs
+from .run_lock import LOCK
+from .state import CHECKPOINTS, checkpoint_dirs
 
-MARKER = "uptrain-recipe.json"  # written when a run starts: this folder belongs to gqakit uptrain
-FINISHED = "uptraining.json"  # written last: the final model in this folder is complete
+MARKER = "uptrain-recipe.json"  # written when training starts: this folder belongs to gqakit uptrain
+FINISHED = "uptraining.json"  # written last: the final model in this folder is complete; lists its files
+# What a run writes besides the final model's files (which FINISHED lists). `--force` replaces a run
+# folder only when every entry in it is one of these: it never deletes a file gqakit did not write.
+RUN_ENTRIES = (MARKER, FINISHED, LOCK, CHECKPOINTS, "metrics.csv", "loss.png", ".final.tmp")
+# The final model's files, for a finished run recorded before FINISHED listed them.
+MODEL_ENTRIES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+                 "README.md", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                 "vocab.json", "merges.txt", "pretraining.json")
 # Keys that may change between an interrupted run and its resumption without changing the run. The
 # process layout may change too (DCP reshards): `shape` then checks that the global batch is the same.
 RESUME_FREE = {"progress", "force", "threads", "checkpoint_every", "keep_checkpoints", "delete_checkpoints", "log_every",
@@ -24,27 +33,65 @@ def _identity(recipe: dict) -> dict:
     return {k: v for k, v in recipe.items() if k not in RESUME_FREE}
 
 
+def _entries(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name != LOCK)
+
+
+def own_entries(out: Path) -> tuple[list[str], list[str]]:
+    """(entries gqakit wrote, entries it did not) of the run folder `out`."""
+    listed: list[str] = []
+    if (out / FINISHED).is_file():
+        try:
+            listed = list(json.loads((out / FINISHED).read_text()).get("files") or [])
+        except (ValueError, AttributeError):
+            listed = []
+    patterns = (*RUN_ENTRIES, *(listed or MODEL_ENTRIES))
+    ours, theirs = [], []
+    for name in _entries(out):
+        (ours if any(fnmatch.fnmatchcase(name, p) for p in patterns) else theirs).append(name)
+    return ours, theirs
+
+
+def _check_replaceable(out: Path) -> None:
+    """--force may replace an empty folder or a gqakit run folder holding only what gqakit wrote."""
+    if not _entries(out):
+        return
+    if not (out / MARKER).is_file():
+        raise GqakitError(f"output_dir {out} is not empty and not a gqakit uptrain run, so force will not replace "
+                          "it (it may hold your files); choose another output_dir")
+    _, theirs = own_entries(out)
+    if theirs:
+        more = f" (and {len(theirs) - 1} more)" if len(theirs) > 1 else ""
+        raise GqakitError(f"output_dir {out} holds {theirs[0]}{more}, which gqakit did not write, so force will not "
+                          "replace the run; move it out or choose another output_dir")
+
+
 def plan_run(output_dir: str | Path, recipe: dict, force: bool, shape: dict) -> Path | None:
     """Decide, reading only, what to do with the run folder: the checkpoint to resume from, or None
     for a fresh start. Refuses (one line, before any work) a folder that is not ours, a finished run,
-    a run of another recipe, or one whose launch (`shape`) splits the budget into other steps, unless `force`.
+    a run of another recipe, or one whose launch (`shape`) splits the budget into other steps, unless `force`;
+    `force` itself is refused for a folder holding anything gqakit did not write.
     Another number of processes, context parallelism or sharding resumes (resharded), provided the
     global batch (tokens per step) and the step count are the same."""
     out = Path(output_dir)
-    if not out.exists() or force:
+    if not out.exists():
         return None
     if not out.is_dir():
         raise GqakitError(f"output_dir {out} is a file; choose another output_dir")
+    if force:
+        _check_replaceable(out)
+        return None
     if not (out / MARKER).is_file():
-        if any(out.iterdir()):
+        if _entries(out):
             raise GqakitError(f"output_dir {out} is not empty and not a gqakit uptrain run; choose another "
-                              "output_dir or pass force=true to replace it")
+                              "output_dir")
         return None
     if (out / FINISHED).is_file():
         raise GqakitError(f"output_dir {out} holds a finished run; choose another output_dir or pass force=true "
                           "to train again from scratch")
     checkpoints = checkpoint_dirs(out)
     if not checkpoints:
+        _check_replaceable(out)
         return None  # an earlier attempt stopped before its first checkpoint: nothing to resume
     saved = json.loads((checkpoints[-1] / "recipe.json").read_text())
     mine, theirs = _identity(recipe), _identity(saved)
@@ -65,11 +112,15 @@ def plan_run(output_dir: str | Path, recipe: dict, force: bool, shape: dict) -> 
 
 
 def start_run(output_dir: str | Path, recipe: dict, fresh: bool) -> None:
-    """Main process only: create (or, for a forced fresh start, empty) the folder and mark it."""
+    """Main process only, holding the run lock, once the models and data have loaded: for a fresh
+    start remove what an earlier run wrote (only that: `plan_run` checked), then mark the folder."""
     out = Path(output_dir)
-    if fresh and out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
     out.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        _check_replaceable(out)
+        for name in own_entries(out)[0]:
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     (out / MARKER).write_text(json.dumps(recipe, indent=2) + "\n")
 
 

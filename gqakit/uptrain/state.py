@@ -23,10 +23,13 @@ import os
 import pickle
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..errors import GqakitError
 
 CHECKPOINTS = "checkpoints"
 _PREFIX = "step-"
@@ -111,6 +114,7 @@ def save_checkpoint(output_dir: Path, step: int, *, model, optimizer, trainer_st
                     rank: int, recipe: dict, is_main: bool, barrier, keep: int) -> Path:
     """Write checkpoint `step`; every rank calls this (`barrier()` synchronises them)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     root = Path(output_dir) / CHECKPOINTS
     final = root / f"{_PREFIX}{step:06d}"
@@ -120,10 +124,17 @@ def save_checkpoint(output_dir: Path, step: int, *, model, optimizer, trainer_st
         tmp.mkdir(parents=True)
     barrier()
     tensors, param_groups = _dcp_state(model, optimizer)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp / "state"), overwrite=True), no_dist=_single())
-    if is_main:
-        (tmp / "trainer.json").write_text(json.dumps({**trainer_state, "param_groups": param_groups}))
-    (tmp / f"rank-{rank:05d}.json").write_text(json.dumps({**rank_state, "rng": rng_state()}))
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp / "state"), overwrite=True),
+                     no_dist=_single())
+        if is_main:
+            (tmp / "trainer.json").write_text(json.dumps({**trainer_state, "param_groups": param_groups}))
+        (tmp / f"rank-{rank:05d}.json").write_text(json.dumps({**rank_state, "rng": rng_state()}))
+    except (OSError, RuntimeError, CheckpointException) as e:  # DCP reports a full disk as CheckpointException
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failed(output_dir, final.name, e) from None
     barrier()
     if is_main:
         (tmp / "recipe.json").write_text(json.dumps(recipe, indent=2))  # last: marks the folder complete
@@ -133,6 +144,17 @@ def save_checkpoint(output_dir: Path, step: int, *, model, optimizer, trainer_st
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
+
+
+def _write_failed(output_dir: Path, name: str, error: Exception) -> GqakitError:
+    """One line for a checkpoint that could not be written: the cause, the free space, what is kept."""
+    text = str(error).strip()
+    cause = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), type(error).__name__)
+    free = shutil.disk_usage(output_dir).free
+    kept = checkpoint_dirs(output_dir)
+    resume = f"run the same command to resume from {kept[-1].name}" if kept else "run the same command to start again"
+    return GqakitError(f"writing checkpoint {name} failed ({cause[:200]}); {free / 2**20:,.0f} MiB are free on "
+                       f"{output_dir}: free space (or lower keep_checkpoints), then {resume}")
 
 
 def load_checkpoint(folder: Path, model, optimizer) -> dict:
