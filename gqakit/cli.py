@@ -78,19 +78,24 @@ def _run_generate(args: argparse.Namespace, command: str) -> None:
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="Hugging Face checkpoint folder")
-    p.add_argument("--prompt", help="prompt text")
+    p.add_argument("--prompt", help="prompt text (give exactly one of --prompt and --prompt-file)")
     p.add_argument("--prompt-file", help="UTF-8 file holding the prompt")
     p.add_argument("--attention", default="sinks", choices=["sinks", "sliding", "tiled", "default"],
                    help="sinks: keep --sinks first + --window recent tokens (StreamingLLM); sliding: the "
                         "--window recent tokens only; tiled/default: full cache (default: sinks)")
-    p.add_argument("--sinks", type=int, default=4, help="attention-sink tokens kept (default: 4)")
-    p.add_argument("--window", type=int, default=1020, help="recent tokens kept (default: 1020)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--sinks", type=int, default=4,
+                   help="attention-sink tokens kept, with --attention sinks (default: 4)")
+    p.add_argument("--window", type=int, default=1020,
+                   help="recent tokens kept, with --attention sinks or sliding (default: 1020)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate, >= 1 (default: 256)")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding (default: greedy)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="with --sample: softmax temperature > 0 (default: 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="with --sample: nucleus probability mass kept, in (0, 1] (default: 1.0 = every token)")
+    p.add_argument("--seed", type=int, default=0, help="with --sample: seed of the sampler (default: 0)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: float32)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
 
 

@@ -13,7 +13,7 @@ import torch
 from . import __version__
 from .convert import ConvertConfig, convert
 from .errors import GqakitError
-from .evaluate.models import head_dim
+from .evaluate.models import kv_bytes_per_token, kv_heading, model_dtype
 from .evaluate.perplexity import perplexity
 from .evaluate.report import prepare_output, write_report
 from .reference import HELDOUT_TEXT, reference_model_path
@@ -22,24 +22,22 @@ GROUPS = (4, 2, 1)
 METHODS = ("mean", "first", "random")
 
 
+COMPUTE_DTYPE = torch.float32  # perplexity is computed, and so the KV cache held, in fp32
+
+
 def evaluate_folder(path: Path, ids: torch.Tensor, window: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    cfg = model.config
-    with open(path / "config.json") as f:
-        raw = json.load(f)
-    stored_dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"  # the cache's dtype in use
-    itemsize = torch.empty(0, dtype=getattr(torch, stored_dtype)).element_size()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=COMPUTE_DTYPE).eval()
     return {
-        "kv_heads": cfg.num_key_value_heads,
-        "kv_bytes_per_token": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg) * itemsize,
+        "kv_heads": model.config.num_key_value_heads,
+        "kv_bytes_per_token": kv_bytes_per_token(model.config, model_dtype(model)),  # as `gqakit eval` counts
         "perplexity": perplexity(model, ids, window, progress=False),
     }
 
 
-def format_table(rows: list[dict]) -> str:
-    header = "| model | K/V heads | method | KV cache bytes/token | held-out perplexity | vs MHA |"
+def format_table(rows: list[dict], dtype: torch.dtype = COMPUTE_DTYPE) -> str:
+    header = f"| model | K/V heads | method | {kv_heading(dtype)} | held-out perplexity | vs MHA |"
     lines = [header, "|---|---|---|---|---|---|"]
     base = rows[0]["perplexity"]
     for r in rows:

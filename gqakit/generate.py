@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -9,10 +10,14 @@ from pathlib import Path
 from .errors import GqakitError
 
 ATTENTION = ("sinks", "sliding", "tiled", "default")
+DTYPES = ("float32", "bfloat16", "float16")
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerateConfig:
+    """`gqakit generate`; every field is checked on construction (`check`), before any model is loaded."""
+
     model: str
     prompt: str | None = None
     prompt_file: str | None = None
@@ -27,45 +32,99 @@ class GenerateConfig:
     dtype: str = "float32"
     ignore_eos: bool = False
 
-
-def _prompt(cfg: GenerateConfig) -> str:
-    if (cfg.prompt is None) == (cfg.prompt_file is None):
-        raise GqakitError("give exactly one of --prompt TEXT or --prompt-file FILE")
-    if cfg.prompt is not None:
-        return cfg.prompt
-    path = Path(cfg.prompt_file)
-    if not path.is_file():
-        raise GqakitError(f"prompt file {path} does not exist; pass a UTF-8 text file")
-    text = path.read_text(encoding="utf-8")
-    if not text.strip():
-        raise GqakitError(f"prompt file {path} is empty; write a prompt into it")
-    return text
+    def __post_init__(self):
+        check(self)
 
 
-def _check(cfg: GenerateConfig) -> None:
+def _default(name: str):
+    return GenerateConfig.__dataclass_fields__[name].default
+
+
+def _ignored(cfg: GenerateConfig) -> str | None:
+    """The first option set away from its default that this configuration would not honour, with why."""
+    if not cfg.do_sample:
+        for flag, name in (("--temperature", "temperature"), ("--top-p", "top_p"), ("--seed", "seed")):
+            if getattr(cfg, name) != _default(name):
+                return f"{flag} only applies with --sample (greedy decoding ignores it); add --sample or drop {flag}"
+    full = f"--attention {cfg.attention} keeps the full cache"
+    if cfg.attention in ("tiled", "default") and cfg.window != _default("window"):
+        return f"--window only applies with --attention sinks or sliding ({full}); drop --window or choose one of them"
+    if cfg.attention != "sinks" and cfg.sinks not in (0, _default("sinks")):
+        why = "sliding keeps no sink tokens" if cfg.attention == "sliding" else full
+        return f"--sinks only applies with --attention sinks ({why}); drop --sinks {cfg.sinks}"
+    return None
+
+
+def check(cfg: GenerateConfig) -> None:
+    """Every option in one place: one line naming the flag, the value and what is allowed."""
     if cfg.attention not in ATTENTION:
         raise GqakitError(f"unknown --attention {cfg.attention!r}; choose one of {', '.join(ATTENTION)}")
+    if cfg.dtype not in DTYPES:
+        raise GqakitError(f"unknown --dtype {cfg.dtype!r}; choose one of {', '.join(DTYPES)}")
     if cfg.window <= 0:
         raise GqakitError(f"--window must be a positive number of tokens, got {cfg.window}")
     if cfg.sinks < 0:
         raise GqakitError(f"--sinks must be >= 0, got {cfg.sinks}; use 0 for a plain sliding window")
-    if cfg.max_new_tokens < 0:
-        raise GqakitError(f"--max-new-tokens must be >= 0, got {cfg.max_new_tokens}")
+    if cfg.max_new_tokens < 1:
+        raise GqakitError(f"--max-new-tokens must be >= 1 (tokens to generate), got {cfg.max_new_tokens}")
+    if not (math.isfinite(cfg.temperature) and cfg.temperature > 0):
+        raise GqakitError(f"--temperature must be a finite number > 0, got {cfg.temperature}; "
+                          "for greedy decoding leave out --sample")
+    if not (math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1):
+        raise GqakitError(f"--top-p must be in (0, 1], got {cfg.top_p}; 1 keeps every token")
+    if not SEED_RANGE[0] <= cfg.seed <= SEED_RANGE[1]:
+        raise GqakitError(f"--seed must be an integer in [-2**63, 2**64 - 1], got {cfg.seed}")
+    ignored = _ignored(cfg)
+    if ignored:
+        raise GqakitError(ignored)
+    if (cfg.prompt is None) == (cfg.prompt_file is None):
+        raise GqakitError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if cfg.prompt is not None:
+        _check_text(cfg.prompt, "--prompt")
+
+
+def _check_text(text: str, where: str) -> None:
+    if not text.strip():
+        raise GqakitError(f"{where} is empty (or only whitespace); give the text to continue")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        raise GqakitError(f"{where} is not valid UTF-8 text; pass UTF-8 (or use --prompt-file)") from None
+
+
+def _prompt(cfg: GenerateConfig) -> str:
+    if cfg.prompt is not None:
+        return cfg.prompt
+    path = Path(cfg.prompt_file)
+    if not path.exists():
+        raise GqakitError(f"prompt file {path} does not exist; pass a UTF-8 text file")
+    if not path.is_file():
+        raise GqakitError(f"prompt file {path} is not a file; pass a UTF-8 text file")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GqakitError(f"prompt file {path} is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                          "re-save it as UTF-8") from None
+    _check_text(text, f"prompt file {path}")
+    return text
 
 
 def generate(cfg: GenerateConfig, out=None, err=None) -> str:
     """Stream the continuation of the prompt to `out` (stdout); report speed and policy on `err` (stderr)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    prompt = _prompt(cfg)  # before the heavy imports: a bad prompt file is refused at once
+
     from .attention import streaming
     from .evaluate.models import apply_attention, load_model
 
-    out, err = out or sys.stdout, err or sys.stderr
-    _check(cfg)
-    prompt = _prompt(cfg)
     model, tok = load_model(cfg.model, cfg.dtype, device="cpu")  # the prompt's ids stay on the CPU
     kernel = cfg.attention == "tiled"
     if kernel:
         apply_attention(model, "tiled", {})
     ids = tok(prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise GqakitError("the prompt encodes to no tokens with this model's tokenizer; give some text to continue")
     eos = None if cfg.ignore_eos else tok.eos_token_id
     if cfg.attention in ("sinks", "sliding"):
         sinks = cfg.sinks if cfg.attention == "sinks" else 0

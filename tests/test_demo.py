@@ -12,7 +12,9 @@ def test_demo_converts_and_ranks(tmp_path, capsys):
     rows = json.loads((out / "results.json").read_text())["results"]["rows"]
     assert [(r["kv_heads"], r["method"]) for r in rows] == [(8, "-")] + [
         (g, m) for g in (4, 2, 1) for m in ("mean", "first", "random")]
-    assert [r["kv_bytes_per_token"] for r in rows[::3]] == [8192, 4096, 2048, 1024]
+    # At the dtype the cache is held in while scoring (fp32), the same count `gqakit eval` reports.
+    assert "| KV-cache bytes/token (float32) |" in printed
+    assert [r["kv_bytes_per_token"] for r in rows[::3]] == [16384, 8192, 4096, 2048]
     ppl = {(r["kv_heads"], r["method"]): r["perplexity"] for r in rows}
     # A real model loses something to pooling, and the mean loses least (GQA paper, alpha = 0).
     assert ppl[(8, "-")] < ppl[(4, "mean")] < ppl[(4, "first")] < ppl[(4, "random")]

@@ -92,7 +92,7 @@ def test_several_models_give_one_table(files):
                               "--stride", 32, "-o", out_dir, "-q")
     assert code == 0, err
     table = [line for line in out.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| model | K/V heads | KV-cache bytes/token | perplexity | scored tokens")
+    assert table[0].startswith("| model | K/V heads | KV-cache bytes/token (float32) | perplexity | scored tokens")
     assert [row.split(" | ")[1:3] for row in table[1:]] == [["4", "512"], ["1", "128"]]  # 2 x 2 layers x G x 8 x 4 B
     record = report.read_report(out_dir)
     assert record["kind"] == "ppl" and record["config"]["models"] == [str(files["a"]), str(files["b"])]

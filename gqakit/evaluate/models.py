@@ -1,10 +1,14 @@
 """Loading the models under evaluation: checkpoint folder, tokenizer, compute dtype, attention kind.
 
-Shared by the three evaluations so that every report describes its model the same way (K/V heads,
-KV-cache bytes per token at the compute dtype, the attention options in force).
+Shared by the three evaluations, `gqakit generate` and `gqakit demo`, so that every report describes its
+model the same way (K/V heads, KV-cache bytes per token at the dtype the cache is held in, the attention
+options in force). A local folder is checked before transformers touches it (config.json, safetensors
+headers, then every weight present with the shape config.json implies), so a broken checkpoint is one
+line, never a traceback or a silently half-random model.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -28,21 +32,84 @@ def resolve_device(device: str = "auto") -> torch.device:
     return resolved
 
 
+def is_local(path: str) -> bool:
+    """A folder on this machine (or meant to be one), rather than an `org/name` on the Hugging Face hub."""
+    return Path(path).is_dir() or "/" not in path or path.startswith((".", "/", "~"))
+
+
+def check_model_folder(path: str) -> dict | None:
+    """The config.json of a local checkpoint folder, once its safetensors headers are read and valid
+    (cheap at any model size; pickled-only folders are refused); None for a hub name."""
+    if not is_local(path):
+        return None
+    from ..convert.checkpoint import scan_checkpoint
+    from ..convert.run import read_config
+
+    config = read_config(Path(path))
+    scan_checkpoint(Path(path))
+    return config
+
+
+def context_length(config: dict) -> int | None:
+    """max_position_embeddings of a config.json dict (a multimodal one's text_config too); None if unknown."""
+    return config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+
+
+def check_loading(path: str, info: dict) -> None:
+    """Refuse weights that do not fit config.json: absent tensors would be random, resized ones wrong."""
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        name, stored, expected = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise GqakitError(f"{path}: {name} is {list(stored)} in the weights but config.json implies {list(expected)}"
+                          f"{more}; config.json does not belong to these weights: restore the matching pair")
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise GqakitError(f"{path}: the weights lack {missing[0]}{more}, which would be left random; "
+                          "the checkpoint is incomplete: re-download or re-save it")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' loading report is many lines; check_loading says what matters in one."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, device: str = "auto"):
     """(model in eval mode on `device`, tokenizer) of a local Hugging Face folder (or, online, a hub name)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     if dtype not in DTYPES:
         raise GqakitError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    local = Path(path).is_dir() or "/" not in path or path.startswith((".", "/", "~"))
-    if local and not Path(path).is_dir():
-        raise GqakitError(f"model folder {path} does not exist; pass the path of a Hugging Face checkpoint folder")
-    if local and not (Path(path) / "config.json").is_file():
-        raise GqakitError(f"{path} has no config.json; point at a Hugging Face checkpoint folder")
+    check_model_folder(path)
     target = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(target).eval()
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except ValueError as e:  # e.g. no model_type, an architecture this transformers does not know
+        raise GqakitError(f"transformers cannot read the config of {path} ({_first_line(e)}); "
+                          "repair config.json or upgrade transformers") from None
+    except OSError as e:  # only a hub name gets here: local folders were checked above
+        raise GqakitError(f"cannot fetch {path} from the Hugging Face hub ({_first_line(e)}); "
+                          "pass a local checkpoint folder") from None
+    with _quiet_transformers():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=getattr(torch, dtype), ignore_mismatched_sizes=True, output_loading_info=True)
+    check_loading(path, info)
+    model = model.to(target).eval()
     source = tokenizer or path
     try:
         tok = AutoTokenizer.from_pretrained(source)
@@ -59,11 +126,25 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def kv_bytes_per_token(model) -> int:
-    """Bytes that one token adds to a full KV cache: K and V, every layer, G heads, at the model's dtype."""
-    cfg = model.config
-    itemsize = next(model.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg) * itemsize
+def kv_bytes_per_token(config, dtype: torch.dtype | str) -> int:
+    """Bytes that one token adds to a full KV cache: K and V, every layer, G heads of head_dim, at `dtype`.
+
+    The one definition for every table (demo, eval ppl / stream / passkey): pass the dtype the cache is
+    held in at run time, which is the compute dtype (transformers caches K and V as attention computes
+    them), not the dtype stored on disk; `kv_heading` names it in the column heading.
+    """
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * itemsize
+
+
+def kv_heading(dtype: torch.dtype | str) -> str:
+    """The table heading of `kv_bytes_per_token`'s column, naming the dtype it counts."""
+    return f"KV-cache bytes/token ({str(dtype).removeprefix('torch.')})"
+
+
+def model_dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
 
 
 def describe(model) -> dict:
@@ -76,9 +157,9 @@ def describe(model) -> dict:
         "kv_heads": cfg.num_key_value_heads,
         "head_dim": head_dim(cfg),
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "dtype": str(model_dtype(model)).removeprefix("torch."),
         "device": str(next(model.parameters()).device),
-        "kv_bytes_per_token": kv_bytes_per_token(model),
+        "kv_bytes_per_token": kv_bytes_per_token(cfg, model_dtype(model)),
     }
 
 

@@ -101,6 +101,14 @@ def build_prompt(tokenizer, length: int, depth: float, key: str) -> tuple[str, i
     per_sentence = max(1.0, _count(tokenizer, _filler(50)) / 50)
     sentences = max(0, int((length - fixed) / per_sentence))
     prompt, n = fit(sentences)
+    for _ in range(8):  # secant steps at this size's own tokens per sentence: a few tokenisations, not thousands
+        if sentences > 0 and n > fixed:
+            per_sentence = max(1.0, (n - fixed) / sentences)
+        step = int((length - n) / per_sentence)
+        if step == 0 or sentences + step < 0:
+            break
+        sentences += step
+        prompt, n = fit(sentences)
     while n > length and sentences > 0:  # the estimate overshot: drop sentences
         sentences -= 1
         prompt, n = fit(sentences)
@@ -115,17 +123,18 @@ def build_prompt(tokenizer, length: int, depth: float, key: str) -> tuple[str, i
     return prompt, n
 
 
-def build_cases(tokenizer, lengths: Iterable[int], depths: Iterable[float], trials: int, seed: int) -> list[Case]:
+def build_cases(tokenizer, lengths: Iterable[int], depths: Iterable[float], trials: int, seed: int,
+                progress: bool = False) -> list[Case]:
     """Every (length, depth, trial) case, in that order, deterministic in `seed`."""
     if trials < 1:
         raise GqakitError(f"--trials must be >= 1, got {trials}")
+    cells = [(length, depth, trial) for length in lengths for depth in depths for trial in range(trials)]
     cases = []
-    for length in lengths:
-        for depth in depths:
-            for trial in range(trials):
-                key = make_key(seed, length, depth, trial)
-                prompt, n = build_prompt(tokenizer, length, depth, key)
-                cases.append(Case(length, depth, trial, key, prompt, n))
+    for length, depth, trial in tqdm(cells, desc="passkey prompts", unit="prompt", disable=not progress,
+                                     leave=False):
+        key = make_key(seed, length, depth, trial)
+        prompt, n = build_prompt(tokenizer, length, depth, key)
+        cases.append(Case(length, depth, trial, key, prompt, n))
     return cases
 
 
@@ -214,20 +223,55 @@ def format_table(lengths: list[int], depths: list[float], acc: dict[tuple[int, f
     return "\n".join(lines)
 
 
-def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Callable[[str], str] | None = None) -> dict:
-    """Build the cases, decode, score, print the table, write the report; `generate` overrides the model's."""
+def _times(ratio: float) -> str:
+    return f"{ratio:,.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+
+
+def reach_warning(lengths: list[int], context: int | None, in_force: dict, per_length: int) -> str | None:
+    """One line when the longest prompt is past the model's trained context or its attention's window
+    (what to expect, and the work: `per_length` prompts of each length); None when every length fits both."""
+    longest = max(lengths)
+    window = in_force.get("window")
+    reach = window + in_force.get("sinks", 0) if window else None
+    if context and longest > context:
+        where = f"{_times(longest / context)} the model's {context:,}-token context (max_position_embeddings)"
+        expect = (f"positions past it are untrained and a key more than {window:,} tokens before the question is "
+                  "outside the window, so expect misses" if window else
+                  "without --attention sinks or sliding, retrieval beyond the context is expected to fail")
+    elif reach and longest > reach:
+        where = f"{_times(longest / reach)} the {reach:,} tokens that --attention {in_force['kind']} keeps in view"
+        expect = f"a key more than {window:,} tokens before the question is outside the window, so expect misses"
+    else:
+        return None
+    prompts = per_length * len(lengths)
+    return (f"warning: --lengths {longest:,} is {where}; {expect}; time grows with length "
+            f"({prompts:,} prompt{'s' if prompts != 1 else ''}, {per_length * sum(lengths):,} tokens in all)")
+
+
+def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Callable[[str], str] | None = None,
+                err=None) -> dict:
+    """Build the cases, decode, score, print the table, write the report; `generate` overrides the model's.
+    A warning (on `err`, stderr) comes first when a length is past the model's context or its window."""
     from . import plots, report
     from .models import apply_attention, attention_options, describe, load_model
 
-    out = out or sys.stdout
+    out, err = out or sys.stdout, err or sys.stderr
     if cfg.new_tokens < 1:
         raise GqakitError(f"--new-tokens must be >= 1, got {cfg.new_tokens}")
+    if cfg.trials < 1:
+        raise GqakitError(f"--trials must be >= 1, got {cfg.trials}")
     lengths, depths = list(cfg.lengths), [float(d) for d in cfg.depths]
     options = attention_options(cfg.attention, cfg.window, cfg.sinks)
     target = report.prepare_output(cfg.output, "passkey", cfg.force)
     model, tok = load_model(cfg.model, cfg.dtype, cfg.tokenizer, cfg.device)
     in_force = apply_attention(model, cfg.attention, options)
-    cases = build_cases(tok, lengths, depths, cfg.trials, cfg.seed)
+    shortest = min(lengths)  # refuse a too-short length (cheap) before warning about long ones
+    build_prompt(tok, shortest, depths[0], make_key(cfg.seed, shortest, depths[0], 0))
+    warning = reach_warning(lengths, getattr(model.config, "max_position_embeddings", None), in_force,
+                            len(depths) * cfg.trials)
+    if warning:
+        print(f"gqakit: {warning}", file=err, flush=True)
+    cases = build_cases(tok, lengths, depths, cfg.trials, cfg.seed, cfg.progress)
     results = score(cases, generate or greedy_generator(model, tok, cfg.new_tokens), cfg.progress)
     acc = accuracy(results)
     print(format_table(lengths, depths, acc), file=out)

@@ -15,7 +15,6 @@ conditioned on BOS alone; so every text token is scored exactly once, for any st
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -127,15 +126,12 @@ def resolve_window(cfg: PplConfig, contexts: list[int | None]) -> tuple[int, int
 
 
 def _context(path: str) -> int | None:
-    """max_position_embeddings from a local config.json (None when unknown); checks the folder early."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        if Path(path).exists() or "/" not in path or path.startswith((".", "/", "~")):
-            raise GqakitError(f"model folder {path} does not exist or has no config.json; "
-                              "pass the path of a Hugging Face checkpoint folder")
-        return None  # a hub name: known once loaded
-    raw = json.loads(config.read_text())
-    return raw.get("max_position_embeddings") or (raw.get("text_config") or {}).get("max_position_embeddings")
+    """max_position_embeddings of a local checkpoint folder, checked early (config.json, safetensors headers)
+    so that a broken second model fails before the first is evaluated; None for a hub name."""
+    from .models import check_model_folder, context_length
+
+    config = check_model_folder(path)
+    return None if config is None else context_length(config)
 
 
 def _bos_id(tok, model) -> int:
@@ -147,9 +143,11 @@ def _bos_id(tok, model) -> int:
     return int(bos)
 
 
-def format_table(rows: list[dict]) -> str:
-    """A markdown table: model, K/V heads, KV-cache bytes per token, perplexity, scored tokens."""
-    lines = ["| model | K/V heads | KV-cache bytes/token | perplexity | scored tokens |", "|---|---|---|---|---|"]
+def format_table(rows: list[dict], dtype: str = "float32") -> str:
+    """A markdown table: model, K/V heads, KV-cache bytes per token at `dtype`, perplexity, scored tokens."""
+    from .models import kv_heading
+
+    lines = [f"| model | K/V heads | {kv_heading(dtype)} | perplexity | scored tokens |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['kv_heads']} | {r['kv_bytes_per_token']:,} | {r['perplexity']:.3f} "
                      f"| {r['scored_tokens']:,} |")
@@ -191,7 +189,7 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
         print(f"  {rows[-1]['model']}: perplexity {rows[-1]['perplexity']:.3f} over {count:,} tokens "
               f"({seconds:.1f}s)", file=out, flush=True)
         del model
-    print(format_table(rows), file=out)
+    print(format_table(rows, rows[0]["dtype"]), file=out)
     print(f"(windows of {max_length} positions, stride {stride}, {'BOS-prefixed' if cfg.bos else 'no BOS'}, "
           f"{cfg.dtype})", file=out)
     record = {"max_length": max_length, "stride": stride, "rows": rows}

@@ -106,7 +106,7 @@ def _cached(model, ids: torch.Tensor, policy: str, window: int, sinks: int, chun
 def _recompute(model, ids: torch.Tensor, window: int, every: int, chunk: int, progress: bool
                ) -> tuple[torch.Tensor, int]:
     """Blocks [b, b + R) of queries, each a fresh forward over [b - W, b + R); equal-shape blocks batched."""
-    from .models import kv_bytes_per_token
+    from .models import kv_bytes_per_token, model_dtype
 
     device = next(model.parameters()).device
     n = ids.numel()
@@ -128,7 +128,7 @@ def _recompute(model, ids: torch.Tensor, window: int, every: int, chunk: int, pr
         logits = model(input_ids=batch, use_cache=False, logits_to_keep=queries).logits  # (rows, q, V)
         for row, (_, b, _) in enumerate(group):
             _score(nll, logits[row], ids, b)
-    return nll, longest * kv_bytes_per_token(model)
+    return nll, longest * kv_bytes_per_token(model.config, model_dtype(model))
 
 
 def stream_nll(model, ids: torch.Tensor, policy: str, *, window: int = 1020, sinks: int = 4, chunk: int = 256,
