@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..recipes import load_recipe, to_dict
+from ..recipes import check_fields, load_recipe, option, to_dict
 from ..uptrain.modeling import lr_factor
 from .tokenizer import EOS, train_bpe
 
@@ -32,26 +32,29 @@ class PretrainConfig:
     corpora_dir: str = "../shared/corpora"
     train_files: tuple[str, ...] = ()
     heldout_file: str = "austen/emma.txt"
-    heldout_chars: int = 200_000
-    vocab_size: int = 8192
-    hidden_size: int = 256
-    intermediate_size: int = 768
-    num_hidden_layers: int = 8
-    num_attention_heads: int = 8
-    max_position_embeddings: int = 1024
-    rope_theta: float = 10000.0
-    seq_len: int = 512
-    batch_size: int = 8
-    steps: int = 1000
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    eval_every: int = 250
-    log_every: int = 25
-    seed: int = 0
-    threads: int = 2
+    heldout_chars: int = option(200_000, above=0)
+    vocab_size: int = option(8192, above=0)
+    hidden_size: int = option(256, above=0)
+    intermediate_size: int = option(768, above=0)
+    num_hidden_layers: int = option(8, above=0)
+    num_attention_heads: int = option(8, above=0)
+    max_position_embeddings: int = option(1024, above=0)
+    rope_theta: float = option(10000.0, above=0)
+    seq_len: int = option(512, above=0)
+    batch_size: int = option(8, above=0)
+    steps: int = option(1000, above=0)
+    lr: float = option(2e-3, above=0)
+    min_lr_ratio: float = option(0.1, at_least=0, at_most=1)
+    warmup_steps: int = option(100, at_least=0)
+    weight_decay: float = option(0.1, at_least=0)
+    grad_clip: float = option(1.0, above=0)
+    eval_every: int = option(250, above=0)
+    log_every: int = option(25, above=0)
+    seed: int = option(0, at_least=0)
+    threads: int = option(2, above=0)
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 def _heldout_text(text: str, chars: int) -> str:

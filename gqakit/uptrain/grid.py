@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import GqakitError
-from ..recipes import from_dict, load_recipe, to_dict
+from ..recipes import check_fields, from_dict, load_recipe, option, to_dict
 from .config import UptrainConfig, check, pretraining_tokens
 
 
@@ -33,17 +33,20 @@ class GridConfig:
     model: str  # the MHA source (its folder must record pretraining_tokens for alpha)
     output_dir: str
     uptrain: dict  # UptrainConfig keys shared by every cell (data, seq_len, lr, ...)
-    groups: tuple[int, ...] = (4, 2, 1)
+    groups: tuple[int, ...] = option((4, 2, 1), above=0)
     methods: tuple[str, ...] = ("mean", "first", "random")
-    alphas: tuple[float, ...] = (0.05,)
-    mqa_alphas: tuple[float, ...] = (0.05, 0.10)  # MQA (G = 1) gets a longer budget too
+    alphas: tuple[float, ...] = option((0.05,), above=0)
+    mqa_alphas: tuple[float, ...] = option((0.05, 0.10), above=0)  # MQA (G = 1) gets a longer budget too
     distill: tuple[bool, ...] = (False, True)
     eval_text: str = "gqakit/assets/heldout_emma.txt"
-    eval_tokens: int = 16384  # 0 = the whole text
-    eval_window: int = 512
+    eval_tokens: int = option(16384, at_least=0)  # 0 = the whole text
+    eval_window: int = option(512, above=0)
     mha_control: bool = True  # also train the MHA model itself for each alpha (a baseline, not in the paper)
     keep_models: bool = False  # keep every converted and uptrained model (about 16 MB each)
-    seed: int = 0
+    seed: int = option(0, at_least=0)
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 def _cells(cfg: GridConfig) -> list[dict]:
