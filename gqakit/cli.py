@@ -51,10 +51,10 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
     result = convert(cfg, command=command)
     plan = result["plan"]
     if cfg.dry_run:
-        print(describe_plan(plan))
-        print(f"dry run: nothing written (would write {result['output_dir']})")
+        _report(describe_plan(plan))
+        _report(f"dry run: nothing written (would write {result['output_dir']})")
     else:
-        print(f"wrote {result['output_dir']}: {plan.num_key_value_heads} -> {plan.groups} K/V heads "
+        _report(f"wrote {result['output_dir']}: {plan.num_key_value_heads} -> {plan.groups} K/V heads "
               f"({plan.method}); {kv_summary(plan)}")
 
 
@@ -132,7 +132,7 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
         return  # one report per run, from rank 0
     if record.get("final_eval_ppl") is not None and record.get("initial_eval_ppl") is not None:
         print(f"held-out perplexity {record['initial_eval_ppl']:.2f} -> {record['final_eval_ppl']:.2f}")
-    print(f"wrote {cfg.output_dir}: {record['budget']['steps']} steps, {record['budget']['tokens']:,} tokens "
+    _report(f"wrote {cfg.output_dir}: {record['budget']['steps']} steps, {record['budget']['tokens']:,} tokens "
           f"({record['budget']['source']}) in {record['train_seconds']:.0f} s")
 
 
@@ -141,7 +141,7 @@ def _run_tokenize(args: argparse.Namespace, command: str) -> None:
 
     header = tokenize_to(args.data, args.output, args.tokenizer, num_proc=args.num_proc, text_column=args.text_column,
                          force=args.force, progress=not args.quiet)
-    print(f"wrote {args.output}: {header['tokens']:,} tokens, {header['documents']:,} documents in "
+    _report(f"wrote {args.output}: {header['tokens']:,} tokens, {header['documents']:,} documents in "
           f"{header['seconds']:.1f} s")
 
 
@@ -233,10 +233,17 @@ _ENVIRONMENT = {
 }
 
 
-def _say(line: str) -> None:
-    """One line on stderr, whatever bytes a path in it holds (non-UTF-8 names are escaped, not fatal)."""
-    sys.stderr.write(line.encode("utf-8", "backslashreplace").decode("utf-8", "replace").replace("\n", " ") + "\n")
-    sys.stderr.flush()
+def _say(line: str, stream=None) -> None:
+    """One line (stderr by default), whatever bytes a path in it holds: non-UTF-8 names are escaped."""
+    stream = stream or sys.stderr
+    stream.write(line.encode("utf-8", "backslashreplace").decode("utf-8", "replace").replace("\n", " ") + "\n")
+    stream.flush()
+
+
+def _report(text: str) -> None:
+    """The result on stdout, each line escaped like `_say`'s (a written path may not be UTF-8)."""
+    for line in text.splitlines():
+        _say(line, sys.stdout)
 
 
 def main(argv: list[str] | None = None) -> int:

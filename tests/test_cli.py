@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from gqakit.cli import convert_main
 from gqakit.convert.checkpoint import read_header
+from cli_contract import console_script
 from tiny_models import make_tiny_llama
 
 
@@ -18,7 +19,7 @@ def run(*argv):
 
 def test_convert_gqa_and_gqakit_convert_agree(tmp_path):
     src = make_tiny_llama(tmp_path / "src")
-    exe = shutil.which("convert-gqa")
+    exe = console_script("convert-gqa")
     a = run(exe or sys.executable, *([] if exe else ["-m", "gqakit.cli", "convert"]),
             "--groups", "2", str(src), "-o", str(tmp_path / "a"), "--quiet")
     b = run(sys.executable, "-m", "gqakit.cli", "convert", "--groups", "2", str(src), "-o", str(tmp_path / "b"), "--quiet")

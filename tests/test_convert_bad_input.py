@@ -125,8 +125,12 @@ def test_existing_output_needs_force(src, tmp_path, capsys):
     (out / "keep.txt").write_text("user file")
     fails(capsys, ["--groups", "2", str(src), "-o", str(out)], "already exists", "--force")
     assert (out / "keep.txt").read_text() == "user file"
-    assert convert_main(["--groups", "2", str(src), "-o", str(out), "--force", "--quiet"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    fails(capsys, ["--groups", "2", str(src), "-o", str(out), "--force"], "--force will not replace it")
+    assert (out / "keep.txt").read_text() == "user file"  # a user's folder is never replaced
+    (out / "keep.txt").unlink()
+    assert convert_main(["--groups", "2", str(src), "-o", str(out), "--force", "--quiet"]) == 0  # empty: fine
+    assert convert_main(["--groups", "2", str(src), "-o", str(out), "--force", "--quiet"]) == 0  # ours: replaced
+    assert (out / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("where", ["same", "inside"])

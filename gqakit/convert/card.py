@@ -95,4 +95,13 @@ Query head h uses K/V head h // {plan.num_attention_heads // plan.groups} (conti
 |---|---|---|
 {rows}
 """
-    path.write_text(text)
+    path.write_text(readable(text), encoding="utf-8")
+
+
+def readable(text: str) -> str:
+    """`text` as valid UTF-8: bytes of a path that are not UTF-8 (Python's surrogate escapes) become \\xNN."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that no byte decoded to
+        raw = text.encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace")

@@ -1,5 +1,5 @@
 """Streaming safetensors I/O: read a (sharded) checkpoint one tensor at a time, write size-capped
-shards one tensor at a time, and publish the result atomically.
+shards one tensor at a time; `publish.py` puts the result in place atomically.
 
 The safetensors format is an 8-byte little-endian header length, a JSON header mapping each tensor
 name to its dtype, shape and byte range, and the raw bytes. Because a conversion knows every output
@@ -13,16 +13,13 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import struct
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..errors import GqakitError
+from .publish import atomic_output  # noqa: F401  (re-exported: gqakit.uptrain uses it from here)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -52,6 +49,53 @@ class TensorInfo:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry(path: Path, name: str, entry, base: int) -> TensorInfo:
+    """One header entry, checked: dtype known, shape and offsets non-negative ints, size = shape x dtype."""
+    corrupt = GqakitError(f"{path}: tensor '{name}' has a corrupt header entry; re-download or re-save the checkpoint")
+    if not isinstance(entry, dict):
+        raise corrupt
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and all(map(_is_count, shape))):
+        raise corrupt
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
+            and offsets[0] <= offsets[1]):
+        raise corrupt
+    if not isinstance(dtype, str):
+        raise corrupt
+    if dtype not in DTYPES:
+        raise GqakitError(f"{path}: tensor '{name}' has dtype {dtype}, which gqakit cannot convert (it reads "
+                          f"{', '.join(DTYPES)}); convert a checkpoint saved in one of those")
+    info = TensorInfo(path, dtype, tuple(shape), base + offsets[0], base + offsets[1])
+    if offsets[1] - offsets[0] != info.nbytes:
+        raise GqakitError(f"{path}: tensor '{name}' spans {offsets[1] - offsets[0]} bytes but {dtype}{shape} needs "
+                          f"{info.nbytes}; re-download or re-save the checkpoint")
+    return info
+
+
+def _check_layout(path: Path, tensors: dict[str, TensorInfo], base: int, size: int) -> None:
+    """The tensors' byte ranges must tile the data exactly: no two share a byte and none leaves a gap."""
+    at = base
+    for start, end, name in sorted((info.start, info.end, name) for name, info in tensors.items()):
+        if start != at:
+            what = "overlaps the tensor before it" if start < at else "leaves a gap after the tensor before it"
+            raise GqakitError(f"{path}: tensor '{name}' starts at data byte {start - base}, which {what} (ends at "
+                              f"{at - base}); the file is corrupt: re-download or re-save the checkpoint")
+        at = end
+    if at != size:
+        raise GqakitError(
+            f"{path} is truncated or corrupt: its header needs {at} bytes, the file has "
+            f"{size}; re-download or re-save the checkpoint"
+        )
+
+
+def _is_str_map(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate one safetensors file's header without reading any tensor data."""
     try:
@@ -64,39 +108,46 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             if n > size - 8:
                 raise ValueError(f"header claims {n} bytes but the file has {size - 8}")
             header = json.loads(f.read(n))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+        if not isinstance(header, dict):
+            raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise GqakitError(
             f"{path} is not a readable safetensors file ({e}); re-download or re-save the checkpoint"
         ) from None
-    metadata = header.pop("__metadata__", None) or {}
-    tensors, data_end = {}, 0
-    for name, entry in header.items():
-        try:
-            begin, end = entry["data_offsets"]
-            info = TensorInfo(path, entry["dtype"], tuple(entry["shape"]), 8 + n + begin, 8 + n + end)
-            ok = entry["dtype"] in DTYPES and end - begin == info.nbytes
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise GqakitError(f"{path}: tensor '{name}' has a corrupt header entry; re-save the checkpoint")
-        tensors[name] = info
-        data_end = max(data_end, end)
-    if 8 + n + data_end != size:
-        raise GqakitError(
-            f"{path} is truncated or corrupt: its header needs {8 + n + data_end} bytes, the file has "
-            f"{size}; re-download or re-save the checkpoint"
-        )
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    elif not _is_str_map(metadata):
+        raise GqakitError(f"{path}: its __metadata__ is not a mapping of strings to strings; re-save the checkpoint")
+    tensors = {name: _entry(path, name, entry, 8 + n) for name, entry in header.items()}
+    _check_layout(path, tensors, 8 + n, size)
     return tensors, metadata
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The index's weight_map (tensor name -> shard file name in the same folder), checked."""
+    try:
+        data = json.loads(index.read_text())
+    except (ValueError, RecursionError) as e:
+        raise GqakitError(f"{index} is not valid JSON ({e}); re-download or re-save the checkpoint") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not _is_str_map(weight_map):
+        raise GqakitError(f"{index} has no 'weight_map' object mapping tensor names to shard file names; "
+                          "re-download or re-save the checkpoint")
+    if not weight_map:
+        raise GqakitError(f"{index} lists no tensors; re-download or re-save the checkpoint")
+    for shard in weight_map.values():
+        if shard in ("", ".", "..") or os.path.basename(shard) != shard:
+            raise GqakitError(f"{index} names shard {shard!r}, which is not a file name in {index.parent}; "
+                              "re-download or re-save the checkpoint")
+    return weight_map
 
 
 def scan_checkpoint(model_dir: Path) -> dict[str, TensorInfo]:
     """Every tensor of a safetensors checkpoint folder (single file or index + shards), validated."""
     index = model_dir / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise GqakitError(f"{index} is not a valid index ({e}); re-save the checkpoint") from None
+        weight_map = _read_index(index)
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:
@@ -119,6 +170,10 @@ def scan_checkpoint(model_dir: Path) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     for shard in shards:
         found, _ = read_header(model_dir / shard)
+        twice = sorted(found.keys() & tensors.keys())
+        if twice:
+            raise GqakitError(f"tensor '{twice[0]}' is in both {tensors[twice[0]].file.name} and {shard}; "
+                              "re-download or re-save the checkpoint")
         tensors.update(found)
     if weight_map is not None:
         absent = [k for k, s in weight_map.items() if k not in tensors]
@@ -128,9 +183,24 @@ def scan_checkpoint(model_dir: Path) -> dict[str, TensorInfo]:
 
 
 def load_tensor(info: TensorInfo, name: str) -> torch.Tensor:
-    """Read one tensor (the file is opened and closed around it, so no mapping outlives the read)."""
-    with safe_open(str(info.file), framework="pt") as f:
-        return f.get_tensor(name)
+    """Read one tensor (`name` as it is called in its file) straight from its byte range.
+
+    The header was validated by `read_header`, so the range is known; reading it with plain file I/O
+    keeps no mapping open after the read and works for any path, including names that are not UTF-8
+    (safetensors' own reader refuses those). Safetensors data is little-endian, as are the hosts torch
+    supports.
+    """
+    tensor = torch.empty(info.shape, dtype=DTYPES[info.dtype])
+    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own storage, as bytes
+    with open(info.file, "rb", buffering=0) as f:
+        f.seek(info.start)
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise GqakitError(f"{info.file} ended before tensor '{name}'; re-download or re-save the checkpoint")
+            done += n
+    return tensor
 
 
 def copy_bytes(info: TensorInfo, out) -> None:
@@ -248,25 +318,3 @@ class ShardWriter:
             total = sum(math.prod(s) * DTYPES[d].itemsize for _, d, s in self.entries)
             index = {"metadata": {"total_size": total}, "weight_map": self.weight_map()}
             (self.folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-@contextmanager
-def atomic_output(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary folder beside `out`; on success it replaces `out`, on any failure it vanishes."""
-    tmp = out.with_name(f".{out.name}.gqakit-tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        if out.exists():
-            if not force:  # it appeared while we worked
-                raise GqakitError(f"{out} already exists; pass --force to replace it or choose another -o")
-            old = out.with_name(f".{out.name}.gqakit-old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -8,12 +8,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import torch
 
 from ..errors import GqakitError
 from .architectures import ArchSpec, KNorm, find_family, supported_architectures
 from .checkpoint import DTYPE_NAMES, DTYPES, TensorInfo, assign_shards, shard_names
+from .fields import ModelFields, read_fields
 from .pooling import METHODS, valid_groups
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -46,6 +48,7 @@ class Plan:
     max_shard_bytes: int
     source_kv_itemsize: int
     target_kv_itemsize: int
+    initializer_range: float = 0.02  # the std of --method random's fresh K/V projections
 
     @functools.cached_property
     def shards(self) -> list[list[int]]:
@@ -75,14 +78,6 @@ class Plan:
         if self.mode != "pool":
             return True
         return not self.spec.pooling_exact_for_identical_heads_only
-
-
-def _config_int(config: dict, key: str, default=None) -> int:
-    value = config.get(key)
-    value = default if value is None else value  # transformers reads null as "use the default"
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise GqakitError(f"config.json has no integer '{key}' (got {value!r}); the config is not a supported decoder")
-    return value
 
 
 def check_groups(groups: int, heads: int, kv_heads: int) -> None:
@@ -183,16 +178,55 @@ def _norm_ops(spec: ArchSpec, tensors, i: int, h: _Heads, target) -> dict[str, l
     return ops
 
 
+def _layer_prefix(spec: ArchSpec) -> str:
+    return (spec.qkv_proj if spec.fused else spec.k_proj).split("{i}")[0]  # "model.layers."
+
+
+def check_layers(spec: ArchSpec, tensors: dict[str, TensorInfo], layers: int) -> None:
+    """The weights must hold exactly the layers 0 .. num_hidden_layers - 1 that config.json declares."""
+    prefix = re.compile(re.escape(_layer_prefix(spec)) + r"(\d+)\.")
+    found: dict[int, str] = {}
+    for name in sorted(tensors):
+        if m := prefix.match(name):
+            found.setdefault(int(m[1]), name)
+    held = max(found) + 1 if found else 0
+    if held != layers:
+        example = f" (up to '{found[held - 1]}')" if found else f" named {_layer_prefix(spec)}N.*"
+        raise GqakitError(f"config.json says num_hidden_layers {layers} but the weights hold {held} "
+                          f"layer{'' if held == 1 else 's'}{example}; fix num_hidden_layers in config.json "
+                          "(or point at the matching weights)")
+
+
+def _head_templates(spec: ArchSpec) -> list[str]:
+    """Name templates of every tensor that carries K/V heads, which the plan must regroup, not copy."""
+    if spec.fused:
+        bases = [spec.qkv_proj]
+    else:
+        bases = [spec.k_proj, spec.v_proj]
+    names = [b + suffix for b in bases for suffix in (".weight", ".bias")]
+    if spec.k_norm in (KNorm.SPANS_HEADS, KNorm.ONE_PER_HEAD):
+        names += [spec.k_norm_weight, *spec.k_norm_extra]
+    return names
+
+
+def check_accounted(spec: ArchSpec, tensors: dict[str, TensorInfo], planned: dict, fields: ModelFields) -> None:
+    """Every tensor the architecture table names must be one the plan regroups: none may slip through as
+    a copy because config.json declares fewer layers or K/V heads than the weights hold."""
+    patterns = [re.compile(re.escape(t.format(i="<I>", h="<H>")).replace("<I>", r"\d+").replace("<H>", r"\d+"))
+                for t in _head_templates(spec)]
+    for name in sorted(tensors):
+        if name not in planned and any(p.fullmatch(name) for p in patterns):
+            raise GqakitError(
+                f"tensor '{name}' carries K/V heads that config.json ({fields.num_hidden_layers} layers, "
+                f"{fields.num_key_value_heads} K/V heads) does not account for; the weights do not match config.json"
+            )
+
+
 def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method: str = "mean",
               dtype: str | None = None, max_shard_bytes: int = 5 * 10**9) -> Plan:
     """Decide every output tensor's name, dtype, shape and recipe. Raises GqakitError on bad input."""
-    archs = config.get("architectures") or []
-    if not archs:
-        raise GqakitError(
-            "config.json names no 'architectures'; add the model class, e.g. \"architectures\": "
-            "[\"LlamaForCausalLM\"] (save_pretrained writes it)"
-        )
-    arch = archs[0]
+    fields = read_fields(config)
+    arch = fields.architecture
     spec = find_family(arch)
     if spec is None:
         raise GqakitError(
@@ -200,11 +234,10 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         )
     if method not in METHODS:
         raise GqakitError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
-    heads = _config_int(config, "num_attention_heads")
-    kv_heads = _config_int(config, "num_key_value_heads", heads)
-    layers = _config_int(config, "num_hidden_layers")
-    head_dim = config.get("head_dim") or _config_int(config, "hidden_size") // heads
+    heads, kv_heads, layers = fields.num_attention_heads, fields.num_key_value_heads, fields.num_hidden_layers
+    head_dim = fields.head_dim
     check_groups(groups, heads, kv_heads)
+    check_layers(spec, tensors, layers)
     out_dtype = None if dtype in (None, "auto") else DTYPE_NAMES[getattr(torch, dtype)]
 
     def target(info: TensorInfo) -> str:
@@ -216,6 +249,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
     for i in range(layers):
         special.update(_projection_ops(spec, tensors, i, shape, target))
         special.update(_norm_ops(spec, tensors, i, shape, target))
+    check_accounted(spec, tensors, special, fields)
 
     ops: list[TensorOp] = []
     # Keep source order (sorted by file then offset) so reads are sequential.
@@ -233,7 +267,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         spec=spec, architecture=arch, num_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, groups=groups, head_dim=head_dim, method=method, ops=tuple(ops),
         max_shard_bytes=max_shard_bytes, source_kv_itemsize=DTYPES[kv_probe.dtype].itemsize,
-        target_kv_itemsize=DTYPES[target(kv_probe)].itemsize,
+        target_kv_itemsize=DTYPES[target(kv_probe)].itemsize, initializer_range=fields.initializer_range,
     )
 
 

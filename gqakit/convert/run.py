@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import zlib
 from collections import deque
@@ -17,6 +18,7 @@ from .card import write_card
 from .checkpoint import DTYPES, INDEX, SINGLE, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
 from .plan import Plan, TensorOp, make_plan
 from .pooling import random_heads, regroup, relative_error
+from .publish import check_replaceable
 
 LOOKAHEAD = 2  # regrouped tensors computed ahead of the writer
 
@@ -77,22 +79,37 @@ def read_config(model_dir: Path) -> dict:
     return config
 
 
+def output_path(model_dir: Path, output_dir: str | None, groups: int) -> Path:
+    """The -o folder (or the default), with a final `..` or `.` resolved so that it has a name."""
+    out = Path(output_dir) if output_dir else default_output(model_dir, groups)
+    return out.resolve() if out.name in ("", ".", "..") else out
+
+
 def check_output(model_dir: Path, out: Path, force: bool) -> None:
-    src, dst = model_dir.resolve(), out.resolve()
+    """Refuse an -o that is, holds or sits inside the model folder, or exists without --force.
+
+    A symlink at -o is itself what --force replaces (the folder it points to is never touched), so
+    the link's own location is what must lie outside the model folder.
+    """
+    src, dst = model_dir.resolve(), out.parent.resolve() / out.name
     if dst == src or src in dst.parents:
         raise GqakitError(f"output {out} is {'the model folder' if dst == src else 'inside the model folder'}; "
                           "choose an -o outside it")
     if dst in src.parents:
         raise GqakitError(f"output {out} contains the model folder; choose an -o that does not")
-    if out.exists() and not force:
-        raise GqakitError(f"output {out} already exists; pass --force to replace it or choose another -o")
+    if os.path.lexists(out) and not force:
+        what = "a symlink" if out.is_symlink() else "a file" if not out.is_dir() else ""
+        raise GqakitError(f"output {out} already exists{f' ({what})' if what else ''}; pass --force to replace it "
+                          "or choose another -o")
+    if force:
+        check_replaceable(out)
 
 
 def prepare(cfg: ConvertConfig) -> tuple[Plan, dict, dict[str, TensorInfo], Path]:
     """Validate everything a conversion needs and plan it, before any output is written."""
     model_dir = Path(cfg.model_dir)
     config = read_config(model_dir)
-    out = Path(cfg.output_dir) if cfg.output_dir else default_output(model_dir, cfg.groups)
+    out = output_path(model_dir, cfg.output_dir, cfg.groups)
     if cfg.dtype != "auto" and cfg.dtype not in ("float32", "bfloat16", "float16"):
         raise GqakitError(f"unknown --dtype {cfg.dtype!r}; choose auto, float32, bfloat16 or float16")
     max_shard = parse_size(cfg.max_shard_size)
@@ -164,7 +181,7 @@ def copy_side_files(model_dir: Path, dest: Path) -> list[str]:
     for path in sorted(model_dir.iterdir()):
         if path.name.startswith(".") or path.name in _NOT_COPIED or path.name.endswith(_NOT_COPIED_SUFFIXES):
             continue
-        if path.name.startswith("pytorch_model") or path.is_dir():
+        if path.name.startswith("pytorch_model") or not path.is_file():  # folders, pipes, sockets
             continue
         shutil.copy2(path, dest / path.name)
         copied.append(path.name)
@@ -187,7 +204,7 @@ def convert(cfg: ConvertConfig, command: str = "") -> dict:
 
 def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, TensorInfo], out: Path,
            command: str) -> dict[int, dict[str, float]]:
-    std = float(config.get("initializer_range", 0.02))
+    std = plan.initializer_range
     errors: dict[int, dict[str, float]] = {}
     entries = [(o.name, o.dtype, o.shape) for o in plan.ops]
     with atomic_output(out, cfg.force) as tmp:
@@ -203,17 +220,20 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
                 while len(pending) < LOOKAHEAD and (op := next(todo, None)) is not None:
                     pending.append(pool.submit(compute, op, plan, tensors, std, cfg.seed, errors))
 
-            refill()
-            for op in tqdm(plan.ops, desc="convert", unit="tensor", disable=not cfg.progress):
-                if op.kind == "copy":
-                    writer.copy_tensor(op.name, tensors[op.sources[0]])
-                else:
-                    writer.write_tensor(op.name, pending.popleft().result())
-                    refill()
-            for future in pending:  # only on the way out of an error
-                future.cancel()
+            try:
+                refill()
+                for op in tqdm(plan.ops, desc="convert", unit="tensor", disable=not cfg.progress):
+                    if op.kind == "copy":
+                        writer.copy_tensor(op.name, tensors[op.sources[0]])
+                    else:
+                        writer.write_tensor(op.name, pending.popleft().result())
+                        refill()
+            finally:
+                for future in pending:  # only on the way out of an error or an interrupt: do not wait for them
+                    future.cancel()
         writer.finish()
-        (tmp / "config.json").write_text(json.dumps(new_config(config, plan, cfg.dtype), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(new_config(config, plan, cfg.dtype), indent=2) + "\n",
+                                         encoding="utf-8")
         copy_side_files(Path(cfg.model_dir), tmp)
         write_card(tmp / "README.md", cfg, plan, errors, command)
     return errors

@@ -43,6 +43,10 @@ def prepare_output(output: str | Path | None, kind: str, force: bool) -> Path:
         raise GqakitError(_EXISTS.format(target))
     if target.exists() and not target.is_dir():
         raise GqakitError(f"--output {target} is a file, not a folder; choose another --output")
+    if force:
+        from ..convert.publish import check_replaceable
+
+        check_replaceable(target, "--output")
     return target
 
 
