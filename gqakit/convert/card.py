@@ -22,7 +22,7 @@ def kv_summary(plan: Plan) -> str:
         change = f"{before / after:.2f}x smaller"
     else:
         change = f"{after / before:.2f}x larger"
-    return f"KV cache per token: {before:,} -> {after:,} bytes ({change})"
+    return f"KV cache per token at the stored dtype: {before:,} -> {after:,} bytes ({change})"
 
 
 def describe_plan(plan: Plan) -> str:
@@ -81,7 +81,7 @@ Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if comm
 | K/V heads | {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}) |
 | method | {plan.method}{f" (seed {cfg.seed})" if plan.method == "random" else ""} |
 | head_dim | {plan.head_dim} |
-| KV-cache bytes per token | {before:,} -> {after:,} |
+| KV-cache bytes per token (at the stored dtype of k_proj; `gqakit eval` counts its compute dtype) | {before:,} -> {after:,} |
 | dtype | {cfg.dtype} |
 
 Query head h uses K/V head h // {plan.num_attention_heads // plan.groups} (contiguous groups, as `repeat_kv` expects).
