@@ -108,6 +108,37 @@ def gqakit_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
     return TiledMask(int(q_offset), int(kv_offset), key_padding, model_mask)
 
 
+# Keywords that transformers models pass to attention functions and that change the result, which the
+# kernels do not implement yet: a call that carries one is refused, never run without it.
+UNSUPPORTED = {
+    "softcap": "attention logit soft-capping",
+    "s_aux": "learned per-head sink logits",
+    "sinks": "learned per-head sink logits",
+    "position_bias": "an additive position bias",
+    "alibi": "ALiBi position biases",
+    "cu_seq_lens_q": "packed-sequence boundaries",
+    "cu_seq_lens_k": "packed-sequence boundaries",
+    "head_mask": "a head mask",
+}
+
+
+def _refuse_unsupported(module: torch.nn.Module, attention_mask, kwargs: dict) -> None:
+    """One line naming the model, the argument and the fix, for anything the kernel would otherwise drop."""
+    model = type(module).__name__
+    fix = "load the model with attn_implementation='sdpa' or 'eager' instead of gqakit attention"
+    for key, what in UNSUPPORTED.items():
+        if kwargs.get(key) is not None:
+            raise AttentionOptionError(f"{model} passes {key} ({what}), which gqakit attention does not implement; "
+                                       f"{fix}")
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        raise AttentionOptionError(f"{model} attends bidirectionally (is_causal=False), and gqakit attention is "
+                                   f"causal; {fix}")
+    if attention_mask is not None and not isinstance(attention_mask, TiledMask):
+        raise AttentionOptionError(f"{model} received an attention mask tensor of shape "
+                                   f"{tuple(getattr(attention_mask, 'shape', ()))} (a caller's custom or 4-D mask), "
+                                   f"which gqakit attention cannot honour; pass a 2-D padding mask, or {fix}")
+
+
 def _make_attention(kind: str):
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
@@ -115,10 +146,11 @@ def _make_attention(kind: str):
         if dropout and module.training:
             raise AttentionOptionError(
                 "gqakit attention has no attention dropout; set config.attention_dropout = 0.0 to train with it")
+        _refuse_unsupported(module, attention_mask, kwargs)
         options = _options_of(module.config, kind)
         if isinstance(attention_mask, TiledMask):
             mask = attention_mask
-        else:  # called without our mask interface (e.g. no mask at all): decode-style offsets
+        else:  # called without our mask interface and without a mask: decode-style offsets
             mask = TiledMask(key.shape[-2] - query.shape[-2], 0, None, None)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = tiled_attention(
@@ -140,10 +172,21 @@ def register_all() -> None:
 
 
 def check_model(model) -> None:
+    """Refuse, at `use()`, a model that gqakit attention would run wrongly: no AttentionInterface, ALiBi,
+    or an encoder (bidirectional attention)."""
+    name = type(model).__name__
     if not getattr(type(model), "_supports_attention_backend", False):
         raise AttentionOptionError(
-            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so "
+            f"{name} does not route attention through transformers' AttentionInterface, so "
             "gqakit attention cannot be plugged in; use a model family that does (Llama, Mistral, Qwen2, ...)")
+    config = model.config
+    attn_config = getattr(config, "attn_config", None)
+    if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False) or getattr(attn_config, "alibi", False):
+        raise AttentionOptionError(f"{name} uses ALiBi position biases, which gqakit attention does not implement; "
+                                   "keep its own attention (sdpa or eager)")
+    if any(getattr(m, "is_causal", True) is False for m in model.modules()):
+        raise AttentionOptionError(f"{name} is an encoder (bidirectional attention), and gqakit attention is "
+                                   "causal; keep its own attention (sdpa or eager)")
 
 
 def use(model, kind: str, **options):
@@ -154,4 +197,30 @@ def use(model, kind: str, **options):
     for cfg in {id(c): c for c in (model.config, getattr(model.config, "text_config", None)) if c}.values():
         setattr(cfg, CONFIG_KEY, normalised)
     model.set_attn_implementation(f"gqakit_{kind}")
+    if kind == "sinks" and hasattr(model, "generate"):
+        _bound_generate(model, normalised)
     return model
+
+
+def _bound_generate(model, options: dict) -> None:
+    """After `use(model, "sinks")`, `model.generate()` decodes with the bounded `SinkCache` of those
+    options (StreamingLLM), not a growing cache: given no cache it makes one per call (passing the
+    call's attention_mask, for left padding); another kind of cache is refused."""
+    from .cache import SinkCache
+
+    original = getattr(model.generate, "gqakit_original", model.generate)  # a second use() wraps the stock one
+
+    def generate(*args, past_key_values=None, **kwargs):
+        if past_key_values is None:
+            past_key_values = SinkCache(options["sinks"], options["window"], rope=model,
+                                        attention_mask=kwargs.get("attention_mask"))
+        elif not isinstance(past_key_values, SinkCache):
+            raise AttentionOptionError(
+                f"use(model, 'sinks') decodes with a bounded SinkCache, but generate() got a "
+                f"{type(past_key_values).__name__}; pass past_key_values=SinkCache({options['sinks']}, "
+                f"{options['window']}, rope=model) or none")
+        return original(*args, past_key_values=past_key_values, **kwargs)
+
+    generate.gqakit_original = original
+    generate.__doc__ = original.__doc__
+    model.generate = generate
