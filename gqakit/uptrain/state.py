@@ -164,7 +164,9 @@ def load_checkpoint(folder: Path, model, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     tensors, _ = _dcp_state(model, optimizer)
-    dcp.load(tensors, storage_reader=_reader(folder / "state"), no_dist=_single())
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, storage_reader=_reader(folder / "state"), no_dist=_single())
     trainer_state = json.loads((folder / "trainer.json").read_text())
     groups = trainer_state.pop("param_groups")
     for group in groups:  # JSON turned tuples into lists
