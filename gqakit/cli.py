@@ -32,7 +32,7 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
                    help="how to merge each group's K/V heads (default: mean, as in the GQA paper)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the output weights (default: keep each tensor's dtype)")
-    p.add_argument("--seed", type=int, default=0, help="seed for --method random")
+    p.add_argument("--seed", type=int, default=None, help="seed for --method random")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: 5GB)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
@@ -68,11 +68,12 @@ def _run_demo(args: argparse.Namespace, command: str) -> None:
 def _run_generate(args: argparse.Namespace, command: str) -> None:
     from .generate import GenerateConfig, generate
 
+    optional = {k: getattr(args, k) for k in ("sinks", "window", "temperature", "top_p", "seed")
+                if getattr(args, k) is not None}  # typed ones only: GenerateConfig refuses those it would ignore
     generate(GenerateConfig(
         model=args.model, prompt=args.prompt, prompt_file=args.prompt_file, attention=args.attention,
-        sinks=args.sinks, window=args.window, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
-        temperature=args.temperature, top_p=args.top_p, seed=args.seed, dtype=args.dtype,
-        ignore_eos=args.ignore_eos,
+        max_new_tokens=args.max_new_tokens, do_sample=args.sample, dtype=args.dtype, ignore_eos=args.ignore_eos,
+        given=frozenset(optional), **optional,
     ))
 
 
@@ -83,17 +84,17 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="sinks", choices=["sinks", "sliding", "tiled", "default"],
                    help="sinks: keep --sinks first + --window recent tokens (StreamingLLM); sliding: the "
                         "--window recent tokens only; tiled/default: full cache (default: sinks)")
-    p.add_argument("--sinks", type=int, default=4,
+    p.add_argument("--sinks", type=int, default=None,
                    help="attention-sink tokens kept, with --attention sinks (default: 4)")
-    p.add_argument("--window", type=int, default=1020,
+    p.add_argument("--window", type=int, default=None,
                    help="recent tokens kept, with --attention sinks or sliding (default: 1020)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate, >= 1 (default: 256)")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding (default: greedy)")
-    p.add_argument("--temperature", type=float, default=1.0,
+    p.add_argument("--temperature", type=float, default=None,
                    help="with --sample: softmax temperature > 0 (default: 1.0)")
-    p.add_argument("--top-p", type=float, default=1.0,
+    p.add_argument("--top-p", type=float, default=None,
                    help="with --sample: nucleus probability mass kept, in (0, 1] (default: 1.0 = every token)")
-    p.add_argument("--seed", type=int, default=0, help="with --sample: seed of the sampler (default: 0)")
+    p.add_argument("--seed", type=int, default=None, help="with --sample: seed of the sampler (default: 0)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: float32)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")

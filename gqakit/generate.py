@@ -31,6 +31,7 @@ class GenerateConfig:
     seed: int = 0
     dtype: str = "float32"
     ignore_eos: bool = False
+    given: frozenset = frozenset()  # options typed on the command line, even at their default values
 
     def __post_init__(self):
         check(self)
@@ -40,16 +41,21 @@ def _default(name: str):
     return GenerateConfig.__dataclass_fields__[name].default
 
 
+def _set(cfg: GenerateConfig, name: str) -> bool:
+    """Was option `name` given: typed on the command line (even at its default value) or changed?"""
+    return name in cfg.given or getattr(cfg, name) != _default(name)
+
+
 def _ignored(cfg: GenerateConfig) -> str | None:
-    """The first option set away from its default that this configuration would not honour, with why."""
+    """The first option given that this configuration would not honour, with why."""
     if not cfg.do_sample:
         for flag, name in (("--temperature", "temperature"), ("--top-p", "top_p"), ("--seed", "seed")):
-            if getattr(cfg, name) != _default(name):
+            if _set(cfg, name):
                 return f"{flag} only applies with --sample (greedy decoding ignores it); add --sample or drop {flag}"
     full = f"--attention {cfg.attention} keeps the full cache"
-    if cfg.attention in ("tiled", "default") and cfg.window != _default("window"):
+    if cfg.attention in ("tiled", "default") and _set(cfg, "window"):
         return f"--window only applies with --attention sinks or sliding ({full}); drop --window or choose one of them"
-    if cfg.attention != "sinks" and cfg.sinks not in (0, _default("sinks")):
+    if cfg.attention != "sinks" and _set(cfg, "sinks") and cfg.sinks != 0:
         why = "sliding keeps no sink tokens" if cfg.attention == "sliding" else full
         return f"--sinks only applies with --attention sinks ({why}); drop --sinks {cfg.sinks}"
     return None

@@ -134,6 +134,10 @@ BAD_GENERATE = [
     (["--prompt", "x", "--attention", "default", "--window", "64"], ("--window only applies with --attention sinks",)),
     (["--prompt", "x", "--attention", "tiled", "--sinks", "2"], ("--sinks only applies with --attention sinks",)),
     (["--prompt", "x", "--attention", "sliding", "--sinks", "2"], ("--sinks only applies with --attention sinks",)),
+    # typed at their default values they are still options this run would ignore
+    (["--prompt", "x", "--attention", "default", "--window", "1020"], ("--window only applies with --attention",)),
+    (["--prompt", "x", "--seed", "0"], ("--seed only applies with --sample",)),
+    (["--prompt", "x", "--attention", "sliding", "--sinks", "4"], ("--sinks only applies with --attention sinks",)),
 ]
 
 
