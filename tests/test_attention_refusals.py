@@ -1,12 +1,18 @@
-"""What gqakit attention does not implement is refused, never dropped: each model below gave logits
-that differed from eager by more than the logits themselves, with no error, before these checks."""
+"""What gqakit attention does not implement is refused, never dropped (a model passing any of it gave logits
+that differed from eager by more than the logits themselves, with no error, before these checks).
+
+Soft-capping, sink logits, bidirectional attention, a caller's 4-D mask and cu_seq_lens packing used to be
+refused here and are now implemented: tests/test_attention_features.py checks them against eager."""
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
 import transformers
 
 from gqakit.attention import use
+from gqakit.attention.registry import UNSUPPORTED, _make_attention
 from gqakit.errors import GqakitError
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -17,23 +23,30 @@ def _ids():
     return torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
 
 
-def test_gemma2_softcap_is_refused_at_the_forward():
-    model = transformers.AutoModelForCausalLM.from_config(
-        transformers.Gemma2Config(**SMALL, attn_logit_softcapping=5.0, sliding_window=16))
-    use(model, "tiled")
-    with pytest.raises(GqakitError, match="Gemma2Attention passes softcap .*attn_implementation='sdpa'"):
-        model(_ids())
+class _Attn(torch.nn.Module):
+    """Stands in for a transformers attention module (what the attention functions read from it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.is_causal, self.config = True, types.SimpleNamespace()
 
 
-def test_gpt_oss_sink_logits_are_refused():
-    cfg = transformers.GptOssConfig(**{**SMALL, "intermediate_size": 32}, num_local_experts=2, num_experts_per_tok=1)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    use(model, "tiled")
-    with pytest.raises(GqakitError, match="passes s_aux"):
-        model(_ids())
+def _qkv(B=1, T=8):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(B, 4, T, 8, generator=gen), torch.randn(B, 2, T, 8, generator=gen), \
+        torch.randn(B, 2, T, 8, generator=gen)
 
 
-def test_a_callers_4d_mask_is_refused_and_a_2d_padding_mask_is_honoured():
+@pytest.mark.parametrize("key", sorted(UNSUPPORTED))
+def test_unimplemented_keywords_are_refused_at_the_forward(key):
+    """Position biases (T5's position_bias passes through transformers' attention interface today), ALiBi, head
+    masks and per-position sink tensors change the result and are not implemented: one line, naming the fix."""
+    with pytest.raises(GqakitError, match=f"_Attn passes {key} .*attn_implementation='sdpa'") as info:
+        _make_attention("tiled")(_Attn(), *_qkv(), None, **{key: torch.zeros(1, 4, 8, 8)})
+    assert "\n" not in str(info.value)
+
+
+def test_a_callers_4d_mask_that_does_not_fit_is_refused_and_a_2d_padding_mask_is_honoured():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL)).eval()
     ids = _ids()
@@ -42,16 +55,39 @@ def test_a_callers_4d_mask_is_refused_and_a_2d_padding_mask_is_honoured():
     eager = model(ids, attention_mask=padding).logits
     use(model, "tiled")
     torch.testing.assert_close(model(ids, attention_mask=padding).logits[0, 2:], eager[0, 2:], atol=1e-5, rtol=1e-5)
-    block_diagonal = torch.zeros(1, 1, 8, 8)
-    with pytest.raises(GqakitError, match=r"attention mask tensor of shape \(1, 1, 8, 8\)"):
-        model(ids, attention_mask=block_diagonal)
+    for mask, needle in ((torch.zeros(1, 1, 8, 9), r"attn_mask of shape \(1, 1, 8, 9\)"),
+                         (torch.ones(1, 1, 8, 8, dtype=torch.long), "pass a bool .True = attend. or additive float"),
+                         (torch.zeros(1, 1, 8, 8, requires_grad=True), "requires grad")):
+        with pytest.raises(GqakitError, match=needle) as info:
+            model(ids, attention_mask=mask)
+        assert "\n" not in str(info.value)
 
 
-def test_encoders_and_alibi_models_are_refused_at_use():
+def test_a_mask_object_the_kernel_cannot_read_is_refused():
+    with pytest.raises(GqakitError, match="attention mask of type object"):
+        _make_attention("tiled")(_Attn(), *_qkv(), object())
+
+
+def test_packing_boundaries_outside_training_style_packing_are_refused():
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(GqakitError, match="cu_seq_lens_q/_k for 2 row.*position_ids that restart at 0"):
+        _make_attention("tiled")(_Attn(), *_qkv(B=2), None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    with pytest.raises(GqakitError, match="cu_seq_lens_q/_k"):  # boundaries that do not end at the length
+        _make_attention("tiled")(_Attn(), *_qkv(), None, cu_seq_lens_q=cu[:2], cu_seq_lens_k=cu[:2])
+
+
+def test_sink_logits_of_the_wrong_shape_and_attention_dropout_are_refused():
+    with pytest.raises(GqakitError, match=r"s_aux of shape \(2,\).*one sink logit per query head, \(4,\)"):
+        _make_attention("tiled")(_Attn(), *_qkv(), None, s_aux=torch.zeros(2))
+    module = _Attn().train()
+    with pytest.raises(GqakitError, match="no attention dropout"):
+        _make_attention("tiled")(module, *_qkv(), None, dropout=0.1)
+
+
+def test_alibi_models_are_refused_at_use_and_encoders_are_not():
     bert = transformers.BertModel(transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                                           num_hidden_layers=1, num_attention_heads=4))
-    with pytest.raises(GqakitError, match="BertModel is an encoder"):
-        use(bert, "tiled")
+    use(bert, "tiled")  # bidirectional attention is implemented (tests/test_attention_features.py)
     for cfg in (transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4),
                 transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                           alibi=True)):

@@ -274,6 +274,12 @@ def test_attention_function_refuses_what_it_cannot_do():
             ring_attention_function(_Attn(is_causal=False), q, k, k, None)
         with pytest.raises(AttentionOptionError, match="attention_dropout"):
             ring_attention_function(_Attn(training=True), q, k, k, None, dropout=0.1)
+        with pytest.raises(AttentionOptionError, match="passes softcap, which ring attention does not implement"):
+            ring_attention_function(_Attn(), q, k, k, None, softcap=5.0)
+        with pytest.raises(AttentionOptionError, match="passes s_aux"):
+            ring_attention_function(_Attn(), q, k, k, None, s_aux=torch.zeros(2))
+        with pytest.raises(AttentionOptionError, match="attention mask tensor"):
+            ring_attention_function(_Attn(), q, k, k, torch.ones(1, 1, 8, 8, dtype=torch.bool))
         out, _ = ring_attention_function(_Attn(), q, k, k, None, scaling=0.5)
         assert out.shape == (1, 8, 2, 4)
     with pytest.raises(AttentionOptionError, match="padded batches"):

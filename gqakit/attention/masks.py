@@ -15,6 +15,8 @@ The same rule is offered three ways: `mask` (a dense boolean tile, for reference
 inputs), `mask_function` (a transformers-style `(batch_idx, head_idx, q_idx, kv_idx)` function for
 `sdpa_mask` / `and_masks`), and `kv_block_ranges` / `block_is_full` (analytic block bounds that let a
 tiled kernel skip empty blocks, so a window W costs O(T * W) block work and never O(T^2)).
+
+`dense_allowed` reads a caller's own dense mask tensor (bool, or transformers' additive float).
 """
 from __future__ import annotations
 
@@ -140,3 +142,18 @@ class MaskSpec:
             return True
         far = q_hi - 1 - k_lo if self.causal else max(q_hi - 1 - k_lo, k_hi - 1 - q_lo)
         return far < self.window
+
+
+# ---- a caller's dense mask tensor ------------------------------------------------------------------
+
+def dense_allowed(mask: torch.Tensor) -> torch.Tensor:
+    """Which entries of a caller's dense mask let the query attend: True = may attend.
+
+    A bool mask is taken as it is (True = attend, torch sdpa's convention). A float mask is additive
+    (transformers' eager convention: 0 to attend, the dtype's most negative finite value to mask); an
+    entry counts as masked when it is -inf or at most half that most negative value, where adding it to
+    any score leaves exp() exactly 0. Other values (a bias such as -1e4) are added, not masked.
+    """
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2

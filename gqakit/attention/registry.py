@@ -6,6 +6,11 @@ instead of being silently dropped. The mask function returns a small `TiledMask`
 than a dense [B, 1, Tq, Tk] tensor: the tiled kernel evaluates the mask block by block and skips the
 blocks it empties.
 
+The attention functions honour what transformers models pass that changes the result: `softcap`
+(Gemma2), `s_aux` sink logits (gpt-oss), bidirectional masks (encoders), a caller's own 4-D bool or
+additive float mask, and flash-style `cu_seq_lens_q/_k` packing. What they do not implement
+(`UNSUPPORTED`: position biases, ALiBi, head masks, per-position sinks) is refused with one line.
+
 Options (window, sinks, block sizes, ...) live in `config.gqakit_attention`, a plain dict that
 `save_pretrained` keeps, so `from_pretrained(..., attn_implementation="gqakit_sliding")` works.
 """
@@ -17,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 
 from ..errors import GqakitError
 from .masks import MaskSpec
@@ -44,7 +49,8 @@ class TiledMask:
     q_offset: int
     kv_offset: int
     key_padding: torch.Tensor | None  # (B, Tk) bool, True = real token
-    model_mask: Callable | None  # the model's mask function when it is more than plain causal
+    model_mask: Callable | None  # the model's mask function when it is more than plain causal / bidirectional
+    causal: bool = True  # False: the model's mask may let a query see later keys (encoders, or_masks overlays)
 
 
 def normalise_options(kind: str, options: dict, config=None) -> dict:
@@ -77,13 +83,14 @@ def normalise_options(kind: str, options: dict, config=None) -> dict:
     return {"kind": kind, **merged}
 
 
-def mask_spec(kind: str, options: dict) -> MaskSpec:
+def mask_spec(kind: str, options: dict, causal: bool = True) -> MaskSpec:
+    """The MaskSpec of a kind; not causal, a window is symmetric (|q - k| < window, Longformer style)."""
     if kind == "tiled":
-        return MaskSpec(causal=True)
+        return MaskSpec(causal=causal)
     if kind == "sliding":
-        return MaskSpec(causal=True, window=options["window"], dilation=options["dilation"],
+        return MaskSpec(causal=causal, window=options["window"], dilation=options["dilation"],
                         global_tokens=tuple(options["global_tokens"]))
-    return MaskSpec(causal=True, window=options["window"], sinks=options["sinks"])
+    return MaskSpec(causal=causal, window=options["window"], sinks=options["sinks"])
 
 
 def _options_of(config, kind: str) -> dict:
@@ -95,6 +102,33 @@ def _options_of(config, kind: str) -> dict:
     return options
 
 
+def _causal_bounded(fn: Callable, depth: int = 0) -> bool:
+    """Whether a transformers mask function provably allows only keys at or before their query (k <= q), so that
+    the kernel's causal block plan loses nothing. Reads how transformers composed it (and_masks of a causal
+    function, the packed-sequence wrapper); False when unsure, and the kernel then visits every block and lets
+    the function decide (exact, slower): e.g. an `or_masks` overlay that lets image tokens see ahead."""
+    if fn is causal_mask_function:
+        return True
+    if depth > 8 or not callable(fn):
+        return False
+    cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
+    if getattr(fn, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return False
+    parts = [f for c in cells if isinstance(c, tuple) for f in c]
+    if any(_causal_bounded(f, depth + 1) for f in parts):
+        return True
+    # packed_sequence_compatibility_function: same document AND causal on per-document positions, which grow by
+    # exactly one inside a document (that is how transformers finds the documents), so causal on indices too.
+    names = {getattr(f, "__qualname__", "") for f in parts}
+    if "packed_sequence_mask_function.<locals>.inner_mask" in names:
+        for f in parts:
+            if getattr(f, "__qualname__", "") == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+                inner = [c.cell_contents for c in f.__closure__ or ()]
+                if any(callable(c) and _causal_bounded(c, depth + 1) for c in inner):
+                    return True
+    return False
+
+
 def gqakit_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                 mask_function: Callable = causal_mask_function, attention_mask: torch.Tensor | None = None,
                 **kwargs) -> TiledMask:
@@ -104,60 +138,105 @@ def gqakit_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
         pad = kv_offset + kv_length - attention_mask.shape[-1]
         padded = torch.nn.functional.pad(attention_mask, (0, pad), value=True) if pad > 0 else attention_mask
         key_padding = padded[:, kv_offset : kv_offset + kv_length].bool()
-    model_mask = None if mask_function is causal_mask_function else mask_function
-    return TiledMask(int(q_offset), int(kv_offset), key_padding, model_mask)
+    if mask_function is causal_mask_function:
+        causal, model_mask = True, None
+    elif mask_function is bidirectional_mask_function:  # encoders (BERT), or config.is_causal=False
+        causal, model_mask = False, None
+    else:  # the model's own pattern is ANDed in; a causal plan only where that provably loses nothing
+        causal, model_mask = _causal_bounded(mask_function), mask_function
+    return TiledMask(int(q_offset), int(kv_offset), key_padding, model_mask, causal)
 
 
 # Keywords that transformers models pass to attention functions and that change the result, which the
-# kernels do not implement yet: a call that carries one is refused, never run without it.
+# kernels do not implement: a call that carries one is refused, never run without it.
 UNSUPPORTED = {
-    "softcap": "attention logit soft-capping",
-    "s_aux": "learned per-head sink logits",
-    "sinks": "learned per-head sink logits",
+    "sinks": "per-position sink logits (gpt-oss style s_aux, one logit per head, is supported)",
     "position_bias": "an additive position bias",
     "alibi": "ALiBi position biases",
-    "cu_seq_lens_q": "packed-sequence boundaries",
-    "cu_seq_lens_k": "packed-sequence boundaries",
     "head_mask": "a head mask",
 }
+_FIX = "load the model with attn_implementation='sdpa' or 'eager' instead of gqakit attention"
 
 
 def _refuse_unsupported(module: torch.nn.Module, attention_mask, kwargs: dict) -> None:
     """One line naming the model, the argument and the fix, for anything the kernel would otherwise drop."""
     model = type(module).__name__
-    fix = "load the model with attn_implementation='sdpa' or 'eager' instead of gqakit attention"
     for key, what in UNSUPPORTED.items():
         if kwargs.get(key) is not None:
             raise AttentionOptionError(f"{model} passes {key} ({what}), which gqakit attention does not implement; "
-                                       f"{fix}")
-    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
-        raise AttentionOptionError(f"{model} attends bidirectionally (is_causal=False), and gqakit attention is "
-                                   f"causal; {fix}")
-    if attention_mask is not None and not isinstance(attention_mask, TiledMask):
-        raise AttentionOptionError(f"{model} received an attention mask tensor of shape "
-                                   f"{tuple(getattr(attention_mask, 'shape', ()))} (a caller's custom or 4-D mask), "
-                                   f"which gqakit attention cannot honour; pass a 2-D padding mask, or {fix}")
+                                       f"{_FIX}")
+    if attention_mask is not None and not isinstance(attention_mask, (TiledMask, torch.Tensor)):
+        raise AttentionOptionError(f"{model} received an attention mask of type {type(attention_mask).__name__}, "
+                                   f"which gqakit attention cannot read; pass a 2-D padding mask or a 4-D bool / "
+                                   f"additive float tensor, or {_FIX}")
+
+
+def _document_mask(module, query, key, mask: TiledMask, kwargs: dict) -> Callable | None:
+    """Flash-attention style packing (cu_seq_lens_q / _k: cumulative document lengths over one row) as a mask
+    function: a query sees only keys of its own document. Refused where it has no such meaning here."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None
+    cu_q = cu_k if cu_q is None else cu_q
+    cu_k = cu_q if cu_k is None else cu_k
+    B, Tq, Tk = query.shape[0], query.shape[-2], key.shape[-2]
+    if (B != 1 or Tq != Tk or mask.q_offset != 0 or mask.kv_offset != 0 or cu_q.shape != cu_k.shape
+            or not torch.equal(cu_q, cu_k) or int(cu_q[0]) != 0 or int(cu_q[-1]) != Tq):
+        raise AttentionOptionError(
+            f"{type(module).__name__} passes cu_seq_lens_q/_k for {B} row(s) of {Tq} queries and {Tk} keys; gqakit "
+            "attention takes them only for training-style packing (batch 1, the same boundaries for queries and "
+            "keys, ending at the sequence length); pass position_ids that restart at 0 per document instead, "
+            f"or {_FIX}")
+    doc = torch.bucketize(torch.arange(Tq, device=cu_q.device), cu_q[1:].to(torch.long), right=True)  # (Tq,)
+
+    def same_document(batch_idx, head_idx, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    return same_document
+
+
+def _and(a: Callable | None, b: Callable | None) -> Callable | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return lambda *idx: a(*idx) & b(*idx)
 
 
 def _make_attention(kind: str):
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
-        """transformers' attention signature: q (B, H, Tq, d), k/v (B, G, Tk, d) -> (B, Tq, H, d)."""
+        """transformers' attention signature: q (B, H, Tq, d), k/v (B, G, Tk, d|dv) -> (B, Tq, H, dv).
+
+        Honours `softcap` (Gemma2), `s_aux` (gpt-oss sink logits), `is_causal` / the module's causality,
+        a caller's 4-D bool or additive float mask, and cu_seq_lens packing; refuses the rest."""
         if dropout and module.training:
             raise AttentionOptionError(
                 "gqakit attention has no attention dropout; set config.attention_dropout = 0.0 to train with it")
         _refuse_unsupported(module, attention_mask, kwargs)
         options = _options_of(module.config, kind)
+        dense = None
         if isinstance(attention_mask, TiledMask):
-            mask = attention_mask
-        else:  # called without our mask interface and without a mask: decode-style offsets
-            mask = TiledMask(key.shape[-2] - query.shape[-2], 0, None, None)
+            mask, causal = attention_mask, attention_mask.causal  # the model's mask decides, as in eager
+        else:  # called without our mask interface: decode-style offsets
+            causal = kwargs.get("is_causal")
+            causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+            mask = TiledMask(key.shape[-2] - query.shape[-2], 0, None, None, causal)
+            if attention_mask is not None:  # a caller's 4-D mask: the whole pattern for 'tiled', as in eager
+                dense = attention_mask
+                causal = causal and kind != "tiled"
+        extra = _and(mask.model_mask, _document_mask(module, query, key, mask, kwargs))
+        s_aux = kwargs.get("s_aux")
+        if s_aux is not None and tuple(s_aux.shape) != (query.shape[1],):
+            raise AttentionOptionError(f"{type(module).__name__} passes s_aux of shape {tuple(s_aux.shape)}; gqakit "
+                                       f"attention takes one sink logit per query head, ({query.shape[1]},); {_FIX}")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = tiled_attention(
-            query, key, value, scale=scale, spec=mask_spec(kind, options), q_offset=mask.q_offset,
-            kv_offset=mask.kv_offset, key_padding=mask.key_padding, extra_mask=mask.model_mask,
-            block_q=options["block_q"], block_k=options["block_k"],
-        )  # (B, H, Tq, d)
+        try:
+            out = tiled_attention(
+                query, key, value, scale=scale, spec=mask_spec(kind, options, causal), q_offset=mask.q_offset,
+                kv_offset=mask.kv_offset, key_padding=mask.key_padding, extra_mask=extra, attn_mask=dense,
+                softcap=kwargs.get("softcap"), s_aux=s_aux, block_q=options["block_q"], block_k=options["block_k"],
+            )  # (B, H, Tq, dv)
+        except ValueError as e:  # shapes that do not fit (e.g. a caller's mask): one line, as for options
+            raise AttentionOptionError(f"{type(module).__name__}: {e}") from None
         return out.transpose(1, 2).contiguous(), None
 
     attention.__name__ = f"gqakit_{kind}_attention"
@@ -172,8 +251,8 @@ def register_all() -> None:
 
 
 def check_model(model) -> None:
-    """Refuse, at `use()`, a model that gqakit attention would run wrongly: no AttentionInterface, ALiBi,
-    or an encoder (bidirectional attention)."""
+    """Refuse, at `use()`, a model that gqakit attention would run wrongly: no AttentionInterface, or ALiBi.
+    (Encoders are welcome: their bidirectional mask reaches the kernel, which then runs non-causal.)"""
     name = type(model).__name__
     if not getattr(type(model), "_supports_attention_backend", False):
         raise AttentionOptionError(
@@ -184,9 +263,6 @@ def check_model(model) -> None:
     if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False) or getattr(attn_config, "alibi", False):
         raise AttentionOptionError(f"{name} uses ALiBi position biases, which gqakit attention does not implement; "
                                    "keep its own attention (sdpa or eager)")
-    if any(getattr(m, "is_causal", True) is False for m in model.modules()):
-        raise AttentionOptionError(f"{name} is an encoder (bidirectional attention), and gqakit attention is "
-                                   "causal; keep its own attention (sdpa or eager)")
 
 
 def use(model, kind: str, **options):

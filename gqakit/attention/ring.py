@@ -355,6 +355,10 @@ def ring_context(layout: RingLayout, group=None, spec: MaskSpec = MaskSpec(), bl
         _ACTIVE.reset(token)
 
 
+# Keywords of transformers' attention call that change the result and that the ring does not apply.
+RING_UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias", "alibi", "head_mask", "cu_seq_lens_q", "cu_seq_lens_k")
+
+
 def ring_attention_function(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
     """transformers' attention signature: q (B, H, Tl, d), k/v (B, G, Tl, d) -> ((B, Tl, H, d), None)."""
@@ -364,6 +368,13 @@ def ring_attention_function(module: torch.nn.Module, query: torch.Tensor, key: t
                                    "spec):`; wrap the forward (and the backward when using gradient checkpointing)")
     if dropout and module.training:
         raise AttentionOptionError("gqakit_ring has no attention dropout; set config.attention_dropout = 0.0")
+    for name in RING_UNSUPPORTED:  # what the tiled kernel implements but the ring's merge by lse does not (yet)
+        if kwargs.get(name) is not None:
+            raise AttentionOptionError(f"{type(module).__name__} passes {name}, which ring attention does not "
+                                       "implement; train this model with context_parallel=1")
+    if isinstance(attention_mask, torch.Tensor):
+        raise AttentionOptionError(f"{type(module).__name__} received an attention mask tensor, which ring attention "
+                                   "builds from its layout and MaskSpec instead; drop the mask or use context_parallel=1")
     if key.shape[-2] != query.shape[-2]:
         raise AttentionOptionError(f"gqakit_ring got {query.shape[-2]} queries but {key.shape[-2]} keys: it runs "
                                    "training / prefill over a sharded sequence without a KV cache; "
