@@ -1,4 +1,4 @@
-"""MaskSpec: elementwise rule against brute force, analytic block bounds, transformers interop."""
+"""MaskSpec: elementwise rule against brute force, exact analytic block bounds, transformers interop."""
 from __future__ import annotations
 
 import random
@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers.masking_utils import and_masks, padding_mask_function, sdpa_mask
 
-from gqakit.attention.masks import MaskSpec
+from gqakit.attention.masks import AttentionOptionError, MaskSpec
+from gqakit.errors import GqakitError
 
 SPECS = [
     MaskSpec(),
@@ -24,6 +25,13 @@ SPECS = [
     MaskSpec(window=3, sinks=2),
     MaskSpec(window=4, dilation=2, sinks=1, global_tokens=(9,)),
     MaskSpec(causal=False, window=3, dilation=2, sinks=2, global_tokens=(1, 13)),
+    MaskSpec(chunk=4),
+    MaskSpec(causal=False, chunk=5),
+    MaskSpec(summary=(5, 2)),
+    MaskSpec(causal=False, summary=(4, 1), window=9),
+    MaskSpec(window=5, parts=(MaskSpec(dilation=4),)),  # Sparse Transformer strided, l = 4
+    MaskSpec(chunk=4, parts=(MaskSpec(summary=(4, 1)),)),  # fixed, l = 4, c = 1
+    MaskSpec(causal=False, window=2, global_tokens=(3,), parts=(MaskSpec(causal=False, chunk=6, sinks=1),)),
 ]
 
 
@@ -32,12 +40,15 @@ def brute_force(spec: MaskSpec, q_pos: list[int], k_pos: list[int]) -> torch.Ten
     out = torch.zeros(len(q_pos), len(k_pos), dtype=torch.bool)
     for i, q in enumerate(q_pos):
         for j, k in enumerate(k_pos):
-            if spec.causal and k > q:
-                continue
-            dist = q - k if spec.causal else abs(q - k)
-            in_window = spec.window is None or dist < spec.window
-            local = in_window and dist % spec.dilation == 0
-            out[i, j] = local or k < spec.sinks or k in spec.global_tokens or q in spec.global_tokens
+            for atom in (spec, *spec.parts):
+                if atom.causal and k > q:
+                    continue
+                dist = q - k if atom.causal else abs(q - k)
+                in_window = atom.window is None or dist < atom.window
+                local = in_window and dist % atom.dilation == 0
+                local = local and (atom.chunk is None or q // atom.chunk == k // atom.chunk)
+                local = local and (atom.summary is None or k % atom.summary[0] >= atom.summary[0] - atom.summary[1])
+                out[i, j] |= local or k < atom.sinks or k in atom.global_tokens or q in atom.global_tokens
     return out
 
 
@@ -62,11 +73,22 @@ def test_window_semantics_by_example():
 @pytest.mark.parametrize("kwargs, word", [
     (dict(window=0), "window"), (dict(window=-2), "window"), (dict(dilation=0), "dilation"),
     (dict(sinks=-1), "sinks"), (dict(global_tokens=(3, -1)), "global_tokens"),
+    (dict(chunk=0), "chunk"), (dict(summary=(0, 1)), "stride l=0"), (dict(summary=(4, 5)), "between 1 and"),
+    (dict(summary=(4, 0)), "between 1 and"), (dict(summary=(4,)), "pair"), (dict(window=2.5), "integer"),
+    (dict(parts=(MaskSpec(causal=False),)), "share causal"), (dict(parts=("window",)), "must be MaskSpecs"),
 ])
 def test_validate_names_the_fix(kwargs, word):
-    with pytest.raises(ValueError, match=word) as info:
+    with pytest.raises(AttentionOptionError, match=word) as info:
         MaskSpec(**kwargs).validate()
-    assert "\n" not in str(info.value)
+    assert "\n" not in str(info.value) and isinstance(info.value, (ValueError, GqakitError))
+
+
+def test_parts_are_flattened_and_compare_by_value():
+    inner = MaskSpec(dilation=3, parts=(MaskSpec(chunk=2),))
+    spec = MaskSpec(window=4, parts=(inner,))
+    assert spec.parts == (MaskSpec(dilation=3), MaskSpec(chunk=2))
+    assert spec == MaskSpec(window=4, parts=[MaskSpec(dilation=3), MaskSpec(chunk=2)])
+    assert spec.atoms() == (MaskSpec(window=4), MaskSpec(dilation=3), MaskSpec(chunk=2))
 
 
 def test_global_tokens_normalised_and_hashable():
@@ -74,19 +96,28 @@ def test_global_tokens_normalised_and_hashable():
     assert hash(MaskSpec(window=4)) == hash(MaskSpec(window=4))
 
 
-def _random_spec(rng: random.Random) -> MaskSpec:
-    return MaskSpec(
-        causal=rng.random() < 0.7,
+def _random_spec(rng: random.Random, causal: bool | None = None) -> MaskSpec:
+    causal = rng.random() < 0.7 if causal is None else causal
+    spec = MaskSpec(
+        causal=causal,
         window=rng.choice([None, 1, 2, 5, 9, 17]),
-        dilation=rng.choice([1, 1, 2, 3]),
+        dilation=rng.choice([1, 1, 2, 3, 7, 13]),
         global_tokens=tuple(rng.sample(range(40), rng.choice([0, 0, 1, 2]))),
         sinks=rng.choice([0, 0, 1, 4]),
+        chunk=rng.choice([None, None, 1, 3, 8]),
+        summary=rng.choice([None, None, (5, 2), (8, 1), (3, 3), (16, 4)]),
     )
+    if rng.random() < 0.3:  # a union
+        spec = MaskSpec(**{f: getattr(spec, f) for f in ("causal", "window", "dilation", "global_tokens", "sinks",
+                                                         "chunk", "summary")}, parts=(_random_spec(rng, causal),))
+    return spec
 
 
-def test_block_ranges_never_drop_an_allowed_entry():
+def test_block_ranges_are_exactly_the_touched_blocks():
+    """kv_block_ranges returns exactly the blocks with an allowed entry; block_is_empty is exact and
+    block_is_full never claims a block that has a disallowed entry."""
     rng = random.Random(0)
-    for _ in range(150):
+    for _ in range(400):
         spec = _random_spec(rng)
         tq, tk = rng.randint(1, 40), rng.randint(1, 40)
         q_off, kv_off = rng.randint(0, 12), rng.randint(0, 12)
@@ -95,14 +126,14 @@ def test_block_ranges_never_drop_an_allowed_entry():
         for q0 in range(0, tq, bq):
             q1 = min(q0 + bq, tq)
             ranges = spec.kv_block_ranges(q0 + q_off, q1 + q_off, kv_off, kv_off + tk, bk)
-            visited = torch.zeros(tk, dtype=torch.bool)
-            for a, b in ranges:
-                assert kv_off <= a < b <= kv_off + tk and (a - kv_off) % bk == 0
-                visited[a - kv_off:b - kv_off] = True
-                if spec.block_is_full(q0 + q_off, q1 + q_off, a, b):
-                    assert dense[q0:q1, a - kv_off:b - kv_off].all(), (spec, q0, a)
-            assert not (dense[q0:q1] & ~visited).any(), (spec, tq, tk, q_off, kv_off, bq, bk, q0)
-            assert ranges == sorted(set(ranges))
+            touched = [(kv_off + a, kv_off + min(a + bk, tk)) for a in range(0, tk, bk) if dense[q0:q1, a:a + bk].any()]
+            assert ranges == touched, (spec, tq, tk, q_off, kv_off, bq, bk, q0)
+            for a in range(0, tk, bk):
+                block = dense[q0:q1, a:a + bk]
+                lo, hi = kv_off + a, kv_off + min(a + bk, tk)
+                assert spec.block_is_empty(q0 + q_off, q1 + q_off, lo, hi) == (not block.any()), (spec, q0, a)
+                if spec.block_is_full(q0 + q_off, q1 + q_off, lo, hi):
+                    assert block.all(), (spec, q0, a)
 
 
 @pytest.mark.parametrize("sinks", [0, 4])

@@ -15,36 +15,58 @@ then a caller's additive mask is added and disallowed entries become -inf. Sink 
 (gpt-oss) add exp(s_aux[h]) to every softmax denominator of head h, a key with value 0: they start
 the online softmax (running max s_aux, running sum 1) and are part of the returned lse.
 
-Masking. A `MaskSpec` decides, analytically, which key blocks a query block visits (so a window W
-costs O(T * W)) and which of those are full (no elementwise mask needed). Partial blocks evaluate
-the spec, the key padding, an optional transformers-style `extra_mask` on absolute positions and an
-optional dense `attn_mask`; with a dense mask every visited block is partial, and blocks that it
-masks entirely are skipped. Fully masked query rows give output 0 and lse -inf (with sinks: 0 and
-lse = s_aux), the `reference.eager_reference` convention.
+Masking. A `MaskSpec` decides, analytically, which key blocks a query block visits: exactly those
+holding an allowed entry (so a window W costs O(T * W)), and which of those are full (no elementwise
+mask needed). Partial blocks evaluate the spec, the key padding, an optional transformers-style
+`extra_mask` on absolute positions and an optional dense `attn_mask`; with a dense mask every visited
+block is partial, and blocks that it masks entirely are skipped. Fully masked query rows give output
+0 and lse -inf (with sinks: 0 and lse = s_aux), the `reference.eager_reference` convention.
+
+Per-head patterns (one MaskSpec per query head, e.g. Longformer's dilated heads or the Sparse
+Transformer's factorised heads) are rows of the folded matmul: a call visits the union of its heads'
+blocks with a per-row mask, or is split into one call per pattern where that saves work (`_classes`).
+Sparse Transformer patterns run, by default, as exact disjoint pieces in the paper's own layouts
+(`patterns.factorised_pieces`: residue classes mod l for strided, gathered summary keys for fixed),
+merged by log-sum-exp: in the natural layout their A2 part touches nearly every block.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import patterns
 from .masks import MaskSpec, dense_allowed
 
 _NEG_INF = float("-inf")
 
 
 class _Tiles:
-    """The block plan, the logits and the elementwise mask of partial tiles, shared by forward and backward."""
+    """The block plan, the logits and the elementwise mask of partial tiles, shared by forward and backward.
 
-    def __init__(self, spec: MaskSpec, B: int, Tq: int, Tk: int, q_offset: int, kv_offset: int,
+    `row_specs` holds one MaskSpec per query head of a K/V group (the r rows of each position in the
+    folded layout), the same for every group of the call; or a single spec for all rows. A query block
+    visits the union over its rows' specs of the key blocks they touch; a block is full only where every
+    row's spec is full, and partial tiles are masked per row.
+    """
+
+    def __init__(self, row_specs: tuple[MaskSpec, ...], B: int, Tq: int, Tk: int, q_offset: int, kv_offset: int,
                  key_padding: torch.Tensor | None, extra_mask: Callable | None,
                  block_q: int, block_k: int, device: torch.device, *,
-                 attn_mask: torch.Tensor | None = None, softcap: float | None = None):
-        self.spec, self.B, self.q_offset, self.kv_offset = spec, B, q_offset, kv_offset
+                 attn_mask: torch.Tensor | None = None, softcap: float | None = None,
+                 q_positions: torch.Tensor | None = None):
+        self.specs = list(dict.fromkeys(row_specs))  # distinct specs, in row order
+        # row j of a position uses specs[row_of[j]]; None: one spec for all rows
+        self.row_of = [self.specs.index(s) for s in row_specs] if len(self.specs) > 1 else None
+        self.B, self.q_offset, self.kv_offset = B, q_offset, kv_offset
         self.key_padding, self.extra_mask, self.device = key_padding, extra_mask, device
         self.attn_mask, self.softcap = attn_mask, softcap  # attn_mask: (B|1, H|1, Tq, Tk) view
+        # query i sits at q_offset + i, or at q_positions[i] (non-decreasing: the patterns' gathered layouts)
+        self.q_positions = None if q_positions is None else q_positions.to(device)
+        qp = None if q_positions is None else q_positions.tolist()
         padded_full = [True] * math.ceil(Tk / block_k)
         if key_padding is not None:  # which key blocks hold no padding at all (one host sync)
             pad = -Tk % block_k
@@ -55,13 +77,17 @@ class _Tiles:
         self.plan: list[tuple[int, int, list[tuple[int, int, bool]]]] = []
         for q0 in range(0, Tq, block_q):
             q1 = min(q0 + block_q, Tq)
+            a_lo, a_hi = (q0 + q_offset, q1 + q_offset) if qp is None else (qp[q0], qp[q1 - 1] + 1)
+            starts = sorted({a for spec in self.specs
+                             for a, _ in spec.kv_block_ranges(a_lo, a_hi, kv_offset, kv_offset + Tk, block_k)})
             blocks = []
-            for a0, a1 in spec.kv_block_ranges(q0 + q_offset, q1 + q_offset, kv_offset, kv_offset + Tk, block_k):
-                k0, k1 = a0 - kv_offset, a1 - kv_offset
+            for a0 in starts:
+                k0 = a0 - kv_offset
+                k1 = min(k0 + block_k, Tk)
                 if live is not None and not live[q0 // block_q][k0 // block_k]:
                     continue  # the caller's mask allows nothing here
                 full = (extra_mask is None and attn_mask is None and padded_full[k0 // block_k]
-                        and spec.block_is_full(q0 + q_offset, q1 + q_offset, a0, a1))
+                        and all(spec.block_is_full(a_lo, a_hi, a0, k1 + kv_offset) for spec in self.specs))
                 blocks.append((k0, k1, not full))
             self.plan.append((q0, q1, blocks))
 
@@ -86,26 +112,34 @@ class _Tiles:
         return t * self.softcap, t
 
     def allowed(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-        """Boolean tile (B or 1, q1 - q0, k1 - k0) of the head-independent rules: True where query may attend."""
-        qpos = torch.arange(q0 + self.q_offset, q1 + self.q_offset, device=self.device)
+        """Boolean tile (B or 1, q1 - q0, r or 1, k1 - k0) of the specs, padding and extra mask: True where the
+        query (row j of its position) may attend."""
+        if self.q_positions is None:
+            qpos = torch.arange(q0 + self.q_offset, q1 + self.q_offset, device=self.device)
+        else:
+            qpos = self.q_positions[q0:q1]
         kpos = torch.arange(k0 + self.kv_offset, k1 + self.kv_offset, device=self.device)
-        tile = self.spec.mask(qpos, kpos)[None]  # (1, bq, bk)
+        if self.row_of is None:
+            tile = self.specs[0].mask(qpos, kpos)[None, :, None]  # (1, bq, 1, bk)
+        else:
+            per_spec = torch.stack([spec.mask(qpos, kpos) for spec in self.specs])  # (n, bq, bk)
+            tile = per_spec[self.row_of].transpose(0, 1)[None]  # (1, bq, r, bk)
         if self.key_padding is not None:
-            tile = tile & self.key_padding[:, None, k0:k1]  # (B, bq, bk)
+            tile = tile & self.key_padding[:, None, None, k0:k1]  # (B, bq, r|1, bk)
         if self.extra_mask is not None:  # transformers' 4-D index convention, as in sdpa_mask
             b = torch.arange(self.B, device=self.device)[:, None, None, None]
             h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=self.device)
             extra = self.extra_mask(b, h, qpos[None, None, :, None], kpos[None, None, None, :])
             extra = torch.as_tensor(extra, device=self.device).bool()
             extra = extra.expand(torch.broadcast_shapes(extra.shape, (1, 1, q1 - q0, k1 - k0)))
-            tile = tile & extra[:, 0]  # head-independent masks, as transformers' sdpa path assumes
+            tile = tile & extra[:, 0, :, None]  # head-independent masks, as transformers' sdpa path assumes
         return tile
 
     def apply_(self, s: torch.Tensor, r: int, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         """Add the dense mask's bias and set disallowed scores of a tile s (B*G, (q1-q0)*r, bk) to -inf, in place."""
         bq, bk = q1 - q0, k1 - k0
         sv = s.view(self.B, -1, bq, r, bk)  # (B, G, bq, r, bk)
-        blocked = ~self.allowed(q0, q1, k0, k1)[:, None, :, None, :]  # (B|1, 1, bq, 1, bk)
+        blocked = ~self.allowed(q0, q1, k0, k1)[:, None]  # (B|1, 1, bq, r|1, bk)
         if self.attn_mask is not None:
             m = self.attn_mask[:, :, q0:q1, k0:k1]  # (B|1, H|1, bq, bk)
             # per-head masks: head g * r + j is row j of group g -> (B|1, G, bq, r, bk); else (B|1, 1, bq, 1, bk)
@@ -233,18 +267,28 @@ def _backward(q, k, v, out, lse, dout, dlse, scale: float, tiles: _Tiles, s_aux=
     return dq, dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype), ds_aux
 
 
+Spec = MaskSpec | Sequence[MaskSpec]  # one pattern for every head, or one per query head
+
+
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                    spec: MaskSpec = MaskSpec(), q_offset: int = 0, kv_offset: int = 0,
+                    spec: Spec = MaskSpec(), q_offset: int = 0, kv_offset: int = 0,
                     key_padding: torch.Tensor | None = None, extra_mask: Callable | None = None,
                     block_q: int = 128, block_k: int = 128, return_lse: bool = False,
                     attn_mask: torch.Tensor | None = None, softcap: float | None = None,
-                    s_aux: torch.Tensor | None = None):
+                    s_aux: torch.Tensor | None = None, factorised: bool = True):
     """Exact attention softmax(cap(q k^T * scale) + mask [, s_aux]) v, computed tile by tile.
 
     q (B, H, Tq, d); k (B, G, Tk, d); v (B, G, Tk, dv) with G dividing H (never repeated). Query i
     sits at absolute position q_offset + i, key j at kv_offset + j; `spec` says which pairs may attend
-    (and which blocks to skip), `key_padding` (B, Tk) marks real keys with True, and `extra_mask` is an
-    optional transformers-style `(batch_idx, head_idx, q_idx, kv_idx)` function on absolute positions
+    (and which blocks to skip): one MaskSpec for all heads, or a sequence of H, one per query head
+    (head h reads K/V head h // (H / G)). Per-head specs: K/V groups whose heads carry the same specs
+    run together, each query block visiting the union over those heads of the key blocks they touch,
+    masked per head, unless running each distinct spec's heads on their own saves over a quarter of the
+    work (see `_classes`). With `factorised` (the default), heads on a causal Sparse Transformer pattern
+    (strided / fixed, merged or A2; `patterns.factorised_pieces`) run as disjoint pieces in the paper's
+    own layouts, merged exactly by log-sum-exp, so l ~ sqrt(T) costs O(T sqrt(T)) with any block size
+    (not with `extra_mask` or `attn_mask`). `key_padding` (B, Tk) marks real keys with True, and
+    `extra_mask` is an optional transformers-style `(batch_idx, head_idx, q_idx, kv_idx)` function on absolute positions
     that is ANDed in within visited blocks (it cannot make the kernel skip blocks; put windows in `spec`).
     `attn_mask` is a caller's dense mask broadcastable from (B or 1, H or 1, Tq, Tk) on local indices:
     bool (True = attend) or additive float (see `masks.dense_allowed`); it is ANDed in (a float one is
@@ -254,15 +298,42 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     log-sum-exp (B, H, Tq), sink included. Fully masked query rows give 0 and lse -inf (with a sink:
     0 and lse = s_aux). Differentiable in q, k, v and s_aux.
     """
-    tiles = _make_tiles(q, k, v, spec, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k,
-                        attn_mask=attn_mask, softcap=softcap, s_aux=s_aux)
-    out, lse = _TiledAttention.apply(q, k, v, s_aux, float(scale), tiles)
+    check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k)
+    Tq, Tk = q.shape[2], k.shape[2]
+    if key_padding is not None:
+        key_padding = key_padding.to(device=q.device, dtype=torch.bool)
+    run = functools.partial(_run, scale=float(scale), block_q=block_q, block_k=block_k, softcap=softcap)
+    outs, lses, order = [], [], []
+    for heads, groups, rows in _classes(spec, q.shape[1], k.shape[1], Tq, Tk, q_offset, kv_offset, block_q, block_k,
+                                        factorised and extra_mask is None and attn_mask is None):
+        part = _slice(heads, groups, q=q, k=k, v=v, s_aux=s_aux, attn_mask=attn_mask)
+        pieces = None
+        if factorised and extra_mask is None and part["attn_mask"] is None and len(set(rows)) == 1:
+            pieces = patterns.factorised_pieces(rows[0])
+        if pieces:  # a Sparse Transformer pattern, in its own layouts
+            out, lse = patterns.run_pieces(pieces, part["q"], part["k"], part["v"], part["s_aux"], q_offset, kv_offset,
+                                           key_padding, run)
+        else:
+            out, lse = run(part["q"], part["k"], part["v"], rows, q_offset, kv_offset, key_padding, s_aux=part["s_aux"],
+                           extra_mask=extra_mask, attn_mask=part["attn_mask"])
+        outs.append(out)
+        lses.append(lse)
+        order.append(heads)
+    out, lse = _gather(outs, order), _gather(lses, order)
     return (out, lse) if return_lse else out
+
+
+def _run(q, k, v, rows, q_offset, kv_offset, key_padding, *, scale, block_q, block_k, softcap=None, s_aux=None,
+         extra_mask=None, attn_mask=None, q_positions=None):
+    """One call of the kernel: every query head of q on `rows` (one spec, or one per row of a group)."""
+    tiles = _make_tiles(q, k, v, rows, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k,
+                        attn_mask=attn_mask, softcap=softcap, q_positions=q_positions)
+    return _TiledAttention.apply(q, k, v, s_aux, scale, tiles)
 
 
 def tiled_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                              lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None, *,
-                             scale: float, spec: MaskSpec = MaskSpec(), q_offset: int = 0, kv_offset: int = 0,
+                             scale: float, spec: Spec = MaskSpec(), q_offset: int = 0, kv_offset: int = 0,
                              key_padding: torch.Tensor | None = None, extra_mask: Callable | None = None,
                              block_q: int = 128, block_k: int = 128, attn_mask: torch.Tensor | None = None,
                              softcap: float | None = None, s_aux: torch.Tensor | None = None):
@@ -275,16 +346,156 @@ def tiled_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     low-precision inputs lose accuracy through D = rowsum(dO * O) otherwise. Arguments as in
     `tiled_attention`.
     """
-    tiles = _make_tiles(q, k, v, spec, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k,
-                        attn_mask=attn_mask, softcap=softcap, s_aux=s_aux)
+    check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k)
     dlse = torch.zeros_like(lse) if dlse is None else dlse
-    grads = _backward(q, k, v, out, lse, dout, dlse, float(scale), tiles, s_aux)
-    return grads if s_aux is not None else grads[:3]
+    grads, order, group_order = [], [], []
+    for heads, groups, rows in _classes(spec, q.shape[1], k.shape[1], q.shape[2], k.shape[2], q_offset, kv_offset,
+                                        block_q, block_k):
+        p = _slice(heads, groups, q=q, k=k, v=v, s_aux=s_aux, attn_mask=attn_mask, out=out, lse=lse, dout=dout,
+                   dlse=dlse)
+        tiles = _make_tiles(p["q"], p["k"], p["v"], rows, q_offset, kv_offset, key_padding, extra_mask, block_q,
+                            block_k, attn_mask=p["attn_mask"], softcap=softcap)
+        grads.append(_backward(p["q"], p["k"], p["v"], p["out"], p["lse"], p["dout"], p["dlse"], float(scale), tiles,
+                               p["s_aux"]))
+        order.append(heads)
+        group_order.append(groups)
+    dq = _gather([g[0] for g in grads], order)
+    dk, dv = _gather([g[1] for g in grads], group_order), _gather([g[2] for g in grads], group_order)
+    if s_aux is None:
+        return dq, dk, dv
+    return dq, dk, dv, _gather([g[3] for g in grads], order, dim=0)
 
 
-def _make_tiles(q, k, v, spec, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k, *,
-                attn_mask=None, softcap=None, s_aux=None) -> _Tiles:
-    """Check shapes (one-line ValueErrors) and build the block plan."""
+# ---- per-head specs: K/V groups that share their heads' specs run as one call ------------------------
+
+def _classes(spec: Spec, H: int, G: int, Tq: int, Tk: int, q_offset: int, kv_offset: int, block_q: int,
+             block_k: int, factorised: bool = False) -> list[tuple[list[int] | None, list[int] | None, tuple]]:
+    """[(query heads, K/V groups, row specs)]: the calls that per-head specs run as.
+
+    K/V groups whose r = H / G heads carry the same specs form one class (a single class, the common case, is
+    returned with heads = groups = None: no slicing). In a class with several distinct specs, one call visits
+    the union of their blocks with every head's rows (bigger matmuls, per-row masks); it is split into one call
+    per distinct spec (each visiting only its own blocks, K/V read again, never repeated) where that computes
+    under 3/4 of the rows x blocks of the union, or (with `factorised`) where one of them is a Sparse
+    Transformer pattern, which runs in its own layouts only when alone in a call.
+    """
+    if isinstance(spec, MaskSpec):
+        return [(None, None, (spec,))]
+    specs = tuple(spec)
+    if not all(isinstance(s, MaskSpec) for s in specs):
+        raise ValueError(f"spec must be one MaskSpec or one per query head ({H}); got items that are not all "
+                         "MaskSpecs")
+    if len(specs) != H:
+        raise ValueError(f"spec must be one MaskSpec or one per query head ({H}); got {len(specs)} specs")
+    r = H // G
+    by_rows: dict[tuple, list[int]] = {}
+    for g in range(G):
+        by_rows.setdefault(specs[g * r:(g + 1) * r], []).append(g)
+
+    def visited(distinct) -> int:  # blocks one call visits: the union over its specs, per query block
+        total = 0
+        for q0 in range(0, Tq, block_q):
+            lo, hi = q0 + q_offset, min(q0 + block_q, Tq) + q_offset
+            total += len({a for s in distinct
+                          for a, _ in s.kv_block_ranges(lo, hi, kv_offset, kv_offset + Tk, block_k)})
+        return total
+
+    out = []
+    for rows, groups in by_rows.items():
+        distinct = list(dict.fromkeys(rows))
+        if len(distinct) > 1:
+            split = factorised and any(patterns.factorised_pieces(s) for s in distinct)
+            if split or sum(visited([s]) * rows.count(s) for s in distinct) < 0.75 * visited(distinct) * r:
+                for s in distinct:
+                    js = [j for j, x in enumerate(rows) if x == s]
+                    out.append(([g * r + j for g in groups for j in js], groups, (s,) * len(js)))
+                continue
+        out.append(([g * r + j for g in groups for j in range(r)], groups, rows))
+    if len(out) == 1:
+        return [(None, None, out[0][2])]
+    return out
+
+
+def _slice(heads, groups, **tensors) -> dict:
+    """The query-head / K/V-group slices of one class (head-indexed tensors on dim 1, s_aux on dim 0)."""
+    if heads is None:
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        if t is None:
+            out[name] = None
+        elif name == "s_aux":
+            out[name] = t[heads]
+        elif name in ("k", "v"):
+            out[name] = t[:, groups]
+        elif name == "attn_mask" and t.shape[1] == 1:
+            out[name] = t
+        else:
+            out[name] = t[:, heads]
+    return out
+
+
+def _gather(parts: list[torch.Tensor], order: list, dim: int = 1) -> torch.Tensor:
+    """Concatenate per-class slices and put heads (or groups) back in their order."""
+    if order[0] is None:
+        return parts[0]
+    index = [i for idx in order for i in idx]
+    inverse = torch.empty(len(index), dtype=torch.long)
+    inverse[torch.tensor(index)] = torch.arange(len(index))
+    return torch.cat(parts, dim=dim).index_select(dim, inverse.to(parts[0].device))
+
+
+def block_plan(spec: Spec, num_heads: int, num_kv_heads: int, q_len: int, kv_len: int, *, q_offset: int = 0,
+               kv_offset: int = 0, block_q: int = 128, block_k: int = 128) -> list[tuple[list[int], list[int], list]]:
+    """The generic kernel's block plan without running it (no padding or caller's mask, `factorised=False`):
+    [(query heads, K/V groups, plan)] per call, plan = [(q0, q1, [(k0, k1, needs_mask), ...]), ...] on local
+    indices. A visited block costs one (block_q * heads / groups) x block_k tile per group of its call."""
+    out = []
+    for heads, groups, rows in _classes(spec, num_heads, num_kv_heads, q_len, kv_len, q_offset, kv_offset, block_q,
+                                        block_k):
+        tiles = _Tiles(rows, 1, q_len, kv_len, q_offset, kv_offset, None, None, block_q, block_k, torch.device("cpu"))
+        out.append((list(range(num_heads)) if heads is None else heads,
+                    list(range(num_kv_heads)) if groups is None else groups, tiles.plan))
+    return out
+
+
+def work(spec: Spec, num_heads: int, num_kv_heads: int, q_len: int, kv_len: int, *, q_offset: int = 0,
+         kv_offset: int = 0, block_q: int = 128, block_k: int = 128, factorised: bool = True) -> dict:
+    """What `tiled_attention` computes for these shapes (no padding): {'steps': tile steps (python iterations,
+    each one batched matmul), 'scores': query-head x key score entries computed in visited tiles}, counting the
+    factorised layouts where they are used."""
+    steps = scores = 0
+
+    def add(rows, n_heads, Tq, Tk, qo, ko, batch=1, q_positions=None):
+        nonlocal steps, scores
+        plan = _Tiles(rows, 1, Tq, Tk, qo, ko, None, None, block_q, block_k, torch.device("cpu"),
+                      q_positions=q_positions).plan
+        for q0, q1, blocks in plan:
+            steps += len(blocks)
+            scores += batch * n_heads * (q1 - q0) * sum(k1 - k0 for k0, k1, _ in blocks)
+
+    for heads, _, rows in _classes(spec, num_heads, num_kv_heads, q_len, kv_len, q_offset, kv_offset, block_q, block_k,
+                                   factorised):
+        n = num_heads if heads is None else len(heads)
+        pieces = patterns.factorised_pieces(rows[0]) if factorised and len(set(rows)) == 1 else None
+        for piece in pieces or [patterns.Piece("natural")]:
+            if not pieces:
+                add(rows, n, q_len, kv_len, q_offset, kv_offset)
+            elif piece.layout == "natural":
+                add((piece.spec,), n, q_len, kv_len, q_offset, kv_offset)
+            elif piece.layout == "residue":
+                l = piece.stride
+                _, _, nq, nk = patterns.residue_geometry(l, q_len, kv_len, q_offset, kv_offset)
+                add((MaskSpec(),), n, nq, nk, q_offset // l - piece.gap, kv_offset // l, batch=l)
+            else:
+                index, qpos = patterns.summary_geometry(piece.stride, piece.summary, q_len, kv_len, q_offset, kv_offset)
+                if len(index):
+                    add((MaskSpec(),), n, q_len, len(index), 0, 0, q_positions=qpos)
+    return {"steps": steps, "scores": scores}
+
+
+def check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k) -> None:
+    """Shapes and values, as one-line ValueErrors."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"expected q (B, H, Tq, d), k (B, G, Tk, d) and v (B, G, Tk, dv); got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -295,11 +506,9 @@ def _make_tiles(q, k, v, spec, q_offset, kv_offset, key_padding, extra_mask, blo
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
     Tk = k.shape[2]
-    if key_padding is not None:
-        if tuple(key_padding.shape) != (B, Tk):
-            raise ValueError(f"key_padding has shape {tuple(key_padding.shape)}; expected (batch, kv_length) "
-                             f"= ({B}, {Tk}) with True for real tokens")
-        key_padding = key_padding.to(device=q.device, dtype=torch.bool)
+    if key_padding is not None and tuple(key_padding.shape) != (B, Tk):
+        raise ValueError(f"key_padding has shape {tuple(key_padding.shape)}; expected (batch, kv_length) "
+                         f"= ({B}, {Tk}) with True for real tokens")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap={softcap} must be a positive number (logits are capped to +-softcap); "
                          "use softcap=None for no cap")
@@ -316,6 +525,17 @@ def _make_tiles(q, k, v, spec, q_offset, kv_offset, key_padding, extra_mask, blo
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} requires grad (a learned bias such as "
                              "T5's position_bias), but the kernel treats it as a constant; detach it, or use eager "
                              "attention")
+
+
+def _make_tiles(q, k, v, rows, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k, *,
+                attn_mask=None, softcap=None, q_positions=None) -> _Tiles:
+    """The block plan of one class of heads (shapes already checked); `rows`: a MaskSpec or r row specs."""
+    rows = (rows,) if isinstance(rows, MaskSpec) else tuple(rows)
+    B, _, Tq, _ = q.shape
+    Tk = k.shape[2]
+    if key_padding is not None:
+        key_padding = key_padding.to(device=q.device, dtype=torch.bool)
+    if attn_mask is not None:
         attn_mask = attn_mask.to(device=q.device).expand(*attn_mask.shape[:2], Tq, Tk)  # a view, no copy
-    return _Tiles(spec, B, Tq, Tk, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k, q.device,
-                  attn_mask=attn_mask, softcap=None if softcap is None else float(softcap))
+    return _Tiles(rows, B, Tq, Tk, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k, q.device,
+                  attn_mask=attn_mask, softcap=None if softcap is None else float(softcap), q_positions=q_positions)
