@@ -28,8 +28,9 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
                    help="number of K/V heads after conversion (1 = MQA)")
     p.add_argument("-o", "--output-dir", default=None,
                    help="output folder (default: MODEL_DIR-gqaG, or MODEL_DIR-mqa for G=1)")
-    p.add_argument("--method", default="mean", choices=["mean", "first", "random"],
-                   help="how to merge each group's K/V heads (default: mean, as in the GQA paper)")
+    p.add_argument("--method", default="mean", choices=["mean", "first", "random", "aligned"],
+                   help="how to merge each group's K/V heads: mean (the GQA paper's), first, random, or aligned "
+                        "(rotate heads into a common frame first, exactly; see README) (default: mean)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the output weights (default: keep each tensor's dtype)")
     p.add_argument("--seed", type=int, default=None, help="seed for --method random")

@@ -59,6 +59,19 @@ def exactness_note(plan: Plan) -> str:
             "exact only for identical heads.")
 
 
+def _error_heading(plan: Plan) -> str:
+    if plan.method == "aligned":
+        return """## Relative error of each query head's attention maps
+
+An aligned merge also rewrites q_proj and o_proj, so it is measured on what each query head j computes:
+sqrt(sum_j ||Q_j^T K_h - Q'_j^T K'_g||^2 / sum_j ||Q_j^T K_h||^2) for keys (the logit map at equal
+positions, weights only, biases aside) and the same for values with O_j V_h (0: the merge is exact)."""
+    return """## Relative error of the regrouped K/V projections
+
+||W - expand(W')||_F / ||W||_F per layer, where expand repeats each new head over the heads it replaced
+(0 means the group's heads were identical or nothing was pooled)."""
+
+
 def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]], command: str) -> None:
     before, after = plan.kv_cache_bytes_per_token(False), plan.kv_cache_bytes_per_token(True)
     name = "MQA" if plan.groups == 1 else f"GQA-{plan.groups}"
@@ -86,10 +99,7 @@ Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if comm
 
 Query head h uses K/V head h // {plan.num_attention_heads // plan.groups} (contiguous groups, as `repeat_kv` expects).
 {"" if plan.exact else chr(10) + "**Note:** " + exactness_note(plan) + chr(10)}
-## Relative error of the regrouped K/V projections
-
-||W - expand(W')||_F / ||W||_F per layer, where expand repeats each new head over the heads it replaced
-(0 means the group's heads were identical or nothing was pooled).
+{_error_heading(plan)}
 
 | layer | k_proj | v_proj |
 |---|---|---|

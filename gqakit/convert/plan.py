@@ -19,11 +19,14 @@ from .fields import ModelFields, read_fields
 from .pooling import METHODS, valid_groups
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+LAYER_METHODS = ("aligned",)  # methods that rewrite a layer's Q, K, V and O together (gqakit.convert.align)
+ALL_METHODS = (*METHODS, *LAYER_METHODS)
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorOp:
-    """How one output tensor is made. kind: copy | cast | kv | qkv | head_norm."""
+    """How one output tensor is made. kind: copy | cast | kv | qkv | head_norm | attn (one of a layer's
+    q/k/v/o tensors from an aligned merge; `sources` are all of that layer's attention tensors)."""
 
     name: str
     dtype: str
@@ -148,6 +151,36 @@ def _projection_ops(spec: ArchSpec, tensors, i: int, h: _Heads, target) -> dict[
     return ops
 
 
+def _attention_ops(spec: ArchSpec, tensors, i: int, h: _Heads, target) -> dict[str, list[TensorOp]]:
+    """Layer i's q/k/v/o weights and biases for a method that rewrites them together (aligned merge)."""
+    rows = {"q": h.heads * h.head_dim, "k": h.kv_heads * h.head_dim, "v": h.kv_heads * h.head_dim}
+    new_rows = {"q": h.heads * h.head_dim, "k": h.groups * h.head_dim, "v": h.groups * h.head_dim}
+    names: dict[str, str] = {}
+    for role, template in (("q", spec.q_proj), ("k", spec.k_proj), ("v", spec.v_proj), ("o", spec.o_proj)):
+        for suffix in (".weight", ".bias"):
+            name = template.format(i=i) + suffix
+            if suffix == ".bias" and name not in tensors:
+                continue
+            if role == "o" and suffix == ".bias":
+                continue  # an output bias acts after the heads are summed: untouched
+            info = _need(tensors, name)
+            if role == "o":
+                if len(info.shape) != 2 or info.shape[1] != h.heads * h.head_dim:
+                    raise GqakitError(f"tensor '{name}' has shape {list(info.shape)} but config.json implies "
+                                      f"{h.heads * h.head_dim} input columns; the weights do not match the config")
+            else:
+                _check_rows(name, info, rows[role], f"{h.heads if role == 'q' else h.kv_heads} heads of {h.head_dim}")
+            names[role + suffix] = name
+    sources = tuple(names.values())
+    ops = {}
+    for key, name in names.items():
+        role, suffix = key.split(".", 1)
+        info = tensors[name]
+        shape = info.shape if role == "o" else (new_rows[role], *info.shape[1:])
+        ops[name] = [TensorOp(name, target(info), shape, "attn", sources, i, role if suffix == "weight" else "")]
+    return ops
+
+
 def _norm_ops(spec: ArchSpec, tensors, i: int, h: _Heads, target) -> dict[str, list[TensorOp]]:
     """Key norms of layer i that carry K/V heads: one spanning all heads, or one module per head."""
     if spec.k_norm is KNorm.SPANS_HEADS:
@@ -222,6 +255,27 @@ def check_accounted(spec: ArchSpec, tensors: dict[str, TensorInfo], planned: dic
             )
 
 
+def check_alignable(spec: ArchSpec, arch: str, config: dict, groups: int, kv_heads: int, head_dim: int) -> None:
+    """`--method aligned` transforms keys per RoPE pair (rotate_half layout, every dimension rotary) and
+    merges heads: refuse, in one line, a model or a G it cannot handle exactly."""
+    why = spec.alignable
+    if why is None:
+        factor = config.get("partial_rotary_factor")
+        if factor not in (None, 1, 1.0):
+            why = f"rotates only part of each head (partial_rotary_factor {factor})"
+        elif config.get("rope_scaling") and (config["rope_scaling"] or {}).get("rope_type") == "longrope":
+            why = "uses LongRoPE, whose per-pair factors change with the sequence length"
+        elif config.get("clip_qkv") is not None:
+            why = f"clips q, k and v elementwise (clip_qkv {config['clip_qkv']}), which rotations do not commute with"
+        elif head_dim % 2:
+            why = f"has an odd head_dim {head_dim}, which RoPE pairs cannot split"
+    if why is not None:
+        raise GqakitError(f"--method aligned cannot convert {arch}: it {why}; use --method mean")
+    if groups >= kv_heads:
+        raise GqakitError(f"--method aligned merges heads, but --groups {groups} keeps or expands the "
+                          f"{kv_heads} K/V heads; use --method mean")
+
+
 def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method: str = "mean",
               dtype: str | None = None, max_shard_bytes: int = 5 * 10**9) -> Plan:
     """Decide every output tensor's name, dtype, shape and recipe. Raises GqakitError on bad input."""
@@ -232,11 +286,13 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         raise GqakitError(
             f"architecture {arch} is not supported; gqakit converts {', '.join(supported_architectures())}"
         )
-    if method not in METHODS:
-        raise GqakitError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
+    if method not in ALL_METHODS:
+        raise GqakitError(f"unknown --method {method!r}; choose one of {', '.join(ALL_METHODS)}")
     heads, kv_heads, layers = fields.num_attention_heads, fields.num_key_value_heads, fields.num_hidden_layers
     head_dim = fields.head_dim
     check_groups(groups, heads, kv_heads)
+    if method in LAYER_METHODS:
+        check_alignable(spec, arch, config, groups, kv_heads, head_dim)
     check_layers(spec, tensors, layers)
     out_dtype = None if dtype in (None, "auto") else DTYPE_NAMES[getattr(torch, dtype)]
 
@@ -247,7 +303,10 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
     # Source tensor name -> the output ops that replace it (an empty list drops it).
     special: dict[str, list[TensorOp]] = {}
     for i in range(layers):
-        special.update(_projection_ops(spec, tensors, i, shape, target))
+        if method in LAYER_METHODS:
+            special.update(_attention_ops(spec, tensors, i, shape, target))
+        else:
+            special.update(_projection_ops(spec, tensors, i, shape, target))
         special.update(_norm_ops(spec, tensors, i, shape, target))
     check_accounted(spec, tensors, special, fields)
 

@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import GqakitError
+from .align import align_and_merge_layer
 from .card import write_card
 from .checkpoint import DTYPES, INDEX, SINGLE, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
 from .plan import Plan, TensorOp, make_plan
@@ -21,6 +22,8 @@ from .pooling import random_heads, regroup, relative_error
 from .publish import check_replaceable
 
 LOOKAHEAD = 2  # regrouped tensors computed ahead of the writer
+# --method aligned: per-pair key rotations and scales, orthogonal value maps, mean, norm restored
+ALIGNED = {"align": True, "key_scale": "match", "reference": "mean", "merge": "mean", "restore": "norm"}
 
 # Files that the conversion rewrites or must not carry over; everything else (tokenizer, generation
 # config, chat template, the pretraining record) is copied.
@@ -134,10 +137,71 @@ def _regroup_rows(t: torch.Tensor, plan: Plan, std: float, seed: int, name: str)
     return regroup(t, plan.num_key_value_heads, plan.groups, plan.method)
 
 
+def _attention_key(plan: Plan, layer: int, name: str) -> str:
+    """'q_w', 'k_b', ...: which of layer `layer`'s attention tensors `name` is."""
+    for role, template in (("q", plan.spec.q_proj), ("k", plan.spec.k_proj), ("v", plan.spec.v_proj),
+                           ("o", plan.spec.o_proj)):
+        if name.startswith(template.format(i=layer) + "."):
+            return f"{role}_{'b' if name.endswith('.bias') else 'w'}"
+    raise AssertionError(f"{name} is not an attention tensor of layer {layer}")
+
+
+def merge_layer(plan: Plan, weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """An aligned merge of one layer: {'q_w', 'k_w', 'v_w', 'o_w', optional biases} -> the same keys, and
+    the relative error of the maps each query head computes (`bilinear_error`) for the card."""
+    merged = align_and_merge_layer(
+        weights["q_w"], weights["k_w"], weights["v_w"], weights["o_w"], weights.get("q_b"), weights.get("k_b"),
+        weights.get("v_b"), plan.num_attention_heads, plan.num_key_value_heads, plan.groups, plan.head_dim,
+        **ALIGNED)
+    out = {key: getattr(merged, key) for key in weights}
+    H, K, G, d = plan.num_attention_heads, plan.num_key_value_heads, plan.groups, plan.head_dim
+    o_before = weights["o_w"].double().reshape(-1, H, d).transpose(0, 1)  # (H, n_out, d)
+    o_after = out["o_w"].double().reshape(-1, H, d).transpose(0, 1)
+    errors = {
+        "k": bilinear_error(weights["q_w"].reshape(H, d, -1), weights["k_w"].reshape(K, d, -1),
+                            out["q_w"].reshape(H, d, -1), out["k_w"].reshape(G, d, -1)),
+        "v": bilinear_error(o_before.transpose(1, 2), weights["v_w"].reshape(K, d, -1),
+                            o_after.transpose(1, 2), out["v_w"].reshape(G, d, -1)),
+    }
+    return out, errors
+
+
+def bilinear_error(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor) -> float:
+    """sqrt(sum_j ||A_j^T B_h(j) - A2_j^T B2_g(j)||^2 / sum_j ||A_j^T B_h(j)||^2) over query heads j, with
+    A (H, d, m) and B (K, d, n): the error of each head's key map q^T k (A = q rows, B = k rows) or value
+    map O V (A = o columns transposed). Computed from d x d Gram products, never an m x n matrix."""
+    H, K, G = a.shape[0], b.shape[0], b2.shape[0]
+    a, b, a2, b2 = a.double(), b.double()[torch.arange(H) // (H // K)], a2.double(), b2.double()[torch.arange(H) // (H // G)]
+    aa, bb = a @ a.transpose(1, 2), b @ b.transpose(1, 2)  # (H, d, d)
+    aa2, bb2 = a2 @ a2.transpose(1, 2), b2 @ b2.transpose(1, 2)
+    cross = (a @ a2.transpose(1, 2)) * (b @ b2.transpose(1, 2))  # tr(B^T A A2^T B2) = sum of the elementwise product
+    ref = (aa * bb).sum()
+    diff = ref + (aa2 * bb2).sum() - 2 * cross.sum()
+    return float((diff.clamp_min(0) / ref.clamp_min(1e-300)).sqrt())
+
+
+def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, dict[str, float]],
+                  layers: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+    """One of layer op.layer's q/k/v/o tensors from an aligned merge. The first of them computes the
+    whole layer; the others wait in `layers` until written, so at most one layer's attention is held."""
+    if op.layer not in layers:
+        keys = {_attention_key(plan, op.layer, name): name for name in op.sources}
+        merged, cost = merge_layer(plan, {key: load_tensor(tensors[name], name) for key, name in keys.items()})
+        errors.setdefault(op.layer, {}).update(cost)
+        layers[op.layer] = {keys[key]: tensor for key, tensor in merged.items()}
+    held = layers[op.layer]
+    out = held.pop(op.name)
+    if not held:
+        del layers[op.layer]
+    return out
+
+
 def compute(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], std: float, seed: int,
-            errors: dict[int, dict[str, float]]) -> torch.Tensor:
-    """Make one output tensor that is not a plain byte copy."""
+            errors: dict[int, dict[str, float]], layers: dict | None = None) -> torch.Tensor:
+    """Make one output tensor that is not a plain byte copy (`layers`: the aligned merge's layer memo)."""
     out_dtype = DTYPES[op.dtype]
+    if op.kind == "attn":
+        return _merged_layer(op, plan, tensors, errors, layers if layers is not None else {}).to(out_dtype)
     if op.kind == "head_norm":
         stack = torch.stack([load_tensor(tensors[s], s).float() for s in op.sources])  # (n, d)
         merged = stack[0] if plan.method == "first" else stack.mean(dim=0)
@@ -206,6 +270,7 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
            command: str) -> dict[int, dict[str, float]]:
     std = plan.initializer_range
     errors: dict[int, dict[str, float]] = {}
+    layers: dict[int, dict[str, torch.Tensor]] = {}  # aligned merges: a layer's tensors not yet written
     entries = [(o.name, o.dtype, o.shape) for o in plan.ops]
     with atomic_output(out, cfg.force) as tmp:
         writer = ShardWriter(tmp, entries, plan.max_shard_bytes)
@@ -218,7 +283,7 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
 
             def refill() -> None:
                 while len(pending) < LOOKAHEAD and (op := next(todo, None)) is not None:
-                    pending.append(pool.submit(compute, op, plan, tensors, std, cfg.seed, errors))
+                    pending.append(pool.submit(compute, op, plan, tensors, std, cfg.seed, errors, layers))
 
             try:
                 refill()

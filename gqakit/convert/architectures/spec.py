@@ -30,6 +30,9 @@ class ArchSpec:
     v_proj: str | None = "model.layers.{i}.self_attn.v_proj"
     # Fused [q | k | v] projection along the output rows (Phi3 `qkv_proj`).
     qkv_proj: str | None = None
+    # The query and output projections, which an aligned merge transforms alongside K and V.
+    q_proj: str | None = "model.layers.{i}.self_attn.q_proj"
+    o_proj: str | None = "model.layers.{i}.self_attn.o_proj"
     # Key norm: kind and tensor template ({h} is the K/V head index for ONE_PER_HEAD).
     k_norm: KNorm = KNorm.NONE
     k_norm_weight: str | None = None
@@ -40,6 +43,15 @@ class ArchSpec:
     @property
     def fused(self) -> bool:
         return self.qkv_proj is not None
+
+    @property
+    def alignable(self) -> str | None:
+        """Why `--method aligned` cannot transform this family's heads exactly (None: it can)."""
+        if self.fused:
+            return "fuses Q, K and V into one projection"
+        if self.k_norm is not KNorm.NONE:
+            return "normalises keys between k_proj and RoPE, which the key rotations do not commute with"
+        return None
 
     @property
     def pooling_exact_for_identical_heads_only(self) -> bool:

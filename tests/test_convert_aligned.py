@@ -1,0 +1,114 @@
+"""`convert-gqa --method aligned` end to end: a stock checkpoint, exact where the maths says it is
+exact, refused in one line where the architecture cannot take the transforms."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cli_contract import run_refused
+from gqakit.cli import convert_main
+from gqakit.convert.align import rotation, scaled_rotation, transform_keys, transform_values
+from tiny_models import make_tiny_llama
+
+
+def _logits(path, ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _disguised(path, heads=4, head_dim=8, layers=2):
+    """A tiny Llama whose K/V heads come in pairs that are the SAME head seen through different exact
+    reparametrisations (a scaled rotation per RoPE pair for keys, an orthogonal map for values, each
+    compensated in q_proj / o_proj): its function is that of a GQA-2 model, but no two heads are equal."""
+    make_tiny_llama(path, heads=heads, layers=layers, head_dim=head_dim, seed=3)
+    weights = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(7)
+    half = head_dim // 2
+    for i in range(layers):
+        p = f"model.layers.{i}.self_attn."
+        q, k, v, o = (weights[p + n + ".weight"].double() for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        k = k.reshape(heads, head_dim, -1)
+        v = v.reshape(heads, head_dim, -1)
+        k[1::2], v[1::2] = k[0::2], v[0::2]  # pairs of identical heads: an MHA model that is really GQA-2
+        k, v = k.reshape(heads * head_dim, -1), v.reshape(heads * head_dim, -1)
+        angle = torch.rand(heads, half, generator=gen, dtype=torch.float64) * 6.28
+        scale = 0.5 + torch.rand(heads, half, generator=gen, dtype=torch.float64)
+        key_maps = scale[..., None, None] * rotation(angle)
+        q, k, _, _ = transform_keys(q, k, key_maps, heads, heads, head_dim)
+        value_maps = torch.linalg.qr(torch.randn(heads, head_dim, head_dim, generator=gen, dtype=torch.float64))[0]
+        v, o, _ = transform_values(v, o, value_maps, heads, heads, head_dim)
+        for n, t in (("q_proj", q), ("k_proj", k), ("v_proj", v), ("o_proj", o)):
+            weights[p + n + ".weight"] = t.float().contiguous()
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_heads_that_differ_only_by_exact_reparametrisations_merge_exactly(tmp_path):
+    src = _disguised(tmp_path / "src")
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    original = _logits(src, ids)
+    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "aligned"), "--method", "aligned", "-q"]) == 0
+    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "mean"), "-q"]) == 0
+    aligned, mean = _logits(tmp_path / "aligned", ids), _logits(tmp_path / "mean", ids)
+    assert (mean - original).abs().max() > 1e-2  # mean-pooling cannot see that the heads are the same
+    torch.testing.assert_close(aligned, original, atol=1e-5, rtol=1e-5)
+    config = json.loads((tmp_path / "aligned" / "config.json").read_text())
+    assert config["num_key_value_heads"] == 2
+    card = (tmp_path / "aligned" / "README.md").read_text()
+    assert "| method | aligned |" in card and "Relative error of each query head's attention maps" in card
+    rows = [line.split("|")[2:4] for line in card.splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]
+    assert len(rows) == 2 and all(float(x) < 1e-6 for row in rows for x in row)  # exact: zero error
+
+
+def test_the_aligned_merge_writes_a_stock_checkpoint_of_the_same_shapes(tmp_path):
+    src = make_tiny_llama(tmp_path / "src", heads=4, layers=2, head_dim=8)
+    assert convert_main(["--groups", "1", str(src), "-o", str(tmp_path / "mqa"), "--method", "aligned", "-q"]) == 0
+    before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "mqa" / "model.safetensors")
+    assert set(before) == set(after)
+    for name, t in after.items():
+        if "k_proj" in name or "v_proj" in name:
+            assert t.shape == (8, 32)
+        else:
+            assert t.shape == before[name].shape and t.dtype == before[name].dtype
+    assert torch.isfinite(_logits(tmp_path / "mqa", torch.tensor([[1, 2, 3, 4]]))).all()
+    card = (tmp_path / "mqa" / "README.md").read_text()
+    rows = [line.split("|")[2:4] for line in card.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
+    assert len(rows) == 2 and all(0.01 < float(x) < 2 for row in rows for x in row)  # random heads: inexact
+
+
+def test_unalignable_models_and_groups_are_refused_in_one_line(tmp_path):
+    src = make_tiny_llama(tmp_path / "src", heads=4, layers=1, head_dim=8)
+    run_refused(tmp_path, "convert-gqa", "--groups", "4", str(src), "-o", str(tmp_path / "o"), "--method", "aligned",
+                needles=("--method aligned merges heads, but --groups 4 keeps",))
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": 0.5}))
+    run_refused(tmp_path, "convert-gqa", "--groups", "2", str(src), "-o", str(tmp_path / "o"), "--method", "aligned",
+                needles=("partial_rotary_factor 0.5", "use --method mean"))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_families_whose_keys_cannot_be_rotated_are_refused(tmp_path, family):
+    from transformers import AutoModelForCausalLM, Phi3Config, Qwen3Config
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=4, head_dim=8)
+    cfg = Qwen3Config(**small) if family == "qwen3" else Phi3Config(
+        **{k: v for k, v in small.items() if k != "head_dim"}, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "src")
+    why = "normalises keys" if family == "qwen3" else "fuses Q, K and V"
+    run_refused(tmp_path, "convert-gqa", "--groups", "2", str(tmp_path / "src"), "-o", str(tmp_path / "o"),
+                "--method", "aligned", needles=(why,))
+
+
+def test_scaled_rotations_are_what_the_transforms_accept():
+    a, b = torch.tensor([2.0]), torch.tensor([0.5])
+    assert torch.equal(scaled_rotation(a, b)[0], torch.tensor([[2.0, -0.5], [0.5, 2.0]]))
+    with pytest.raises(ValueError, match="scaled rotations"):
+        reflection = torch.tensor([[[[1.0, 0.0], [0.0, -1.0]]]])
+        transform_keys(torch.zeros(16, 4), torch.zeros(8, 4), reflection.expand(1, 4, 2, 2), 2, 1, 8)
