@@ -7,7 +7,7 @@ gqakit.evaluate.perplexity in fp32:
 
 * embedded (gqakit/assets/austen-mha-8h): held-out *Emma* with the demo's tokenisation and 512-token
   disjoint windows (`gqakit demo`; `--eval-tokens 0` = the whole text, as in the README's table);
-* smollm2 (/work/models/smollm2-135m-gqa, if present): the first 4,096 tokens of WikiText-2 test with
+* smollm2 (runs/smollm2-135m-gqa, made by ../shared/scripts/prepare_smollm2.py runs): the first 4,096 tokens of WikiText-2 test with
   1,024-token disjoint windows (`gqakit eval ppl ... --max-tokens 4096`).
 
 Calibrated variants take E[x x^T] of each layer's attention input from the ORIGINAL model on text
@@ -32,7 +32,7 @@ from gqakit.evaluate.perplexity import perplexity
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
-SMOLLM2 = Path("/work/models/smollm2-135m-gqa")
+SMOLLM2 = ROOT / "runs" / "smollm2-135m-gqa"  # python ../shared/scripts/prepare_smollm2.py runs
 
 # name -> keyword arguments of align_and_merge_layer (+ "metric": None | "gamma" | "calib")
 VARIANTS = {
@@ -220,7 +220,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="append each result as one JSON line to this file")
     args = ap.parse_args(argv)
     if args.model == "smollm2" and not SMOLLM2.is_dir():
-        raise SystemExit(f"{SMOLLM2} is missing")
+        raise SystemExit(f"{SMOLLM2} is missing; make it with python ../shared/scripts/prepare_smollm2.py runs")
     model, ids, window, calib, store = load(args.model)
     tokens = args.eval_tokens if args.eval_tokens is not None else (16384 if args.model == "embedded" else 0)
     if tokens:
