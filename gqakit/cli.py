@@ -33,7 +33,7 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
                         "(rotate heads into a common frame first, exactly; see README) (default: mean)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the output weights (default: keep each tensor's dtype)")
-    p.add_argument("--seed", type=int, default=None, help="seed for --method random")
+    p.add_argument("--seed", type=int, default=0, help="seed for --method random (default: 0)")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: 5GB)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
