@@ -120,3 +120,18 @@ def test_generate_after_use_sinks_keeps_a_bounded_sink_cache():
     assert out.shape[1] == 28 and seen and max(seen) <= 2 + 6
     with pytest.raises(GqakitError, match=r"pass past_key_values=SinkCache\(2, 6, rope=model\)"):
         model.generate(_ids(), max_new_tokens=2, past_key_values=transformers.DynamicCache())
+
+
+@pytest.mark.parametrize("make", [
+    lambda: transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4),
+    lambda: transformers.MptConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4),
+])
+def test_alibi_models_loaded_with_gqakit_attention_are_refused_at_the_first_forward(tmp_path, make):
+    """from_pretrained(attn_implementation="gqakit_tiled") never calls use(): the mask interface refuses."""
+    from gqakit.attention.registry import register_all
+
+    register_all()
+    transformers.AutoModelForCausalLM.from_config(make()).save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="gqakit_tiled")
+    with pytest.raises(GqakitError, match="adds ALiBi position biases"):
+        model(torch.tensor([[1, 2, 3]]))

@@ -268,10 +268,21 @@ def _window_only(fn: Callable) -> bool:
                                 or (bidirectional_mask_function in parts and _SLIDING_BIDIR in names))
 
 
+def uses_alibi(config) -> bool:
+    """Does this config add ALiBi position biases to the scores (Bloom, MPT, Falcon with alibi)?"""
+    attn_config = getattr(config, "attn_config", None)
+    return (getattr(config, "model_type", None) in ("bloom", "mpt") or bool(getattr(config, "alibi", False))
+            or bool(getattr(attn_config, "alibi", False)))
+
+
 def gqakit_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                 mask_function: Callable = causal_mask_function, attention_mask: torch.Tensor | None = None,
                 **kwargs) -> TiledMask:
     """The AttentionMaskInterface function: describe the mask instead of materialising it."""
+    config = kwargs.get("config")
+    if config is not None and uses_alibi(config):  # from_pretrained(attn_implementation="gqakit_*") skips use()
+        raise AttentionOptionError(f"{config.model_type} adds ALiBi position biases, which gqakit attention does not "
+                                   "implement; load it with attn_implementation='sdpa' or 'eager'")
     key_padding = None
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         pad = kv_offset + kv_length - attention_mask.shape[-1]
@@ -439,8 +450,7 @@ def check_model(model) -> None:
             f"{name} does not route attention through transformers' AttentionInterface, so "
             "gqakit attention cannot be plugged in; use a model family that does (Llama, Mistral, Qwen2, ...)")
     config = model.config
-    attn_config = getattr(config, "attn_config", None)
-    if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False) or getattr(attn_config, "alibi", False):
+    if uses_alibi(config):
         raise AttentionOptionError(f"{name} uses ALiBi position biases, which gqakit attention does not implement; "
                                    "keep its own attention (sdpa or eager)")
 
