@@ -7,10 +7,11 @@ gqakit.evaluate.perplexity in fp32:
 
 * embedded (gqakit/assets/austen-mha-8h): held-out *Emma* with the demo's tokenisation and 512-token
   disjoint windows (`gqakit demo`; `--eval-tokens 0` = the whole text, as in the README's table);
-* smollm2 (runs/smollm2-135m-gqa, made by ../shared/scripts/prepare_smollm2.py runs): the first 4,096 tokens of WikiText-2 test with
-  1,024-token disjoint windows (`gqakit eval ppl ... --max-tokens 4096`).
+* smollm2 (runs/smollm2-135m-gqa, made by ../shared/scripts/prepare_smollm2.py runs): the first 4,096
+  tokens of WikiText-2 test with 1,024-token disjoint windows (`gqakit eval ppl ... --max-tokens 4096`).
 
-Calibrated variants take E[x x^T] of each layer's attention input from the ORIGINAL model on text
+Calibrated variants take moments of each layer's attention input (E[x x^T]; with "attn", the
+attention-weighted key covariance and the attention-averaged value moment) from the ORIGINAL model on text
 disjoint from the evaluation text (embedded: *Pride and Prejudice*, a training text; smollm2: Austen
 and TinyStories from ../shared/corpora). A benchmark, never a test.
 
@@ -34,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
 SMOLLM2 = ROOT / "runs" / "smollm2-135m-gqa"  # python ../shared/scripts/prepare_smollm2.py runs
 
-# name -> keyword arguments of align_and_merge_layer (+ "metric": None | "gamma" | "calib")
+# name -> keyword arguments of align_and_merge_layer (+ "metric": None | "gamma" | "calib" | "calib-cov" |
+# "attn" | "calib-attnv", and "shrink" toward the identity metric)
 VARIANTS = {
     "mean": dict(align=False, restore="none"),
     "mean+norm": dict(align=False, restore="norm"),

@@ -276,7 +276,8 @@ def _merge_values(v, oe, groups, reference, merge, restore, iterations):
         w = torch.linalg.eigh(mat).eigenvectors[..., -d:].flip(-1)  # (G, n, d) top d
         w = w.transpose(-1, -2)  # (G, d, n) orthonormal rows
         # Rotate the basis to face the first head (cosmetic; B absorbs any d x d map).
-        w = orthogonal_procrustes(w, vg_heads[:, 0] / vg_heads[:, 0].norm(dim=(-1, -2), keepdim=True).clamp_min(1e-300)) @ w
+        first = vg_heads[:, 0] / vg_heads[:, 0].norm(dim=(-1, -2), keepdim=True).clamp_min(1e-300)
+        w = orthogonal_procrustes(w, first) @ w
         vg = w * (rms / math.sqrt(d))[:, None, None]
         return vg, _refit_values(v, vg, m)
     u = generalized_procrustes(vg_heads, orthogonal_procrustes, reference, iterations)  # (G, m, d, d)

@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import GqakitError
-from .align import align_and_merge_layer
+from .align import align_and_merge_layer, permute_kv_heads
 from .card import write_card
 from .checkpoint import DTYPES, INDEX, SINGLE, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
 from .plan import Plan, TensorOp, make_plan
@@ -22,8 +22,10 @@ from .pooling import random_heads, regroup, relative_error
 from .publish import check_replaceable
 
 LOOKAHEAD = 2  # regrouped tensors computed ahead of the writer
-# --method aligned: per-pair key rotations and scales, orthogonal value maps, mean, norm restored
-ALIGNED = {"align": True, "key_scale": "match", "reference": "mean", "merge": "mean", "restore": "norm"}
+# --method aligned: heads grouped by similarity, per-pair key rotations and orthogonal value maps to the
+# group mean (generalised Procrustes), mean, then each head's map refitted by least squares
+ALIGNED = {"align": True, "key_scale": "none", "reference": "mean", "merge": "mean", "restore": "refit",
+           "grouping": "similarity"}
 
 # Files that the conversion rewrites or must not carry over; everything else (tokenizer, generation
 # config, chat template, the pretraining record) is copied.
@@ -155,13 +157,16 @@ def merge_layer(plan: Plan, weights: dict[str, torch.Tensor]) -> tuple[dict[str,
         **ALIGNED)
     out = {key: getattr(merged, key) for key in weights}
     H, K, G, d = plan.num_attention_heads, plan.num_key_value_heads, plan.groups, plan.head_dim
-    o_before = weights["o_w"].double().reshape(-1, H, d).transpose(0, 1)  # (H, n_out, d)
+    # the original heads in the merge's order (grouping by similarity permutes whole K/V heads)
+    q_w, k_w, v_w, o_w, *_ = permute_kv_heads(weights["q_w"], weights["k_w"], weights["v_w"], weights["o_w"],
+                                              merged.perm, H, K, d)
+    o_before = o_w.double().reshape(-1, H, d).transpose(0, 1)  # (H, n_out, d)
     o_after = out["o_w"].double().reshape(-1, H, d).transpose(0, 1)
     errors = {
-        "k": bilinear_error(weights["q_w"].reshape(H, d, -1), weights["k_w"].reshape(K, d, -1),
-                            out["q_w"].reshape(H, d, -1), out["k_w"].reshape(G, d, -1)),
-        "v": bilinear_error(o_before.transpose(1, 2), weights["v_w"].reshape(K, d, -1),
-                            o_after.transpose(1, 2), out["v_w"].reshape(G, d, -1)),
+        "k": bilinear_error(q_w.reshape(H, d, -1), k_w.reshape(K, d, -1), out["q_w"].reshape(H, d, -1),
+                            out["k_w"].reshape(G, d, -1)),
+        "v": bilinear_error(o_before.transpose(1, 2), v_w.reshape(K, d, -1), o_after.transpose(1, 2),
+                            out["v_w"].reshape(G, d, -1)),
     }
     return out, errors
 
