@@ -17,6 +17,7 @@ from gqakit.attention.masks import AttentionOptionError, MaskSpec
 from gqakit.attention.reference import eager_reference
 from gqakit.attention.tiled import block_plan, tiled_attention, work
 from gqakit.errors import GqakitError
+from test_tiled import left_padding, make_inputs
 
 NEG_INF = float("-inf")
 
@@ -127,23 +128,6 @@ PATTERNS = {
     "union_heads": (MaskSpec(window=9), MaskSpec(window=9, dilation=2), MaskSpec(window=9, global_tokens=(4,)),
                     MaskSpec(window=9, dilation=3)),
 }
-
-
-def make_inputs(B, H, G, tq, tk, d, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, tq, d, generator=gen).to(dtype).requires_grad_()
-    k = torch.randn(B, G, tk, d, generator=gen).to(dtype).requires_grad_()
-    v = torch.randn(B, G, tk, d, generator=gen).to(dtype).requires_grad_()
-    return q, k, v
-
-
-def left_padding(B, tk, seed=0):
-    """Row 0: no padding; row 1: fully padded; others: random left padding."""
-    gen = torch.Generator().manual_seed(seed)
-    kp = torch.ones(B, tk, dtype=torch.bool)
-    for b in range(1, B):
-        kp[b, :tk if b == 1 else int(torch.randint(1, tk, (1,), generator=gen))] = False
-    return kp
 
 
 def compare(q, k, v, spec, *, q_offset=0, kv_offset=0, key_padding=None, block_q=8, block_k=8, out_tol=1e-5,

@@ -45,7 +45,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_bloc
 
 from .masks import MaskSpec, dense_allowed
 from .patterns import head_mask_function
-from .tiled import check_inputs, tiled_attention
+from .tiled import check_attn_mask, check_inputs, tiled_attention
 
 Backend = Literal["sdpa", "flex", "tiled"]
 Spec = MaskSpec | Sequence[MaskSpec]  # one pattern for all heads, or one per query head (as tiled_attention)
@@ -264,12 +264,7 @@ def block_mask_for(spec, B: int, H: int, Tq: int, Tk: int, q_offset: int = 0, kv
 
 
 def _check_dense(attn_mask: torch.Tensor, B: int, H: int, Tq: int, Tk: int) -> torch.Tensor:
-    ok = (attn_mask.dim() == 4 and (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
-          and all(n in (1, want) for n, want in zip(attn_mask.shape, (B, H, Tq, Tk))))
-    if not ok:
-        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} and dtype {attn_mask.dtype} does not fit "
-                         f"(batch or 1, heads or 1, q_length, kv_length) = ({B}, {H}, {Tq}, {Tk}); pass a bool "
-                         "(True = attend) or additive float mask of that shape")
+    check_attn_mask(attn_mask, B, H, Tq, Tk)  # the tiled kernel's rule
     return attn_mask.expand(*attn_mask.shape[:2], Tq, Tk)  # a view, no copy
 
 

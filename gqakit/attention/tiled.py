@@ -515,16 +515,21 @@ def check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block
     if s_aux is not None and tuple(s_aux.shape) != (H,):
         raise ValueError(f"s_aux has shape {tuple(s_aux.shape)}; expected one sink logit per query head, ({H},)")
     if attn_mask is not None:
-        ok = (attn_mask.dim() == 4 and (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
-              and all(n in (1, want) for n, want in zip(attn_mask.shape, (B, H, Tq, Tk))))
-        if not ok:
-            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} and dtype {attn_mask.dtype} does not fit "
-                             f"(batch or 1, heads or 1, q_length, kv_length) = ({B}, {H}, {Tq}, {Tk}); pass a bool "
-                             "(True = attend) or additive float mask of that shape")
+        check_attn_mask(attn_mask, B, H, Tq, Tk)
         if attn_mask.requires_grad and torch.is_grad_enabled():
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} requires grad (a learned bias such as "
                              "T5's position_bias), but the kernel treats it as a constant; detach it, or use eager "
                              "attention")
+
+
+def check_attn_mask(attn_mask: torch.Tensor, B: int, H: int, Tq: int, Tk: int) -> None:
+    """A caller's mask must be 4-D bool or float, broadcastable from (B or 1, H or 1, Tq, Tk)."""
+    ok = (attn_mask.dim() == 4 and (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
+          and all(n in (1, want) for n, want in zip(attn_mask.shape, (B, H, Tq, Tk))))
+    if not ok:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} and dtype {attn_mask.dtype} does not fit "
+                         f"(batch or 1, heads or 1, q_length, kv_length) = ({B}, {H}, {Tq}, {Tk}); pass a bool "
+                         "(True = attend) or additive float mask of that shape")
 
 
 def _make_tiles(q, k, v, rows, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k, *,
