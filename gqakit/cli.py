@@ -28,9 +28,23 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
                    help="number of K/V heads after conversion (1 = MQA)")
     p.add_argument("-o", "--output-dir", default=None,
                    help="output folder (default: MODEL_DIR-gqaG, or MODEL_DIR-mqa for G=1)")
-    p.add_argument("--method", default="mean", choices=["mean", "first", "random", "aligned"],
-                   help="how to merge each group's K/V heads: mean (the GQA paper's), first, random, or aligned "
-                        "(rotate heads into a common frame first, exactly; see README) (default: mean)")
+    p.add_argument("--method", default="mean", choices=["mean", "first", "random", "aligned", "fit"],
+                   help="how to merge each group's K/V heads: mean (the GQA paper's), first, random, aligned "
+                        "(rotate heads into a common frame first, exactly), or fit (least squares on calibration "
+                        "activations; needs --calibration); see README (default: mean)")
+    p.add_argument("--grouping", default=None, choices=["contiguous", "similarity"],
+                   help="aligned/fit: which K/V heads share a group: neighbours, or the most similar heads "
+                        "(q_proj/o_proj permuted to match) (default: similarity)")
+    p.add_argument("--calibration", default=None, metavar="DATA",
+                   help="aligned/fit: text (.txt) or dataset (.jsonl/.json/.parquet file or folder) whose activations "
+                        "weight the merge, streamed layer by layer (required by fit)")
+    p.add_argument("--calibration-tokens", type=int, default=None,
+                   help="calibration tokens to read (default: 16384; 1 in 8 windows is held out to score the merge)")
+    p.add_argument("--calibration-window", type=int, default=None,
+                   help="tokens per calibration window (default: min(512, the model's context))")
+    p.add_argument("--text-column", default=None, help="dataset column holding the calibration text (default: text)")
+    p.add_argument("--calibration-device", default=None,
+                   help="device that runs calibration, one layer at a time (default: cpu; e.g. cuda)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the output weights (default: keep each tensor's dtype)")
     p.add_argument("--seed", type=int, default=0, help="seed for --method random (default: 0)")
@@ -47,7 +61,9 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
     cfg = ConvertConfig(
         model_dir=args.model_dir, groups=args.groups, output_dir=args.output_dir, method=args.method,
         dtype=args.dtype, seed=args.seed, max_shard_size=args.max_shard_size, force=args.force,
-        dry_run=args.dry_run, progress=not args.quiet,
+        dry_run=args.dry_run, progress=not args.quiet, grouping=args.grouping, calibration=args.calibration,
+        calibration_tokens=args.calibration_tokens, calibration_window=args.calibration_window,
+        text_column=args.text_column, calibration_device=args.calibration_device,
     )
     result = convert(cfg, command=command)
     plan = result["plan"]

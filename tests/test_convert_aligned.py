@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from cli_contract import run_refused
 from gqakit.cli import convert_main
-from gqakit.convert.align import rotation, scaled_rotation, transform_keys, transform_values
-from tiny_models import make_tiny_llama
+from gqakit.convert.align import scaled_rotation, transform_keys
+from tiny_models import make_disguised_llama, make_tiny_llama
 
 
 def _logits(path, ids):
@@ -22,35 +22,8 @@ def _logits(path, ids):
         return model(ids).logits
 
 
-def _disguised(path, heads=4, head_dim=8, layers=2):
-    """A tiny Llama whose K/V heads come in pairs that are the SAME head seen through different exact
-    reparametrisations (a scaled rotation per RoPE pair for keys, an orthogonal map for values, each
-    compensated in q_proj / o_proj): its function is that of a GQA-2 model, but no two heads are equal."""
-    make_tiny_llama(path, heads=heads, layers=layers, head_dim=head_dim, seed=3)
-    weights = load_file(path / "model.safetensors")
-    gen = torch.Generator().manual_seed(7)
-    half = head_dim // 2
-    for i in range(layers):
-        p = f"model.layers.{i}.self_attn."
-        q, k, v, o = (weights[p + n + ".weight"].double() for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        k = k.reshape(heads, head_dim, -1)
-        v = v.reshape(heads, head_dim, -1)
-        k[1::2], v[1::2] = k[0::2], v[0::2]  # pairs of identical heads: an MHA model that is really GQA-2
-        k, v = k.reshape(heads * head_dim, -1), v.reshape(heads * head_dim, -1)
-        angle = torch.rand(heads, half, generator=gen, dtype=torch.float64) * 6.28
-        scale = 0.5 + torch.rand(heads, half, generator=gen, dtype=torch.float64)
-        key_maps = scale[..., None, None] * rotation(angle)
-        q, k, _, _ = transform_keys(q, k, key_maps, heads, heads, head_dim)
-        value_maps = torch.linalg.qr(torch.randn(heads, head_dim, head_dim, generator=gen, dtype=torch.float64))[0]
-        v, o, _ = transform_values(v, o, value_maps, heads, heads, head_dim)
-        for n, t in (("q_proj", q), ("k_proj", k), ("v_proj", v), ("o_proj", o)):
-            weights[p + n + ".weight"] = t.float().contiguous()
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
-
-
 def test_heads_that_differ_only_by_exact_reparametrisations_merge_exactly(tmp_path):
-    src = _disguised(tmp_path / "src")
+    src = make_disguised_llama(tmp_path / "src")
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
     original = _logits(src, ids)
     assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "aligned"), "--method", "aligned", "-q"]) == 0

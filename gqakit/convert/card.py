@@ -59,24 +59,54 @@ def exactness_note(plan: Plan) -> str:
             "exact only for identical heads.")
 
 
-def _error_heading(plan: Plan) -> str:
-    if plan.method == "aligned":
-        return """## Relative error of each query head's attention maps
+METHOD_NOTES = {
+    "aligned": "each group's heads rotated into a common frame (per-RoPE-pair rotations of keys, orthogonal maps of "
+               "values, exact reparametrisations), averaged, then each head's map refitted by least squares",
+    "fit": "the shared K/V head that minimises each head's attention-logit and value error on calibration "
+           "activations (closed-form least squares per RoPE pair and value subspace), each head's map refitted",
+}
 
-An aligned merge also rewrites q_proj and o_proj, so it is measured on what each query head j computes:
+
+def _error_heading(plan: Plan, calibrated: bool) -> str:
+    if plan.method in METHOD_NOTES:
+        logits = """ The held-out column is the relative error of every query head's attention logits
+(q.k after RoPE, before scaling) on the held-out calibration windows, which the statistics never saw:
+sqrt(sum ||S' - S||^2 / sum ||S||^2) over the positions each query may attend to.""" if calibrated else ""
+        return f"""## Relative error of each query head's attention maps
+
+This merge also rewrites q_proj and o_proj, so it is measured on what each query head j computes:
 sqrt(sum_j ||Q_j^T K_h - Q'_j^T K'_g||^2 / sum_j ||Q_j^T K_h||^2) for keys (the logit map at equal
-positions, weights only, biases aside) and the same for values with O_j V_h (0: the merge is exact)."""
+positions, weights only, biases aside) and the same for values with O_j V_h (0: the merge is exact).{logits}"""
     return """## Relative error of the regrouped K/V projections
 
 ||W - expand(W')||_F / ||W||_F per layer, where expand repeats each new head over the heads it replaced
 (0 means the group's heads were identical or nothing was pooled)."""
 
 
-def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]], command: str) -> None:
+def _method_rows(cfg, plan: Plan, calibration) -> str:
+    if plan.method not in METHOD_NOTES:
+        return ""
+    rows = [f"| merge | {METHOD_NOTES[plan.method]} |",
+            f"| grouping | {cfg.grouping or 'similarity'} (K/V heads that share a group; q_proj rows and o_proj columns "
+            "permuted with them, so contiguous `repeat_kv` holds) |"]
+    if calibration is None:
+        rows.append("| calibration | none (weights only) |")
+    else:
+        fit = calibration.windows.shape[0] - calibration.heldout
+        rows += [f"| calibration data | `{calibration.path}` (sha256 {calibration.file_sha256}) |",
+                 f"| calibration tokens | {calibration.tokens:,}: {fit} windows of {calibration.window} fitted, "
+                 f"{calibration.heldout} held out (token ids sha256 {calibration.sha256}) |"]
+    return "\n".join(rows) + "\n"
+
+
+def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]], command: str,
+               calibration=None) -> None:
     before, after = plan.kv_cache_bytes_per_token(False), plan.kv_cache_bytes_per_token(True)
     name = "MQA" if plan.groups == 1 else f"GQA-{plan.groups}"
+    held = calibration is not None
     rows = "\n".join(
         f"| {layer} | {e.get('k', float('nan')):.4f} | {e.get('v', float('nan')):.4f} |"
+        + (f" {e.get('logits', float('nan')):.4f} |" if held else "")
         for layer, e in sorted(errors.items())
     )
     text = f"""---
@@ -96,13 +126,13 @@ Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if comm
 | head_dim | {plan.head_dim} |
 | KV-cache bytes per token (at the stored dtype of k_proj; `gqakit eval` counts its compute dtype) | {before:,} -> {after:,} |
 | dtype | {cfg.dtype} |
-
+{_method_rows(cfg, plan, calibration)}
 Query head h uses K/V head h // {plan.num_attention_heads // plan.groups} (contiguous groups, as `repeat_kv` expects).
 {"" if plan.exact else chr(10) + "**Note:** " + exactness_note(plan) + chr(10)}
-{_error_heading(plan)}
+{_error_heading(plan, held)}
 
-| layer | k_proj | v_proj |
-|---|---|---|
+| layer | k_proj | v_proj |{" held-out logits |" if held else ""}
+|---|---|---|{"---|" if held else ""}
 {rows}
 """
     path.write_text(readable(text), encoding="utf-8")

@@ -19,7 +19,9 @@ from .fields import ModelFields, read_fields
 from .pooling import METHODS, valid_groups
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-LAYER_METHODS = ("aligned",)  # methods that rewrite a layer's Q, K, V and O together (gqakit.convert.align)
+# methods that rewrite a layer's Q, K, V and O together (gqakit.convert.align): aligned (weights only, or
+# in a calibrated metric) and fit (activation-aware least squares; needs calibration)
+LAYER_METHODS = ("aligned", "fit")
 ALL_METHODS = (*METHODS, *LAYER_METHODS)
 
 
@@ -255,8 +257,9 @@ def check_accounted(spec: ArchSpec, tensors: dict[str, TensorInfo], planned: dic
             )
 
 
-def check_alignable(spec: ArchSpec, arch: str, config: dict, groups: int, kv_heads: int, head_dim: int) -> None:
-    """`--method aligned` transforms keys per RoPE pair (rotate_half layout, every dimension rotary) and
+def check_alignable(spec: ArchSpec, arch: str, config: dict, groups: int, kv_heads: int, head_dim: int,
+                    method: str = "aligned") -> None:
+    """`--method aligned` / `fit` transform keys per RoPE pair (rotate_half layout, every dimension rotary) and
     merges heads: refuse, in one line, a model or a G it cannot handle exactly."""
     why = spec.alignable
     if why is None:
@@ -270,9 +273,9 @@ def check_alignable(spec: ArchSpec, arch: str, config: dict, groups: int, kv_hea
         elif head_dim % 2:
             why = f"has an odd head_dim {head_dim}, which RoPE pairs cannot split"
     if why is not None:
-        raise GqakitError(f"--method aligned cannot convert {arch}: it {why}; use --method mean")
+        raise GqakitError(f"--method {method} cannot convert {arch}: it {why}; use --method mean")
     if groups >= kv_heads:
-        raise GqakitError(f"--method aligned merges heads, but --groups {groups} keeps or expands the "
+        raise GqakitError(f"--method {method} merges heads, but --groups {groups} keeps or expands the "
                           f"{kv_heads} K/V heads; use --method mean")
 
 
@@ -292,7 +295,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
     head_dim = fields.head_dim
     check_groups(groups, heads, kv_heads)
     if method in LAYER_METHODS:
-        check_alignable(spec, arch, config, groups, kv_heads, head_dim)
+        check_alignable(spec, arch, config, groups, kv_heads, head_dim, method)
     check_layers(spec, tensors, layers)
     out_dtype = None if dtype in (None, "auto") else DTYPE_NAMES[getattr(torch, dtype)]
 

@@ -15,17 +15,26 @@ from tqdm.auto import tqdm
 
 from ..errors import GqakitError
 from .align import align_and_merge_layer, permute_kv_heads
+from .calibrate import calibrate, load_layer, logit_error, save_layer
+from .calibration_data import CalibrationData, load_calibration
 from .card import write_card
 from .checkpoint import DTYPES, INDEX, SINGLE, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
-from .plan import Plan, TensorOp, make_plan
+from .plan import LAYER_METHODS, Plan, TensorOp, make_plan
 from .pooling import random_heads, regroup, relative_error
 from .publish import check_replaceable
 
 LOOKAHEAD = 2  # regrouped tensors computed ahead of the writer
-# --method aligned: heads grouped by similarity, per-pair key rotations and orthogonal value maps to the
-# group mean (generalised Procrustes), mean, then each head's map refitted by least squares
-ALIGNED = {"align": True, "key_scale": "none", "reference": "mean", "merge": "mean", "restore": "refit",
-           "grouping": "similarity"}
+# align_and_merge_layer's options per --method (grouping comes from --grouping, default similarity):
+# aligned: per-pair key rotations and orthogonal value maps to the group mean (generalised Procrustes),
+#   mean, then each head's map refitted by least squares (in the calibrated metric when given one);
+# fit: the shared head that minimises the query-weighted logit error and the o_proj-weighted value error
+#   in the calibrated metrics (a closed-form rank fit per RoPE pair / value subspace), maps refitted.
+MERGES = {
+    "aligned": {"align": True, "key_scale": "none", "reference": "mean", "merge": "mean", "restore": "refit"},
+    "fit": {"align": True, "merge": "pca", "restore": "refit"},
+}
+GROUPINGS = ("contiguous", "similarity")
+CALIBRATED = ("aligned", "fit")  # methods that take --calibration (fit requires it)
 
 # Files that the conversion rewrites or must not carry over; everything else (tokenizer, generation
 # config, chat template, the pretraining record) is copied.
@@ -47,6 +56,12 @@ class ConvertConfig:
     force: bool = False
     dry_run: bool = False
     progress: bool = True
+    grouping: str | None = None  # aligned / fit: which K/V heads share a group (default similarity)
+    calibration: str | None = None  # text or dataset for activation statistics (aligned, fit)
+    calibration_tokens: int | None = None  # default calibration_data.DEFAULT_TOKENS
+    calibration_window: int | None = None  # default min(512, the model's context)
+    text_column: str | None = None  # dataset column of the calibration text (default "text")
+    calibration_device: str | None = None  # where calibration runs one layer at a time (default cpu)
 
 
 def parse_size(text: str) -> int:
@@ -110,19 +125,56 @@ def check_output(model_dir: Path, out: Path, force: bool) -> None:
         check_replaceable(out)
 
 
-def prepare(cfg: ConvertConfig) -> tuple[Plan, dict, dict[str, TensorInfo], Path]:
+def check_method_options(cfg: ConvertConfig) -> None:
+    """Refuse options the chosen method would ignore, and a fit without its calibration data."""
+    if cfg.grouping is not None and cfg.grouping not in GROUPINGS:
+        raise GqakitError(f"unknown --grouping {cfg.grouping!r}; choose contiguous or similarity")
+    if cfg.grouping is not None and cfg.method not in LAYER_METHODS:
+        raise GqakitError(f"--grouping is used only by --method {' or '.join(LAYER_METHODS)}; drop it for "
+                          f"--method {cfg.method} (which keeps contiguous groups)")
+    if cfg.method == "fit" and cfg.calibration is None:
+        raise GqakitError("--method fit needs calibration data: pass --calibration TEXT.txt (or a .jsonl / .parquet "
+                          "dataset) in the model's language, e.g. a few hundred windows of its training text")
+    if cfg.calibration is not None and cfg.method not in CALIBRATED:
+        raise GqakitError(f"--calibration is used only by --method {' or '.join(CALIBRATED)}; drop it, or choose "
+                          "--method fit")
+    if cfg.calibration is None:
+        given = [flag for flag, value in (("--calibration-tokens", cfg.calibration_tokens),
+                                          ("--calibration-window", cfg.calibration_window),
+                                          ("--text-column", cfg.text_column),
+                                          ("--calibration-device", cfg.calibration_device)) if value is not None]
+        if given:
+            raise GqakitError(f"{given[0]} needs --calibration DATA; pass the calibration data or drop {given[0]}")
+    for flag, value in (("--calibration-tokens", cfg.calibration_tokens),
+                        ("--calibration-window", cfg.calibration_window)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise GqakitError(f"{flag} must be a positive number of tokens, got {value!r}")
+
+
+def prepare(cfg: ConvertConfig) -> tuple[Plan, dict, dict[str, TensorInfo], Path, CalibrationData | None]:
     """Validate everything a conversion needs and plan it, before any output is written."""
     model_dir = Path(cfg.model_dir)
     config = read_config(model_dir)
     out = output_path(model_dir, cfg.output_dir, cfg.groups)
     if cfg.dtype != "auto" and cfg.dtype not in ("float32", "bfloat16", "float16"):
         raise GqakitError(f"unknown --dtype {cfg.dtype!r}; choose auto, float32, bfloat16 or float16")
+    check_method_options(cfg)
     max_shard = parse_size(cfg.max_shard_size)
     tensors = scan_checkpoint(model_dir)
     plan = make_plan(config, tensors, cfg.groups, cfg.method, cfg.dtype, max_shard)
     if not cfg.dry_run:
         check_output(model_dir, out, cfg.force)
-    return plan, config, tensors, out
+    calibration = None
+    if cfg.calibration is not None:
+        calibration = load_calibration(cfg.calibration, model_dir, config, cfg.calibration_tokens,
+                                       cfg.calibration_window, cfg.text_column or "text")
+        device = cfg.calibration_device or "cpu"
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, ValueError) as e:
+            raise GqakitError(f"--calibration-device {device!r} is not usable here ({str(e).splitlines()[0]}); "
+                              "use cpu or an available cuda device") from None
+    return plan, config, tensors, out, calibration
 
 
 def _tensor_seed(seed: int, name: str) -> int:
@@ -148,18 +200,38 @@ def _attention_key(plan: Plan, layer: int, name: str) -> str:
     raise AssertionError(f"{name} is not an attention tensor of layer {layer}")
 
 
-def merge_layer(plan: Plan, weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """An aligned merge of one layer: {'q_w', 'k_w', 'v_w', 'o_w', optional biases} -> the same keys, and
-    the relative error of the maps each query head computes (`bilinear_error`) for the card."""
+def metrics(moments: dict[str, torch.Tensor] | None, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """align_and_merge_layer's input metrics from calibration moments: keys are compared in the attention-
+    weighted covariance of the inputs each query sees (a key bias shifts all of a query's logits alike, so
+    its coordinate gets the average weight of an input direction), values in the second moment of the
+    attention-averaged input augmented with 1 when v_proj has a bias."""
+    if moments is None:
+        return {}
+    key, value = moments["key"], moments["value"]
+    if "q_b" in weights or "k_b" in weights:
+        key = torch.block_diag(key, key.diagonal().mean().reshape(1, 1))
+    if "v_b" in weights:
+        mu = moments["value_mean"]
+        value = torch.cat([torch.cat([value, mu[:, None]], 1), torch.cat([mu, mu.new_ones(1)])[None]], 0)
+    return {"input_moment": key, "value_moment": value}
+
+
+def merge_layer(plan: Plan, weights: dict[str, torch.Tensor], grouping: str = "similarity",
+                moments: dict[str, torch.Tensor] | None = None, heldout: dict | None = None
+                ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """A merge of one layer by plan.method ("aligned" or "fit"): {'q_w', 'k_w', 'v_w', 'o_w', optional
+    biases} -> the same keys, and for the card the relative error of the maps each query head computes
+    (`bilinear_error`) and, with held-out calibration windows, of its attention logits."""
     merged = align_and_merge_layer(
         weights["q_w"], weights["k_w"], weights["v_w"], weights["o_w"], weights.get("q_b"), weights.get("k_b"),
         weights.get("v_b"), plan.num_attention_heads, plan.num_key_value_heads, plan.groups, plan.head_dim,
-        **ALIGNED)
+        grouping=grouping, **MERGES[plan.method], **metrics(moments, weights))
     out = {key: getattr(merged, key) for key in weights}
     H, K, G, d = plan.num_attention_heads, plan.num_key_value_heads, plan.groups, plan.head_dim
     # the original heads in the merge's order (grouping by similarity permutes whole K/V heads)
-    q_w, k_w, v_w, o_w, *_ = permute_kv_heads(weights["q_w"], weights["k_w"], weights["v_w"], weights["o_w"],
-                                              merged.perm, H, K, d)
+    q_w, k_w, v_w, o_w, q_b, k_b, _ = permute_kv_heads(
+        weights["q_w"], weights["k_w"], weights["v_w"], weights["o_w"], merged.perm, H, K, d,
+        weights.get("q_b"), weights.get("k_b"), weights.get("v_b"))
     o_before = o_w.double().reshape(-1, H, d).transpose(0, 1)  # (H, n_out, d)
     o_after = out["o_w"].double().reshape(-1, H, d).transpose(0, 1)
     errors = {
@@ -168,6 +240,9 @@ def merge_layer(plan: Plan, weights: dict[str, torch.Tensor]) -> tuple[dict[str,
         "v": bilinear_error(o_before.transpose(1, 2), v_w.reshape(K, d, -1), o_after.transpose(1, 2),
                             out["v_w"].reshape(G, d, -1)),
     }
+    if heldout is not None:
+        errors["logits"] = logit_error(heldout, (q_w, k_w, q_b, k_b),
+                                       (out["q_w"], out["k_w"], out.get("q_b"), out.get("k_b")), H, K, G, d)
     return out, errors
 
 
@@ -185,13 +260,25 @@ def bilinear_error(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch
     return float((diff.clamp_min(0) / ref.clamp_min(1e-300)).sqrt())
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerMerge:
+    """What a layer merge needs besides its weights: the grouping and the calibration statistics folder."""
+
+    grouping: str = "similarity"
+    stats: Path | None = None  # layer-NNNNN.safetensors files written by the calibration pass
+
+
 def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, dict[str, float]],
-                  layers: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
+                  layers: dict[int, dict[str, torch.Tensor]], how: LayerMerge) -> torch.Tensor:
     """One of layer op.layer's q/k/v/o tensors from an aligned merge. The first of them computes the
-    whole layer; the others wait in `layers` until written, so at most one layer's attention is held."""
+    whole layer; the others wait in `layers` until written, so at most one layer's attention (and its
+    calibration statistics) is held."""
     if op.layer not in layers:
         keys = {_attention_key(plan, op.layer, name): name for name in op.sources}
-        merged, cost = merge_layer(plan, {key: load_tensor(tensors[name], name) for key, name in keys.items()})
+        moments, heldout = load_layer(how.stats, op.layer) if how.stats is not None else (None, None)
+        merged, cost = merge_layer(plan, {key: load_tensor(tensors[name], name) for key, name in keys.items()},
+                                   how.grouping, moments, heldout)
+        del moments, heldout
         errors.setdefault(op.layer, {}).update(cost)
         layers[op.layer] = {keys[key]: tensor for key, tensor in merged.items()}
     held = layers[op.layer]
@@ -202,11 +289,12 @@ def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], erro
 
 
 def compute(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], std: float, seed: int,
-            errors: dict[int, dict[str, float]], layers: dict | None = None) -> torch.Tensor:
+            errors: dict[int, dict[str, float]], layers: dict | None = None, how: LayerMerge = LayerMerge()
+            ) -> torch.Tensor:
     """Make one output tensor that is not a plain byte copy (`layers`: the aligned merge's layer memo)."""
     out_dtype = DTYPES[op.dtype]
     if op.kind == "attn":
-        return _merged_layer(op, plan, tensors, errors, layers if layers is not None else {}).to(out_dtype)
+        return _merged_layer(op, plan, tensors, errors, layers if layers is not None else {}, how).to(out_dtype)
     if op.kind == "head_norm":
         stack = torch.stack([load_tensor(tensors[s], s).float() for s in op.sources])  # (n, d)
         merged = stack[0] if plan.method == "first" else stack.mean(dim=0)
@@ -259,12 +347,12 @@ def copy_side_files(model_dir: Path, dest: Path) -> list[str]:
 
 def convert(cfg: ConvertConfig, command: str = "") -> dict:
     """Run a conversion end to end; returns a summary (also what the card records)."""
-    plan, config, tensors, out = prepare(cfg)
-    summary = {"plan": plan, "output_dir": out, "errors": {}}
+    plan, config, tensors, out, calibration = prepare(cfg)
+    summary = {"plan": plan, "output_dir": out, "errors": {}, "calibration": calibration}
     if cfg.dry_run:
         return summary
     try:
-        summary["errors"] = _write(cfg, plan, config, tensors, out, command)
+        summary["errors"] = _write(cfg, plan, config, tensors, out, command, calibration)
     except OSError as e:
         raise GqakitError(f"writing {out} failed ({e.strerror or e}); nothing was written: fix the cause "
                           "(disk space, permissions) and run again") from None
@@ -272,12 +360,19 @@ def convert(cfg: ConvertConfig, command: str = "") -> dict:
 
 
 def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, TensorInfo], out: Path,
-           command: str) -> dict[int, dict[str, float]]:
+           command: str, calibration: CalibrationData | None = None) -> dict[int, dict[str, float]]:
     std = plan.initializer_range
     errors: dict[int, dict[str, float]] = {}
     layers: dict[int, dict[str, torch.Tensor]] = {}  # aligned merges: a layer's tensors not yet written
     entries = [(o.name, o.dtype, o.shape) for o in plan.ops]
     with atomic_output(out, cfg.force) as tmp:
+        how = LayerMerge(grouping=cfg.grouping or "similarity")
+        if calibration is not None:  # one pass, layer by layer; statistics wait on disk, one file per layer
+            how = dataclasses.replace(how, stats=tmp / ".calibration")
+            how.stats.mkdir()
+            for i, moments, heldout in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout,
+                                                 cfg.calibration_device or "cpu", cfg.progress):
+                save_layer(how.stats, i, moments, heldout)
         writer = ShardWriter(tmp, entries, plan.max_shard_bytes)
         # One worker thread computes the next regrouped tensors while this thread streams byte copies
         # (torch kernels and copy_file_range both release the GIL). At most LOOKAHEAD results wait,
@@ -288,7 +383,7 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
 
             def refill() -> None:
                 while len(pending) < LOOKAHEAD and (op := next(todo, None)) is not None:
-                    pending.append(pool.submit(compute, op, plan, tensors, std, cfg.seed, errors, layers))
+                    pending.append(pool.submit(compute, op, plan, tensors, std, cfg.seed, errors, layers, how))
 
             try:
                 refill()
@@ -302,8 +397,10 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
                 for future in pending:  # only on the way out of an error or an interrupt: do not wait for them
                     future.cancel()
         writer.finish()
+        if how.stats is not None:
+            shutil.rmtree(how.stats)
         (tmp / "config.json").write_text(json.dumps(new_config(config, plan, cfg.dtype), indent=2) + "\n",
                                          encoding="utf-8")
         copy_side_files(Path(cfg.model_dir), tmp)
-        write_card(tmp / "README.md", cfg, plan, errors, command)
+        write_card(tmp / "README.md", cfg, plan, errors, command, calibration)
     return errors

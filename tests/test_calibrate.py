@@ -1,0 +1,165 @@
+"""Calibration (`convert-gqa --calibration`) and the calibrated merges (`--method fit`, `--method aligned`).
+
+* the statistics equal an explicit loop over heads and queries (float64 reference; fp32 inside: 1e-5);
+* the layer-by-layer pass (meta-device model, one decoder layer materialised at a time) sees exactly the
+  attention inputs and probabilities of the whole model's eager forward, for every alignable family,
+  with sliding windows and biases (1e-5, fp32);
+* end to end: heads that are the same head in disguise merge exactly (logits 1e-5, card errors 0), also
+  when the matching heads are not neighbours (grouping from data);
+* every bad calibration input is one line, and nothing is written.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cli_contract import run_refused
+from gqakit.cli import convert_main
+from gqakit.convert.architectures import find_family
+from gqakit.convert.calibrate import MomentSums, calibrate, reference_moments
+from gqakit.convert.checkpoint import scan_checkpoint
+from test_architectures import make_model
+from tiny_models import make_disguised_llama, make_tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED = ROOT / "gqakit" / "assets" / "austen-mha-8h"
+TEXT = ROOT / "gqakit" / "assets" / "pride_and_prejudice.txt"
+ALIGNABLE = ["llama", "mistral", "qwen2", "gemma", "gemma2", "olmo"]
+SMALL = ["--calibration-tokens", "256", "--calibration-window", "32"]  # 8 windows, 1 held out
+
+
+def _with_tokenizer(path: Path) -> Path:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED / name, path / name)
+    return path
+
+
+def _logits(path, ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _card_errors(path) -> list[list[float]]:
+    card = (path / "README.md").read_text()
+    rows = [line.split("|")[2:-1] for line in card.splitlines() if line[:2] == "| " and line[2:3].isdigit()]
+    return [[float(x) for x in row] for row in rows]
+
+
+def test_moment_sums_match_an_explicit_loop():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 5, generator=gen, dtype=torch.float64)
+    scores = torch.randn(2, 3, 6, 6, generator=gen, dtype=torch.float64)
+    probs = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    sums = MomentSums.zeros(5)
+    for w in range(2):
+        sums.add(x[w], probs[w])
+    got, want = sums.moments(), reference_moments(x, probs)
+    for key, ref in want.items():
+        torch.testing.assert_close(got[key], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("family", ALIGNABLE)
+def test_layer_by_layer_pass_sees_what_the_whole_model_sees(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = make_model(family, tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    windows = torch.randint(3, 64, (5, 16), generator=torch.Generator().manual_seed(1))  # 16 > sliding window 8
+    got = list(calibrate(config, find_family(config["architectures"][0]), scan_checkpoint(src), windows, 2,
+                         progress=False))
+
+    model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager", dtype=torch.float32).eval()
+    xs: dict[int, list] = {}
+    probs: dict[int, list] = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.q_proj.register_forward_pre_hook(lambda _m, a, i=i: xs.setdefault(i, []).append(a[0]))
+    with torch.no_grad():
+        for w in windows:
+            for i, a in enumerate(model(input_ids=w[None], output_attentions=True).attentions):
+                probs.setdefault(i, []).append(a)
+    assert [i for i, *_ in got] == list(range(len(model.model.layers)))
+    for i, moments, held in got:
+        x, p = torch.cat(xs[i]), torch.cat(probs[i])
+        want = reference_moments(x[:3], p[:3])
+        for key, ref in want.items():
+            torch.testing.assert_close(moments[key], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        torch.testing.assert_close(held["x"], x[3:], rtol=1e-5, atol=1e-5)
+        assert held["allowed"].shape == (16, 16) and not held["allowed"].triu(1).any()
+        assert p[:, :, ~held["allowed"]].abs().max() == 0  # every key a query attends to is allowed
+        assert held["allowed"].sum() == (p[0, 0] > 0).sum()  # ... and no other (eager probs are positive)
+
+
+@pytest.mark.parametrize("method", ["fit", "aligned"])
+@pytest.mark.parametrize("pairs", ["neighbours", "halves"])
+def test_disguised_heads_merge_exactly_with_calibration(tmp_path, method, pairs):
+    src = _with_tokenizer(make_disguised_llama(tmp_path / "src", vocab_size=4096, pairs=pairs))
+    ids = torch.randint(3, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
+    out = tmp_path / "out"
+    assert convert_main(["--groups", "2", str(src), "-o", str(out), "--method", method, "--calibration", str(TEXT),
+                         *SMALL, "-q"]) == 0
+    torch.testing.assert_close(_logits(out, ids), _logits(src, ids), atol=1e-5, rtol=1e-5)
+    errors = _card_errors(out)
+    assert len(errors) == 2 and all(len(row) == 3 and max(row) < 1e-5 for row in errors)  # k, v, held-out logits
+    card = (out / "README.md").read_text()
+    assert f"| method | {method} |" in card and "| grouping | similarity" in card
+    assert f"`{TEXT}`" in card and "256: 7 windows of 32 fitted, 1 held out" in card
+    assert not (out / ".calibration").exists()
+    if pairs == "halves":  # neighbours are the wrong partners: a contiguous grouping cannot be exact
+        bad = tmp_path / "contiguous"
+        assert convert_main(["--groups", "2", str(src), "-o", str(bad), "--method", method, "--grouping",
+                             "contiguous", "--calibration", str(TEXT), *SMALL, "-q"]) == 0
+        assert min(row[0] for row in _card_errors(bad)) > 1e-2
+
+
+@pytest.mark.parametrize("family", ALIGNABLE)
+def test_fit_pools_identical_heads_exactly_in_every_alignable_family(family, tmp_path):
+    src = make_model(family, tmp_path / "src", vocab_size=4096)
+    weights = load_file(src / "model.safetensors")
+    for name, t in weights.items():  # heads 2i+1 := heads 2i: a GQA-2 model in MHA form
+        if ".k_proj." in name or ".v_proj." in name:
+            heads = t.reshape(4, -1, *t.shape[1:]).clone()
+            heads[1::2] = heads[0::2]
+            weights[name] = heads.reshape(t.shape).contiguous()
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    _with_tokenizer(src)
+    out = tmp_path / "out"
+    assert convert_main(["--groups", "2", str(src), "-o", str(out), "--method", "fit", "--calibration", str(TEXT),
+                         *SMALL, "-q"]) == 0
+    ids = torch.randint(3, 4096, (2, 20), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_logits(out, ids), _logits(src, ids), atol=1e-4, rtol=1e-4)
+    assert all(max(row) < 1e-5 for row in _card_errors(out))
+
+
+def test_bad_calibration_input_is_refused_in_one_line(tmp_path):
+    src = _with_tokenizer(make_tiny_llama(tmp_path / "src", vocab_size=4096))
+    small_vocab = _with_tokenizer(make_tiny_llama(tmp_path / "small", vocab_size=64))
+    bare = make_tiny_llama(tmp_path / "bare", vocab_size=4096)
+    short = tmp_path / "short.txt"
+    short.write_text("It is a truth universally acknowledged.")
+    out = str(tmp_path / "out")
+    cases = [
+        ((str(src), "--method", "fit"), ("--method fit needs calibration data", "--calibration")),
+        ((str(src), "--method", "mean", "--calibration", str(TEXT)), ("--calibration is used only by",)),
+        ((str(src), "--method", "aligned", "--calibration-tokens", "4096"), ("--calibration-tokens needs --calibration",)),
+        ((str(src), "--method", "mean", "--grouping", "similarity"), ("--grouping is used only by",)),
+        ((str(src), "--method", "fit", "--calibration", str(tmp_path / "missing.txt")), ("does not exist",)),
+        ((str(src), "--method", "fit", "--calibration", str(short)), ("less than two", "--calibration-window")),
+        ((str(src), "--method", "fit", "--calibration", str(TEXT), "--calibration-tokens", "40",
+          "--calibration-window", "32"), ("less than two 32-token windows",)),
+        ((str(src), "--method", "fit", "--calibration", str(TEXT), "--calibration-window", "4096"),
+         ("exceeds the model's 128-token context",)),
+        ((str(small_vocab), "--method", "fit", "--calibration", str(TEXT)), ("outside the model's vocabulary of 64",)),
+        ((str(bare), "--method", "fit", "--calibration", str(TEXT)), ("needs the model's tokenizer",)),
+        ((str(src), "--method", "fit", "--calibration", str(TEXT), "--calibration-device", "nonsense"),
+         ("--calibration-device 'nonsense' is not usable",)),
+    ]
+    for args, needles in cases:
+        run_refused(tmp_path, "convert-gqa", "--groups", "2", *args, "-o", out, needles=needles)
