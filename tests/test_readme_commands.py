@@ -20,6 +20,7 @@ SHARED = REPO.parent / "shared"
 # Appended to a command (argparse and key=value overrides: the last value wins) so it runs in seconds.
 TINY = [
     (r"^gqakit demo", "--eval-tokens 256"),
+    (r"^convert-gqa .*--calibration ", "--calibration-tokens 1024 --calibration-window 128"),
     (r"gqakit(\.cli)? uptrain .*--plan", ""),
     (r"gqakit(\.cli)? uptrain recipes/uptrain_smollm2", "steps=1 seq_len=32 batch_size=1 eval_sequences=1 "
                                                        "gradient_accumulation_steps=1"),

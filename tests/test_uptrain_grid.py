@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from gqakit.errors import GqakitError
 from gqakit.recipes import from_dict
 from gqakit.uptrain.grid import GridConfig, run_grid
 from gqakit.uptrain.report import format_table
@@ -40,3 +43,50 @@ def test_grid_runs_every_cell_once_and_writes_one_table_and_plot(tmp_path, capsy
     assert run_grid(cfg) == rows  # a second run reads every finished cell instead of training again
     assert stamps == {p.name: p.stat().st_mtime_ns for p in (out / "cells").iterdir()}
     assert format_table(rows) == table.strip()
+
+
+def _tiny_grid(tmp_path, model, text, **fields) -> dict:
+    return {"model": str(model), "output_dir": str(tmp_path / "grid"), "groups": [2], "alphas": [], "mqa_alphas": [],
+            "distill": [False], "mha_control": False, "eval_text": str(text), "eval_tokens": 256, "eval_window": 32,
+            "uptrain": {"data": [str(text)], "seq_len": 32, "batch_size": 2, "progress": False, "threads": 1},
+            **fields}
+
+
+def test_grid_adds_aligned_and_fit_rows_and_keeps_finished_cells(tmp_path):
+    model = make_uptrain_model(tmp_path / "mha", kv_heads=4, pretraining_tokens=3_200)
+    text = make_text(tmp_path / "eval.txt")
+    calibration = make_text(tmp_path / "calibration.txt", chars=8_000)
+    first = run_grid(from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean"])))
+    cells = tmp_path / "grid" / "cells"
+    stamps = {p.name: p.stat().st_mtime_ns for p in cells.iterdir()}
+    assert sorted(stamps) == ["gqa2-mean-a0.json", "mha.json"]
+
+    cfg = from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean", "aligned", "fit"],
+                                           calibration=str(calibration), calibration_tokens=512, keep_models=True))
+    rows = run_grid(cfg)
+    assert [r["name"] for r in rows] == ["mha", "gqa2-mean-a0", "gqa2-aligned-a0", "gqa2-fit-a0"]
+    assert rows[:2] == first  # the finished cells are read back, not recomputed
+    assert {n: t for n, t in ((p.name, p.stat().st_mtime_ns) for p in cells.iterdir()) if n in stamps} == stamps
+    assert all(r["perplexity"] > 0 for r in rows)
+    table = (tmp_path / "grid" / "results.md").read_text()
+    assert f"| 2 | fit | {rows[3]['perplexity']:.2f} |" in table
+    # calibration data goes to fit only: aligned stays a weights-only merge
+    models = tmp_path / "grid" / "models" / "gqa2"
+    assert "| calibration | none (weights only) |" in (models / "aligned" / "README.md").read_text()
+    fit_card = (models / "fit" / "README.md").read_text()
+    assert f"| calibration data | `{calibration}`" in fit_card and "| calibration tokens | 512:" in fit_card
+    assert json.loads((tmp_path / "grid" / "grid.json").read_text())["calibration"] == str(calibration)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"methods": ["mean", "fit"]}, "method fit needs calibration data"),
+    ({"methods": ["mean", "aligned"], "calibration": "cal.txt"}, "calibration is used only by method fit"),
+    ({"methods": ["fit"], "calibration": "cal.txt", "calibration_tokens": 0}, "calibration_tokens=0 must be > 0"),
+    ({"methods": ["mean"], "calibration_tokens": 1024}, "calibration_tokens needs calibration"),
+    ({"methods": ["mean", "pca"]}, "holds pca, not a convert-gqa method"),
+])
+def test_grid_refuses_bad_method_or_calibration_in_one_line(tmp_path, fields, message):
+    with pytest.raises(GqakitError) as e:
+        from_dict(GridConfig, {"model": "m", "output_dir": str(tmp_path), "uptrain": {}, **fields}, source="grid.yaml")
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith("grid.yaml: ")

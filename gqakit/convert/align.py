@@ -213,8 +213,15 @@ def _metric(n: int, with_bias: bool, input_moment, input_scale, ridge: float = 1
     size = n + int(with_bias)
     if m.shape != (size, size):
         raise ValueError(f"input metric has shape {tuple(m.shape)}; expected ({size}, {size})")
-    m = m + ridge * m.diagonal().mean() * torch.eye(size, dtype=F64)
-    return torch.linalg.cholesky(m)  # (n, n) lower
+    # A moment from fewer calibration tokens than dimensions is singular, and one stored in float32 may be
+    # slightly indefinite: add the smallest ridge (relative to its mean diagonal) that makes it definite.
+    m = (m + m.T) / 2
+    scale = m.diagonal().mean().clamp_min(1e-300)
+    for jitter in (ridge, ridge * 1e2, ridge * 1e4):
+        chol, info = torch.linalg.cholesky_ex(m + jitter * scale * torch.eye(size, dtype=F64))
+        if info == 0:
+            return chol  # (n, n) lower
+    raise ValueError("the input metric is not positive semi-definite (is it a second moment?)")
 
 
 def _merge_keys(kp, qe, groups, scale, reference, merge, restore, iterations):
@@ -272,9 +279,9 @@ def _merge_values(v, oe, groups, reference, merge, restore, iterations):
     vg_heads = v.reshape(groups, m, d, n)
     rms = vg_heads.pow(2).sum(dim=(-1, -2)).mean(1).sqrt()  # (G,)
     if merge == "pca":  # shared row space that keeps the most of sum_h ||O_h V_h||^2
-        mat = torch.einsum("gmdn,gmde,gmef->gnf", vg_heads, oe.reshape(groups, m, d, d), vg_heads)
-        w = torch.linalg.eigh(mat).eigenvectors[..., -d:].flip(-1)  # (G, n, d) top d
-        w = w.transpose(-1, -2)  # (G, d, n) orthonormal rows
+        # = the top-d right singular vectors of the stacked sqrt(O_h^T O_h) V_h: an (m d) x n SVD, never n x n
+        b = (_sqrt_psd(oe) @ v).reshape(groups, m * d, n)
+        w = torch.linalg.svd(b, full_matrices=False).Vh[..., :d, :]  # (G, d, n) orthonormal rows
         # Rotate the basis to face the first head (cosmetic; B absorbs any d x d map).
         first = vg_heads[:, 0] / vg_heads[:, 0].norm(dim=(-1, -2), keepdim=True).clamp_min(1e-300)
         w = orthogonal_procrustes(w, first) @ w
@@ -295,17 +302,37 @@ def _refit_values(v, vg, m):
     return v @ torch.linalg.pinv(vg).repeat_interleave(m, dim=0)  # (K, d, d)
 
 
+def _sqrt_psd(m: torch.Tensor) -> torch.Tensor:
+    """Symmetric square root of (..., d, d) positive semi-definite matrices."""
+    w, u = torch.linalg.eigh(m)
+    return (u * w.clamp_min(0).sqrt()[..., None, :]) @ u.transpose(-1, -2)
+
+
+def merge_grams(kp, qe, v, oe) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gram matrices from which every group's merge cost follows without touching the input dimension n:
+    keys (d/2, K, K), the complex inner products of the query-weighted key pairs of every two heads;
+    values (K, d, K, d), the inner products of the o_proj-weighted value rows (sqrt(O^T O) V) of every two heads."""
+    z = torch.complex(kp[..., 0, :], kp[..., 1, :]) * qe.sqrt()[..., None]  # (K, d/2, n)
+    keys = torch.einsum("apn,bpn->pab", z, z.conj())
+    b = _sqrt_psd(oe) @ v  # (K, d, n)
+    values = torch.einsum("adn,ben->adbe", b, b)
+    return keys, values
+
+
+def _group_cost(grams, heads) -> tuple[float, float]:
+    keys, values = grams
+    idx = torch.tensor(list(heads))
+    d = values.shape[1]
+    ev = torch.linalg.eigvalsh(keys[:, idx][:, :, idx])  # (d/2, m): the weighted rank-1 fit keeps the top one
+    key = (ev.sum(-1) - ev[:, -1]).sum().item()
+    ev = torch.linalg.eigvalsh(values[idx][:, :, idx].reshape(len(idx) * d, len(idx) * d))  # rank-d fit keeps top d
+    return key, (ev.sum() - ev[-d:].sum()).item()
+
+
 def merge_cost(kp, qe, v, oe, heads) -> tuple[float, float]:
     """Energy a weighted rank-1 key fit and a rank-d value fit lose when `heads` share one K/V head."""
     idx = list(heads)
-    z = torch.complex(kp[idx, ..., 0, :], kp[idx, ..., 1, :])  # (m, d/2, n)
-    a = (qe[idx, :, None].sqrt() * z).transpose(0, 1)  # (d/2, m, n)
-    sv = torch.linalg.svdvals(a)
-    key = (sv.pow(2).sum() - sv[:, 0].pow(2).sum()).item()
-    d = v.shape[1]
-    mat = torch.einsum("mdn,mde,mef->nf", v[idx], oe[idx], v[idx])
-    ev = torch.linalg.eigvalsh(mat)
-    return key, (ev.sum() - ev[-d:].sum()).item()
+    return _group_cost(merge_grams(kp[idx], qe[idx], v[idx], oe[idx]), range(len(idx)))
 
 
 def similarity_groups(kp, qe, v, oe, groups: int, exhaustive_limit: int = 5000) -> tuple[int, ...]:
@@ -320,10 +347,11 @@ def similarity_groups(kp, qe, v, oe, groups: int, exhaustive_limit: int = 5000) 
     key_total = (qe * kp.pow(2).sum(dim=(-1, -2))).sum().item()
     val_total = torch.einsum("kdn,kde,ken->", v, oe, v).item()
     cache: dict[tuple[int, ...], float] = {}
+    grams = merge_grams(kp, qe, v, oe)  # once per layer: each candidate group then costs O((m d)^3), not O(n^3)
 
     def cost(s):
         if s not in cache:
-            key, val = merge_cost(kp, qe, v, oe, s)
+            key, val = _group_cost(grams, s)
             cache[s] = key / max(key_total, 1e-300) + val / max(val_total, 1e-300)
         return cache[s]
 

@@ -2,13 +2,14 @@
 
     python -m gqakit.uptrain.grid recipes/gqa_paper.yaml [key=value ...]
 
-For every K/V group count G and merge method: convert the MHA model, score held-out perplexity at
-alpha = 0, uptrain with each alpha (cross-entropy only, as in the paper, and with distillation from the
-MHA model), and score again. Each finished cell is a JSON file under OUTPUT/cells/, so an interrupted
-grid picks up where it stopped; the table (results.md/.csv/.json) and the plot (gqa_paper.png) are
-rewritten from all cells at the end. Ainslie et al. (2023), Fig. 4-5, expect: mean > first > random
-before and after uptraining, GQA usable at alpha = 0 while MQA needs uptraining, and most of the gap
-recovered by alpha = 0.05.
+For every K/V group count G and merge method (mean, first, random, aligned, or fit, which needs
+`calibration`): convert the MHA model, score held-out perplexity at alpha = 0, uptrain with each alpha
+(cross-entropy only, as in the paper, and with distillation from the MHA model), and score again.
+Each finished cell is a JSON file under OUTPUT/cells/ named by G, method, alpha and distillation, so an
+interrupted grid picks up where it stopped and added methods add cells without touching finished ones;
+the table (results.md/.csv/.json) and the plot (gqa_paper.png) are rewritten from all cells at the end.
+Ainslie et al. (2023), Fig. 4-5, expect: mean > first > random before and after uptraining, GQA usable
+at alpha = 0 while MQA needs uptraining, and most of the gap recovered by alpha = 0.05.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class GridConfig:
     output_dir: str
     uptrain: dict  # UptrainConfig keys shared by every cell (data, seq_len, lr, ...)
     groups: tuple[int, ...] = option((4, 2, 1), above=0)
-    methods: tuple[str, ...] = ("mean", "first", "random")
+    methods: tuple[str, ...] = ("mean", "first", "random")  # any of convert-gqa's --method
     alphas: tuple[float, ...] = option((0.05,), above=0)
     mqa_alphas: tuple[float, ...] = option((0.05, 0.10), above=0)  # MQA (G = 1) gets a longer budget too
     distill: tuple[bool, ...] = (False, True)
@@ -44,9 +45,24 @@ class GridConfig:
     mha_control: bool = True  # also train the MHA model itself for each alpha (a baseline, not in the paper)
     keep_models: bool = False  # keep every converted and uptrained model (about 16 MB each)
     seed: int = option(0, at_least=0)
+    calibration: str | None = None  # method fit's calibration text or dataset (convert-gqa --calibration)
+    calibration_tokens: int | None = option(None, above=0)  # None = convert-gqa's default
 
     def __post_init__(self):
         check_fields(self)
+        from ..convert.plan import ALL_METHODS
+
+        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        if unknown:
+            raise GqakitError(f"methods={list(self.methods)!r} holds {', '.join(unknown)}, not a convert-gqa method; "
+                              f"choose from {', '.join(ALL_METHODS)}")
+        if "fit" in self.methods and self.calibration is None:
+            raise GqakitError("method fit needs calibration data: set calibration: TEXT.txt (or a .jsonl / .parquet "
+                              "dataset) in the model's language, disjoint from eval_text")
+        if self.calibration is not None and "fit" not in self.methods:
+            raise GqakitError("calibration is used only by method fit; drop it, or add fit to methods")
+        if self.calibration_tokens is not None and self.calibration is None:
+            raise GqakitError("calibration_tokens needs calibration; set calibration, or drop calibration_tokens")
 
 
 def _cells(cfg: GridConfig) -> list[dict]:
@@ -95,6 +111,8 @@ def _check(cfg: GridConfig) -> None:
     check(probe)
     if not Path(cfg.eval_text).is_file():
         raise GqakitError(f"eval_text {cfg.eval_text} does not exist; fix the path")
+    if cfg.calibration is not None and not Path(cfg.calibration).exists():
+        raise GqakitError(f"calibration {cfg.calibration} does not exist; fix the path")
 
 
 def run_cell(cfg: GridConfig, cell: dict, work: Path, ids: torch.Tensor, mha_ppl: float | None) -> dict:
@@ -112,8 +130,11 @@ def run_cell(cfg: GridConfig, cell: dict, work: Path, ids: torch.Tensor, mha_ppl
         else:
             converted = work / ("mqa" if cell["groups"] == 1 else f"gqa{cell['groups']}") / cell["method"]
         if not (converted / "config.json").is_file():
+            # calibration data goes to fit only: aligned would use it too, but the grid keeps aligned weight-only
+            calibrated = ({"calibration": cfg.calibration, "calibration_tokens": cfg.calibration_tokens}
+                          if cell["method"] == "fit" else {})
             convert(ConvertConfig(model_dir=cfg.model, groups=cell["groups"], output_dir=str(converted),
-                                  method=cell["method"], seed=cfg.seed, force=True, progress=False))
+                                  method=cell["method"], seed=cfg.seed, force=True, progress=False, **calibrated))
         target = converted
         if cell["alpha"] > 0:
             target = work / "uptrained" / row["name"]
