@@ -3,6 +3,7 @@ exact, refused in one line where the architecture cannot take the transforms."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,9 @@ from cli_contract import run_refused
 from gqakit.cli import convert_main
 from gqakit.convert.align import scaled_rotation, transform_keys
 from tiny_models import make_disguised_llama, make_tiny_llama
+
+
+TEXT = Path(__file__).resolve().parent.parent / "gqakit" / "assets" / "pride_and_prejudice.txt"
 
 
 def _logits(path, ids):
@@ -65,8 +69,9 @@ def test_unalignable_models_and_groups_are_refused_in_one_line(tmp_path):
                 needles=("partial_rotary_factor 0.5", "use --method mean"))
 
 
+@pytest.mark.parametrize("method", ["aligned", "fit"])
 @pytest.mark.parametrize("family", ["qwen3", "phi3"])
-def test_families_whose_keys_cannot_be_rotated_are_refused(tmp_path, family):
+def test_families_whose_keys_cannot_be_rotated_are_refused(tmp_path, family, method):
     from transformers import AutoModelForCausalLM, Phi3Config, Qwen3Config
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -75,8 +80,9 @@ def test_families_whose_keys_cannot_be_rotated_are_refused(tmp_path, family):
         **{k: v for k, v in small.items() if k != "head_dim"}, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "src")
     why = "normalises keys" if family == "qwen3" else "fuses Q, K and V"
+    calibration = ["--calibration", str(TEXT)] if method == "fit" else []
     run_refused(tmp_path, "convert-gqa", "--groups", "2", str(tmp_path / "src"), "-o", str(tmp_path / "o"),
-                "--method", "aligned", needles=(why,))
+                "--method", method, *calibration, needles=(f"--method {method} cannot convert", why))
 
 
 def test_scaled_rotations_are_what_the_transforms_accept():
