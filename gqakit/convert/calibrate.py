@@ -186,8 +186,9 @@ class LayerwiseModel:
         self.base.to(self.device)
 
     @torch.no_grad()
-    def layer_inputs(self, window: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Run the model's forward up to the layers on one window: (hidden (1, T, n), layer 0's kwargs)."""
+    def layer_inputs(self, window: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+        """Run the model's forward around the recorders on one window: (layer 0's hidden input (1, T, n),
+        every layer's keyword inputs: mask, RoPE tables, positions)."""
         self.base(input_ids=window[None].to(self.device), use_cache=False)
         rec = self.recorders[0]
         return rec.args[0], [dict(r.kwargs) for r in self.recorders]

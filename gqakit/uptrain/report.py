@@ -50,7 +50,8 @@ def plot(rows: list[dict], path: Path) -> None:
     groups = sorted({r["groups"] for r in rows if r["method"] != "mha"}, reverse=True)
     fig = new_figure(4.2 * len(groups), 4)
     axes = fig.subplots(1, len(groups), sharey=True, squeeze=False)
-    colors = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:green"}
+    colors = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:green", "aligned": "tab:red",
+              "fit": "tab:purple"}
     for ax, g in zip(axes[0], groups):
         for method in dict.fromkeys(r["method"] for r in rows if r["groups"] == g):
             for kd, style in ((False, "o-"), (True, "s--")):
