@@ -231,10 +231,15 @@ def _metric(n: int, with_bias: bool, input_moment, input_scale, ridge: float = 1
         raise ValueError(f"input metric has shape {tuple(m.shape)}; expected ({size}, {size})")
     # A moment from fewer calibration tokens than dimensions is singular, and one stored in float32 may be
     # slightly indefinite: add the smallest ridge (relative to its mean diagonal) that makes it definite.
-    m = (m + m.T) / 2
+    # In place where possible: at hidden 4096 each n x n float64 copy is 128 MiB.
+    m = m + m.T
+    m.mul_(0.5)
     scale = m.diagonal().mean().clamp_min(1e-300)
+    added = 0.0
     for jitter in (ridge, ridge * 1e2, ridge * 1e4):
-        chol, info = torch.linalg.cholesky_ex(m + jitter * scale * torch.eye(size, dtype=F64))
+        m.diagonal().add_(jitter * scale - added)
+        added = jitter * scale
+        chol, info = torch.linalg.cholesky_ex(m)
         if info == 0:
             return chol  # (n, n) lower
     raise ValueError("the input metric is not positive semi-definite (is it a second moment?)")

@@ -73,10 +73,11 @@ class MomentSums:
         self.queries += xbar.shape[0]
 
     def moments(self) -> dict[str, torch.Tensor]:
-        """The expectations (sums over counts), float64."""
+        """The expectations (sums over counts), float64, divided in place (no second copy of the sums):
+        call once, at the end."""
         t, q = max(self.tokens, 1), max(self.queries, 1)
-        return {"input": self.input / t, "mean": self.mean / t, "key": self.key / q, "value": self.value / q,
-                "value_mean": self.value_mean / q}
+        return {"input": self.input.div_(t), "mean": self.mean.div_(t), "key": self.key.div_(q),
+                "value": self.value.div_(q), "value_mean": self.value_mean.div_(q)}
 
 
 def reference_moments(x: torch.Tensor, probs: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -226,6 +227,7 @@ def calibrate(config: dict, spec: ArchSpec, tensors: dict[str, TensorInfo], wind
         hidden.append(h)
         layer_kwargs = layer_kwargs or kw
     hidden = torch.cat(hidden)  # (N, T, n)
+    _release(lm.base)  # the embedding and final norm are done with: only one decoder layer is held from here
     fit = windows.shape[0] - heldout
     n = hidden.shape[-1]
     bar = tqdm(range(len(lm.real)), desc="calibrate", unit="layer", disable=not progress)
@@ -317,11 +319,13 @@ def save_layer(folder: Path, layer: int, moments: dict, held: dict) -> Path:
     return path
 
 
-def load_layer(folder: Path, layer: int) -> tuple[dict, dict]:
-    from safetensors.torch import load_file
+def load_layer(folder: Path, layer: int, keys: tuple[str, ...] = STATS) -> tuple[dict, dict]:
+    """One layer's statistics `keys` (float64) and its held-out windows, read back from `save_layer`'s file."""
+    from safetensors import safe_open
 
-    raw = load_file(str(folder / f"layer-{layer:05d}.safetensors"))
-    moments = {k: raw[k].to(F64) for k in STATS}
+    with safe_open(str(folder / f"layer-{layer:05d}.safetensors"), framework="pt") as f:
+        moments = {k: f.get_tensor(k).to(F64) for k in keys}
+        raw = {k: f.get_tensor(k) for k in f.keys() if k.startswith("heldout.")}
     held = {k[len("heldout."):]: v for k, v in raw.items() if k.startswith("heldout.")}
     held["allowed"] = held["allowed"].bool()
     return moments, held

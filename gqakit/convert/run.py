@@ -1,6 +1,7 @@
 """Carry out a conversion: validate, plan, stream tensors through the pooling maths, publish atomically."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -34,6 +35,7 @@ MERGES = {
     "fit": {"align": True, "merge": "pca", "restore": "refit"},
 }
 GROUPINGS = ("contiguous", "similarity")
+MERGE_STATS = ("key", "value", "value_mean")  # the calibration statistics the merges read (`metrics`)
 CALIBRATED = ("aligned", "fit")  # methods that take --calibration (fit requires it)
 
 # Files that the conversion rewrites or must not carry over; everything else (tokenizer, generation
@@ -123,6 +125,15 @@ def check_output(model_dir: Path, out: Path, force: bool) -> None:
                           "or choose another -o")
     if force:
         check_replaceable(out)
+
+
+def release_freed_memory() -> None:
+    """Ask glibc to return freed heap pages to the OS (no-op elsewhere): large freed blocks otherwise keep
+    counting against the process's resident memory while the next phase allocates its own."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def check_method_options(cfg: ConvertConfig) -> None:
@@ -275,7 +286,8 @@ def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], erro
     calibration statistics) is held."""
     if op.layer not in layers:
         keys = {_attention_key(plan, op.layer, name): name for name in op.sources}
-        moments, heldout = load_layer(how.stats, op.layer) if how.stats is not None else (None, None)
+        moments, heldout = (load_layer(how.stats, op.layer, MERGE_STATS) if how.stats is not None
+                             else (None, None))
         merged, cost = merge_layer(plan, {key: load_tensor(tensors[name], name) for key, name in keys.items()},
                                    how.grouping, moments, heldout)
         del moments, heldout
@@ -373,6 +385,7 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
             for i, moments, heldout in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout,
                                                  cfg.calibration_device or "cpu", cfg.progress):
                 save_layer(how.stats, i, moments, heldout)
+            release_freed_memory()  # the calibration model's heap goes back to the OS before the merge
         writer = ShardWriter(tmp, entries, plan.max_shard_bytes)
         # One worker thread computes the next regrouped tensors while this thread streams byte copies
         # (torch kernels and copy_file_range both release the GIL). At most LOOKAHEAD results wait,
