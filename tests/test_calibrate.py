@@ -24,7 +24,7 @@ from gqakit.convert.architectures import find_family
 from gqakit.convert.calibrate import MomentSums, calibrate, reference_moments
 from gqakit.convert.checkpoint import scan_checkpoint
 from test_architectures import make_model
-from tiny_models import make_disguised_llama, make_tiny_llama
+from tiny_models import checkpoint_logits, make_disguised_llama, make_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED = ROOT / "gqakit" / "assets" / "austen-mha-8h"
@@ -37,14 +37,6 @@ def _with_tokenizer(path: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(EMBEDDED / name, path / name)
     return path
-
-
-def _logits(path, ids):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(ids).logits
 
 
 def _card_errors(path) -> list[list[float]]:
@@ -105,7 +97,7 @@ def test_disguised_heads_merge_exactly_with_calibration(tmp_path, method, pairs)
     out = tmp_path / "out"
     assert convert_main(["--groups", "2", str(src), "-o", str(out), "--method", method, "--calibration", str(TEXT),
                          *SMALL, "-q"]) == 0
-    torch.testing.assert_close(_logits(out, ids), _logits(src, ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(checkpoint_logits(out, ids), checkpoint_logits(src, ids), atol=1e-5, rtol=1e-5)
     errors = _card_errors(out)
     assert len(errors) == 2 and all(len(row) == 3 and max(row) < 1e-5 for row in errors)  # k, v, held-out logits
     card = (out / "README.md").read_text()
@@ -134,7 +126,7 @@ def test_fit_pools_identical_heads_exactly_in_every_alignable_family(family, tmp
     assert convert_main(["--groups", "2", str(src), "-o", str(out), "--method", "fit", "--calibration", str(TEXT),
                          *SMALL, "-q"]) == 0
     ids = torch.randint(3, 4096, (2, 20), generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(_logits(out, ids), _logits(src, ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(checkpoint_logits(out, ids), checkpoint_logits(src, ids), atol=1e-4, rtol=1e-4)
     assert all(max(row) < 1e-5 for row in _card_errors(out))
 
 

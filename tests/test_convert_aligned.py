@@ -12,27 +12,19 @@ from safetensors.torch import load_file
 from cli_contract import run_refused
 from gqakit.cli import convert_main
 from gqakit.convert.align import scaled_rotation, transform_keys
-from tiny_models import make_disguised_llama, make_tiny_llama
+from tiny_models import checkpoint_logits, make_disguised_llama, make_tiny_llama
 
 
 TEXT = Path(__file__).resolve().parent.parent / "gqakit" / "assets" / "pride_and_prejudice.txt"
 
 
-def _logits(path, ids):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(ids).logits
-
-
 def test_heads_that_differ_only_by_exact_reparametrisations_merge_exactly(tmp_path):
     src = make_disguised_llama(tmp_path / "src")
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
-    original = _logits(src, ids)
+    original = checkpoint_logits(src, ids)
     assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "aligned"), "--method", "aligned", "-q"]) == 0
     assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "mean"), "-q"]) == 0
-    aligned, mean = _logits(tmp_path / "aligned", ids), _logits(tmp_path / "mean", ids)
+    aligned, mean = checkpoint_logits(tmp_path / "aligned", ids), checkpoint_logits(tmp_path / "mean", ids)
     assert (mean - original).abs().max() > 1e-2  # mean-pooling cannot see that the heads are the same
     torch.testing.assert_close(aligned, original, atol=1e-5, rtol=1e-5)
     config = json.loads((tmp_path / "aligned" / "config.json").read_text())
@@ -53,7 +45,7 @@ def test_the_aligned_merge_writes_a_stock_checkpoint_of_the_same_shapes(tmp_path
             assert t.shape == (8, 32)
         else:
             assert t.shape == before[name].shape and t.dtype == before[name].dtype
-    assert torch.isfinite(_logits(tmp_path / "mqa", torch.tensor([[1, 2, 3, 4]]))).all()
+    assert torch.isfinite(checkpoint_logits(tmp_path / "mqa", torch.tensor([[1, 2, 3, 4]]))).all()
     card = (tmp_path / "mqa" / "README.md").read_text()
     rows = [line.split("|")[2:4] for line in card.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
     assert len(rows) == 2 and all(0.01 < float(x) < 2 for row in rows for x in row)  # random heads: inexact

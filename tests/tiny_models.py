@@ -22,6 +22,15 @@ def make_tiny_llama(path: Path, heads: int = 4, kv_heads: int | None = None, lay
     return Path(path)
 
 
+def checkpoint_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of the checkpoint at `path` on `ids` (stock from_pretrained)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
 def make_disguised_llama(path: Path, heads: int = 4, head_dim: int = 8, layers: int = 2, vocab_size: int = 64,
                          pairs: str = "neighbours") -> Path:
     """A tiny Llama whose K/V heads come in pairs that are the SAME head seen through different exact

@@ -36,6 +36,7 @@ KEY_SCALES = ("none", "balance", "match")
 REFERENCES = ("first", "mean")
 MERGES = ("mean", "pca")
 RESTORES = ("none", "norm", "refit")
+GROUPINGS = ("contiguous", "similarity")
 
 
 class MergedAttention(NamedTuple):
@@ -443,7 +444,7 @@ def align_and_merge_layer(q_w, k_w, v_w, o_w, q_b, k_b, v_b, num_heads: int, num
                          "the key alignment's rotations and scales; use --method mean for this model")
     for name, value, allowed in (("key_scale", key_scale, KEY_SCALES), ("reference", reference, REFERENCES),
                                  ("merge", merge, MERGES), ("restore", restore, RESTORES),
-                                 ("grouping", grouping, ("contiguous", "similarity"))):
+                                 ("grouping", grouping, GROUPINGS)):
         if value not in allowed:
             raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
     if merge == "pca" and restore != "refit":

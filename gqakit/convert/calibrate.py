@@ -325,7 +325,6 @@ def load_layer(folder: Path, layer: int, keys: tuple[str, ...] = STATS) -> tuple
 
     with safe_open(str(folder / f"layer-{layer:05d}.safetensors"), framework="pt") as f:
         moments = {k: f.get_tensor(k).to(F64) for k in keys}
-        raw = {k: f.get_tensor(k) for k in f.keys() if k.startswith("heldout.")}
-    held = {k[len("heldout."):]: v for k, v in raw.items() if k.startswith("heldout.")}
+        held = {k[len("heldout."):]: f.get_tensor(k) for k in f.keys() if k.startswith("heldout.")}
     held["allowed"] = held["allowed"].bool()
     return moments, held

@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import GqakitError
-from .align import align_and_merge_layer, permute_kv_heads
+from .align import GROUPINGS, align_and_merge_layer, permute_kv_heads
 from .calibrate import calibrate, load_layer, logit_error, save_layer
 from .calibration_data import CalibrationData, load_calibration
 from .card import write_card
@@ -34,9 +34,7 @@ MERGES = {
     "aligned": {"align": True, "key_scale": "none", "reference": "mean", "merge": "mean", "restore": "refit"},
     "fit": {"align": True, "merge": "pca", "restore": "refit"},
 }
-GROUPINGS = ("contiguous", "similarity")
 MERGE_STATS = ("key", "value", "value_mean")  # the calibration statistics the merges read (`metrics`)
-CALIBRATED = ("aligned", "fit")  # methods that take --calibration (fit requires it)
 
 # Files that the conversion rewrites or must not carry over; everything else (tokenizer, generation
 # config, chat template, the pretraining record) is copied.
@@ -146,8 +144,8 @@ def check_method_options(cfg: ConvertConfig) -> None:
     if cfg.method == "fit" and cfg.calibration is None:
         raise GqakitError("--method fit needs calibration data: pass --calibration TEXT.txt (or a .jsonl / .parquet "
                           "dataset) in the model's language, e.g. a few hundred windows of its training text")
-    if cfg.calibration is not None and cfg.method not in CALIBRATED:
-        raise GqakitError(f"--calibration is used only by --method {' or '.join(CALIBRATED)}; drop it, or choose "
+    if cfg.calibration is not None and cfg.method not in LAYER_METHODS:  # the layer merges take calibration
+        raise GqakitError(f"--calibration is used only by --method {' or '.join(LAYER_METHODS)}; drop it, or choose "
                           "--method fit")
     if cfg.calibration is None:
         given = [flag for flag, value in (("--calibration-tokens", cfg.calibration_tokens),
