@@ -57,6 +57,8 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
 def _run_convert(args: argparse.Namespace, command: str) -> None:
     from .convert import ConvertConfig, convert
     from .convert.card import describe_plan, kv_summary
+    from .convert.plan import LAYER_METHODS
+    from .convert.run import return_freed_memory_eagerly
 
     cfg = ConvertConfig(
         model_dir=args.model_dir, groups=args.groups, output_dir=args.output_dir, method=args.method,
@@ -65,6 +67,8 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
         calibration_tokens=args.calibration_tokens, calibration_window=args.calibration_window,
         text_column=args.text_column, calibration_device=args.calibration_device,
     )
+    if cfg.method in LAYER_METHODS:  # the layer merges and calibration allocate many large temporaries
+        return_freed_memory_eagerly()
     result = convert(cfg, command=command)
     plan = result["plan"]
     if cfg.dry_run:

@@ -1,6 +1,10 @@
 """Calibration (`convert-gqa --calibration`) and the calibrated merges (`--method fit`, `--method aligned`).
 
-* the statistics equal an explicit loop over heads and queries (float64 reference; fp32 inside: 1e-5);
+* the statistics equal an explicit loop over heads and queries (float64 reference; 1e-5);
+* a decoder layer whose linears are streamed from the checkpoint in row blocks gives the materialised
+  layer's output (fp32, 1e-5 of its largest value), and no weight matrix of it is ever real;
+* the hidden states wait in a scratch file that is removed at the end, on an error and when the caller
+  stops early; the held-out logit error, one head at a time, is the all-heads-at-once formula's (1e-12);
 * the layer-by-layer pass (meta-device model, one decoder layer materialised at a time) sees exactly the
   attention inputs and probabilities of the whole model's eager forward, for every alignable family,
   with sliding windows and biases (1e-5, fp32);
@@ -11,18 +15,24 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from cli_contract import run_refused
 from gqakit.cli import convert_main
+from gqakit.convert import streamed as streamed_module
 from gqakit.convert.architectures import find_family
-from gqakit.convert.calibrate import MomentSums, calibrate, reference_moments
+from gqakit.convert.calibrate import (LayerwiseModel, MomentSums, calibrate, load_layer, logit_error, reference_moments,
+                                      rope, save_layer)
 from gqakit.convert.checkpoint import scan_checkpoint
+from gqakit.convert.streamed import StreamedLinear
 from test_architectures import make_model
 from tiny_models import checkpoint_logits, make_disguised_llama, make_tiny_llama
 
@@ -87,6 +97,85 @@ def test_layer_by_layer_pass_sees_what_the_whole_model_sees(family, tmp_path):
         assert held["allowed"].shape == (16, 16) and not held["allowed"].triu(1).any()
         assert p[:, :, ~held["allowed"]].abs().max() == 0  # every key a query attends to is allowed
         assert held["allowed"].sum() == (p[0, 0] > 0).sum()  # ... and no other (eager probs are positive)
+
+
+# plain, biased k/v, scaled embedding and softcaps, fused qkv_proj / gate_up_proj, per-head qk norms
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3", "stablelm"])
+def test_streamed_layer_gives_the_materialised_layers_output(family, tmp_path, monkeypatch):
+    monkeypatch.setattr(streamed_module, "BLOCK_BYTES", 3 * 32 * 4)  # 3 rows of 32: 11 blocks, the last of 2 rows
+    src = make_model(family, tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    lm = LayerwiseModel(config, find_family(config["architectures"][0]), scan_checkpoint(src))
+    hidden, kwargs = lm.layer_inputs(torch.randint(3, 64, (16,), generator=torch.Generator().manual_seed(3)))
+    for i in range(len(lm.real)):
+        plain = sum(type(m) is nn.Linear for m in lm.real[i].modules())
+        with torch.no_grad():
+            layer = lm.load_layer(i)
+            streamed = sum(isinstance(m, StreamedLinear) for m in layer.modules())
+            assert plain >= 4 and streamed == plain and not any(type(m) is nn.Linear for m in layer.modules())
+            assert all(p.dim() == 1 for p in layer.parameters())  # norms and biases only: no weight matrix is real
+            got = layer(hidden, **kwargs[i])
+            lm.free_layer(i)
+            assert all(p.is_meta for p in lm.real[i].parameters())
+            assert sum(type(m) is nn.Linear for m in lm.real[i].modules()) == plain  # the originals are back
+            want = lm.load_layer(i, stream=False)(hidden, **kwargs[i])
+            lm.free_layer(i)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())  # blocks: fp32 rounding
+        hidden = want
+
+
+def test_hidden_states_wait_in_a_scratch_file_that_is_always_removed(tmp_path, monkeypatch):
+    src = make_model("llama", tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    args = (config, find_family(config["architectures"][0]), scan_checkpoint(src),
+            torch.randint(3, 64, (5, 16), generator=torch.Generator().manual_seed(1)), 2)
+    scratch = tmp_path / "stats"
+    scratch.mkdir()
+    run = calibrate(*args, progress=False, scratch=scratch)
+    i, moments, held = next(run)
+    [states] = scratch.iterdir()
+    assert states.stat().st_size == 5 * 16 * config["hidden_size"] * 4  # (N, T, n) float32, one record per window
+    save_layer(scratch, i, moments, held)  # the caller's files share the folder
+    stored, _ = load_layer(scratch, i, dtype=torch.float32)
+    assert all(torch.equal(v, moments[k].float()) for k, v in stored.items())  # written in blocks, read back in fp32
+    assert load_layer(scratch, i)[0]["key"].dtype == torch.float64
+    (scratch / f"layer-{i:05d}.safetensors").unlink()
+    assert len(list(run)) == 1 and not any(scratch.iterdir())  # to the end
+    run = calibrate(*args, progress=False, scratch=scratch)
+    next(run)
+    with pytest.raises(RuntimeError, match="the caller failed"):
+        run.throw(RuntimeError("the caller failed"))
+    assert not any(scratch.iterdir())
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # no folder given: a temporary one, removed too
+    run = calibrate(*args, progress=False)
+    next(run)
+    assert [len(list(d.iterdir())) for d in scratch.iterdir()] == [1]
+    run.close()
+    assert not any(scratch.iterdir())
+
+
+def test_logit_error_one_head_at_a_time_is_the_all_heads_formula():
+    gen = torch.Generator().manual_seed(4)
+    H, d, n, T = 4, 4, 8, 6
+    held = {"x": torch.randn(2, T, n, generator=gen), "cos": torch.randn(T, d, generator=gen),
+            "sin": torch.randn(T, d, generator=gen), "allowed": torch.ones(T, T, dtype=torch.bool).tril()}
+    before = (torch.randn(H * d, n, generator=gen), torch.randn(H * d, n, generator=gen),
+              torch.randn(H * d, generator=gen), torch.randn(H * d, generator=gen))
+    after = (before[0], torch.randn(2 * d, n, generator=gen), before[2], torch.randn(2 * d, generator=gen))
+
+    def logits(x, q_w, k_w, q_b, k_b, kv):  # every head at once, as one (H, T, T) tensor
+        q = rope((x @ q_w.double().T + q_b.double()).reshape(T, H, d).transpose(0, 1), *cos_sin)  # (H, T, d)
+        k = rope((x @ k_w.double().T + k_b.double()).reshape(T, kv, d).transpose(0, 1), *cos_sin)  # (kv, T, d)
+        return q @ k.repeat_interleave(H // kv, dim=0).transpose(1, 2) * held["allowed"]
+
+    cos_sin = held["cos"].double(), held["sin"].double()
+    num = den = 0.0
+    for x in held["x"].double():
+        s0, s1 = logits(x, *before, H), logits(x, *after, 2)
+        num += float((s1 - s0).pow(2).sum())
+        den += float(s0.pow(2).sum())
+    got = logit_error(held, before, after, H, H, 2, d)
+    assert got > 0.1 and math.isclose(got, math.sqrt(num / den), rel_tol=1e-12)
 
 
 @pytest.mark.parametrize("method", ["fit", "aligned"])

@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from .grams import KeySide, ValueSide, factor, key_side, metric_from_matrix, value_side
+
 F64 = torch.float64
 KEY_SCALES = ("none", "balance", "match")
 REFERENCES = ("first", "mean")
@@ -216,36 +218,6 @@ def permute_kv_heads(q_w, k_w, v_w, o_w, perm, num_heads: int, num_kv_heads: int
 # merges of one layer (all in the metric's coordinates; maps are coordinate-free)
 # ------------------------------------------------------------------------------------------------
 
-def _metric(n: int, with_bias: bool, input_moment, input_scale, ridge: float = 1e-6) -> torch.Tensor | None:
-    """L with L L^T = the input metric (x augmented with 1 when there are biases); None = identity."""
-    if input_moment is None and input_scale is None:
-        return None
-    if input_moment is not None:
-        m = input_moment.to(F64)
-        if with_bias and m.shape[0] == n:  # no E[x] given: treat the bias column on its own
-            m = torch.block_diag(m, torch.ones(1, 1, dtype=F64))
-    else:
-        s = input_scale.to(F64).abs().clamp_min(1e-8)
-        m = torch.diag(torch.cat([s, torch.ones(1, dtype=F64)]) if with_bias else s) ** 2
-    size = n + int(with_bias)
-    if m.shape != (size, size):
-        raise ValueError(f"input metric has shape {tuple(m.shape)}; expected ({size}, {size})")
-    # A moment from fewer calibration tokens than dimensions is singular, and one stored in float32 may be
-    # slightly indefinite: add the smallest ridge (relative to its mean diagonal) that makes it definite.
-    # In place where possible: at hidden 4096 each n x n float64 copy is 128 MiB.
-    m = m + m.T
-    m.mul_(0.5)
-    scale = m.diagonal().mean().clamp_min(1e-300)
-    added = 0.0
-    for jitter in (ridge, ridge * 1e2, ridge * 1e4):
-        m.diagonal().add_(jitter * scale - added)
-        added = jitter * scale
-        chol, info = torch.linalg.cholesky_ex(m)
-        if info == 0:
-            return chol  # (n, n) lower
-    raise ValueError("the input metric is not positive semi-definite (is it a second moment?)")
-
-
 def _merge_keys(kp, qe, groups, scale, reference, merge, restore, iterations):
     """kp: (K, d/2, 2, n) key pairs, qe: (K, d/2) query energy per pair (summed over query heads).
     Returns Kg (G, d/2, 2, n) and C (K, d/2, 2, 2) with K_h ~ C_h Kg."""
@@ -330,50 +302,63 @@ def _sqrt_psd(m: torch.Tensor) -> torch.Tensor:
     return (u * w.clamp_min(0).sqrt()[..., None, :]) @ u.transpose(-1, -2)
 
 
-def merge_grams(kp, qe, v, oe) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gram matrices from which every group's merge cost follows without touching the input dimension n:
-    keys (d/2, K, K), the complex inner products of the query-weighted key pairs of every two heads;
-    values (K, d, K, d), the inner products of the o_proj-weighted value rows (sqrt(O^T O) V) of every two heads."""
+def _key_gram(kp, qe) -> torch.Tensor:
+    """(d/2, K, K) complex inner products of the query-weighted key pairs of every two heads."""
     z = torch.complex(kp[..., 0, :], kp[..., 1, :]) * qe.sqrt()[..., None]  # (K, d/2, n)
-    keys = torch.einsum("apn,bpn->pab", z, z.conj())
-    b = _sqrt_psd(oe) @ v  # (K, d, n)
-    values = torch.einsum("adn,ben->adbe", b, b)
-    return keys, values
+    return torch.einsum("apn,bpn->pab", z, z.conj())
 
 
-def _group_cost(grams, heads) -> tuple[float, float]:
-    keys, values = grams
+def _value_blocks(gram4: torch.Tensor, root_oe: torch.Tensor):
+    """value_block(heads) -> the o_proj-weighted value Gram sqrt(oe_a) G_ab sqrt(oe_b) of those heads,
+    (m d, m d), from the value rows' Gram (K, d, K, d) and sqrt(oe) (K, d, d): built per candidate group, so
+    no second (K d)^2 matrix is held."""
+    def block(heads) -> torch.Tensor:
+        t = torch.tensor(list(heads))
+        w = torch.einsum("aij,ajbk,blk->aibl", root_oe[t], gram4[t][:, :, t], root_oe[t])  # (m, d, m, d)
+        return w.reshape(len(t) * gram4.shape[1], -1)
+    return block
+
+
+def _group_cost(key_gram, value_block, heads, head_dim: int) -> tuple[float, float]:
     idx = torch.tensor(list(heads))
-    d = values.shape[1]
-    ev = torch.linalg.eigvalsh(keys[:, idx][:, :, idx])  # (d/2, m): the weighted rank-1 fit keeps the top one
+    ev = torch.linalg.eigvalsh(key_gram[:, idx][:, :, idx])  # (d/2, m): the weighted rank-1 fit keeps the top one
     key = (ev.sum(-1) - ev[:, -1]).sum().item()
-    ev = torch.linalg.eigvalsh(values[idx][:, :, idx].reshape(len(idx) * d, len(idx) * d))  # rank-d fit keeps top d
-    return key, (ev.sum() - ev[-d:].sum()).item()
+    ev = torch.linalg.eigvalsh(value_block(heads))  # the rank-d fit keeps the top d
+    return key, (ev.sum() - ev[-head_dim:].sum()).item()
+
+
+def _explicit_grams(kp, qe, v, oe):
+    """Key Gram, value-block function and totals from explicit (metric-coordinate) rows."""
+    key_total = (qe * kp.pow(2).sum(dim=(-1, -2))).sum().item()
+    val_total = torch.einsum("kdn,kde,ken->", v, oe, v).item()
+    return _key_gram(kp, qe), _value_blocks(torch.einsum("adn,ben->adbe", v, v), _sqrt_psd(oe)), key_total, val_total
 
 
 def merge_cost(kp, qe, v, oe, heads) -> tuple[float, float]:
     """Energy a weighted rank-1 key fit and a rank-d value fit lose when `heads` share one K/V head."""
     idx = list(heads)
-    return _group_cost(merge_grams(kp[idx], qe[idx], v[idx], oe[idx]), range(len(idx)))
+    key_gram, value_block, _, _ = _explicit_grams(kp[idx], qe[idx], v[idx], oe[idx])
+    return _group_cost(key_gram, value_block, range(len(idx)), v.shape[1])
 
 
 def similarity_groups(kp, qe, v, oe, groups: int, exhaustive_limit: int = 5000) -> tuple[int, ...]:
-    """A K/V head order whose contiguous groups minimise the summed relative merge cost (keys + values).
+    """A K/V head order whose contiguous groups minimise the summed relative merge cost (keys + values), from
+    explicit rows: kp (K, d/2, 2, n) key pairs, qe (K, d/2), v (K, d, n) value rows, oe (K, d, d)."""
+    return group_order(*_explicit_grams(kp, qe, v, oe), kp.shape[0], groups, v.shape[1], exhaustive_limit)
 
-    Exact (dynamic programming over subsets) when there are few candidate groups, else greedy.
-    """
-    num_kv = kp.shape[0]
+
+def group_order(key_gram, value_block, key_total: float, val_total: float, num_kv: int, groups: int,
+                head_dim: int, exhaustive_limit: int = 5000) -> tuple[int, ...]:
+    """`similarity_groups` from Grams: exact (dynamic programming over subsets) when there are few candidate
+    groups, else greedy. Each candidate costs O((m d)^3), never O(n^3)."""
     m = num_kv // groups
     if groups in (1, num_kv):
         return tuple(range(num_kv))
-    key_total = (qe * kp.pow(2).sum(dim=(-1, -2))).sum().item()
-    val_total = torch.einsum("kdn,kde,ken->", v, oe, v).item()
     cache: dict[tuple[int, ...], float] = {}
-    grams = merge_grams(kp, qe, v, oe)  # once per layer: each candidate group then costs O((m d)^3), not O(n^3)
 
     def cost(s):
         if s not in cache:
-            key, val = _group_cost(grams, s)
+            key, val = _group_cost(key_gram, value_block, s, head_dim)
             cache[s] = key / max(key_total, 1e-300) + val / max(val_total, 1e-300)
         return cache[s]
 
@@ -406,6 +391,28 @@ def similarity_groups(kp, qe, v, oe, groups: int, exhaustive_limit: int = 5000) 
     return tuple(h for s in parts for h in s)
 
 
+def check_merge_options(num_heads: int, num_kv_heads: int, groups: int, *, align: bool = True,
+                        key_scale: str = "none", reference: str = "mean", merge: str = "mean",
+                        restore: str = "refit", grouping: str = "contiguous", k_norm=None) -> None:
+    """ValueError for options `align_and_merge_layer` does not take (before any work)."""
+    if k_norm is not None:
+        raise ValueError("a per-head key norm (k_norm) acts between k_proj and RoPE and does not commute with "
+                         "the key alignment's rotations and scales; use --method mean for this model")
+    for name, value, allowed in (("key_scale", key_scale, KEY_SCALES), ("reference", reference, REFERENCES),
+                                 ("merge", merge, MERGES), ("restore", restore, RESTORES),
+                                 ("grouping", grouping, GROUPINGS)):
+        if value not in allowed:
+            raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
+    if merge == "pca" and restore != "refit":
+        raise ValueError("merge='pca' defines each head's map by a least-squares refit; use restore='refit'")
+    if align and merge == "mean" and key_scale == "balance" and restore != "refit":
+        raise ValueError("key_scale='balance' weights each head by its queries, so the merged key no longer "
+                         "matches any head's scale; use restore='refit' (or key_scale='match' / 'none')")
+    if num_heads % num_kv_heads or num_kv_heads % groups:
+        raise ValueError(f"{num_heads} query heads, {num_kv_heads} K/V heads, {groups} groups: each must divide "
+                         "the one before")
+
+
 def align_and_merge_layer(q_w, k_w, v_w, o_w, q_b, k_b, v_b, num_heads: int, num_kv_heads: int, groups: int,
                           head_dim: int, *, align: bool = True, key_scale: str = "none",
                           reference: str = "mean", merge: str = "mean", restore: str = "refit",
@@ -435,87 +442,121 @@ def align_and_merge_layer(q_w, k_w, v_w, o_w, q_b, k_b, v_b, num_heads: int, num
     `grouping="similarity"` first permutes whole K/V heads (with their query heads) so that the
     heads with the smallest joint merge cost share a group (exact search when small, else greedy).
     `input_moment` (E[x x^T] of the projections' input, [n, n], or [n+1, n+1] for (x, 1) with biases)
-    or `input_scale` ([n]) sets the metric in which heads are compared; `value_moment` overrides it
-    for values. Raises ValueError for per-head key norms (`k_norm`: Qwen3/Gemma3), which do not
-    commute with the key maps, and for invalid options.
+    or `input_scale` ([n]) sets the metric in which heads are compared (plus a ridge of 1e-6 of its
+    mean diagonal); `value_moment` overrides it for values. Raises ValueError for per-head key norms
+    (`k_norm`: Qwen3/Gemma3), which do not commute with the key maps, and for invalid options.
+
+    Computed from the rows' Grams in the metric (`grams.py`), in blocks: `key_side`, `value_side`,
+    `coordinates` and `merge_coordinates`, which a caller may also run one statistic at a time.
     """
-    if k_norm is not None:
-        raise ValueError("a per-head key norm (k_norm) acts between k_proj and RoPE and does not commute with "
-                         "the key alignment's rotations and scales; use --method mean for this model")
-    for name, value, allowed in (("key_scale", key_scale, KEY_SCALES), ("reference", reference, REFERENCES),
-                                 ("merge", merge, MERGES), ("restore", restore, RESTORES),
-                                 ("grouping", grouping, GROUPINGS)):
-        if value not in allowed:
-            raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
-    if merge == "pca" and restore != "refit":
-        raise ValueError("merge='pca' defines each head's map by a least-squares refit; use restore='refit'")
-    if align and merge == "mean" and key_scale == "balance" and restore != "refit":
-        raise ValueError("key_scale='balance' weights each head by its queries, so the merged key no longer "
-                         "matches any head's scale; use restore='refit' (or key_scale='match' / 'none')")
-    if num_heads % num_kv_heads or num_kv_heads % groups:
-        raise ValueError(f"{num_heads} query heads, {num_kv_heads} K/V heads, {groups} groups: each must divide "
-                         "the one before")
-    r, half = num_heads // num_kv_heads, head_dim // 2
+    options = dict(align=align, key_scale=key_scale, reference=reference, merge=merge, restore=restore)
+    check_merge_options(num_heads, num_kv_heads, groups, k_norm=k_norm, grouping=grouping, **options)
     n = k_w.shape[1]
-    perm = tuple(range(num_kv_heads))
+    key_metric = metric_from_matrix(n, k_b is not None or q_b is not None, input_moment, input_scale)
+    value_metric = metric_from_matrix(n, v_b is not None, input_moment if value_moment is None else value_moment,
+                                      input_scale)
+    keys = key_side(q_w, q_b, k_w, k_b, key_metric, num_heads, num_kv_heads, head_dim)
+    values = value_side(v_w, v_b, o_w, value_metric, num_heads, num_kv_heads, head_dim)
+    coords = coordinates(keys, values, num_kv_heads, groups, head_dim, grouping)
+    del keys, values
+    return merge_coordinates(q_w, k_w, v_w, o_w, q_b, k_b, v_b, coords, num_heads, num_kv_heads, groups, head_dim,
+                             iterations=iterations, **options)
 
-    lk = _metric(n, k_b is not None or q_b is not None, input_moment, input_scale)
-    lv = _metric(n, v_b is not None, input_moment if value_moment is None else value_moment, input_scale)
-    q_aug, k_aug, v_aug = _augment(q_w, q_b), _augment(k_w, k_b), _augment(v_w, v_b)
-    if (q_b is None) != (k_b is None):  # give both the same affine width
-        q_aug = q_aug if q_b is not None else torch.cat([q_aug, q_aug.new_zeros(q_aug.shape[0], 1)], 1)
-        k_aug = k_aug if k_b is not None else torch.cat([k_aug, k_aug.new_zeros(k_aug.shape[0], 1)], 1)
-    o = o_w.to(F64).reshape(o_w.shape[0], num_kv_heads, r, head_dim)  # (n_out, K, r, d)
 
-    def white(w, l):
-        return w if l is None else w @ l
+class Coordinates(NamedTuple):
+    """A layer's K/V rows in factor coordinates (every inner product in the metric kept), in the merge's head
+    order, with what turns merged coordinates back into combinations of the original rows."""
 
-    qp = to_pairs(white(q_aug, lk), num_heads, head_dim).reshape(num_kv_heads, r, half, 2, -1)
-    kp = to_pairs(white(k_aug, lk), num_kv_heads, head_dim)  # (K, d/2, 2, n')
-    v = white(v_aug, lv).reshape(num_kv_heads, head_dim, -1)  # (K, d, n')
-    qe = qp.pow(2).sum(dim=(1, -1, -2))  # (K, d/2)
-    oe = torch.einsum("nkrd,nkre->kde", o, o)  # (K, d, d)
+    kp: torch.Tensor  # (K, d/2, 2, 2K): key rows per pair
+    key_back: torch.Tensor  # (d/2, 2K, 2K): coordinates -> coefficients over key rows (h, c) of pair p
+    qe: torch.Tensor  # (K, d/2)
+    v: torch.Tensor  # (K, d, m d): value rows in their group's coordinates
+    value_back: torch.Tensor  # (G, m d, m d)
+    value_rows: torch.Tensor  # (G, m d): each group's original value rows
+    oe: torch.Tensor  # (K, d, d)
+    perm: tuple[int, ...]
 
-    if grouping == "similarity" and groups not in (1, num_kv_heads):
-        perm = similarity_groups(kp, qe, v, oe, groups)
-        p = torch.tensor(perm)
-        qp, kp, v, qe, oe, o = qp[p], kp[p], v[p], qe[p], oe[p], o[:, p]
-        q_aug = q_aug.reshape(num_kv_heads, -1, q_aug.shape[1])[p].reshape(q_aug.shape)
 
+def coordinates(keys: KeySide, values: ValueSide, num_kv_heads: int, groups: int, head_dim: int,
+                grouping: str = "contiguous") -> Coordinates:
+    """Factor the key (per pair, all heads: width 2K) and value (per group: width m d) Grams, choosing the
+    grouping first when it is by similarity. Holds nothing of size n: the caller may drop the sides after."""
+    K, G, d, half = num_kv_heads, groups, head_dim, head_dim // 2
+    m = K // G
+    ky, key_back = factor(keys.pairs)  # (d/2, 2K, 2K)
+    kp = ky.reshape(half, K, 2, 2 * K).permute(1, 0, 2, 3)  # (K, d/2, 2, 2K)
+    qe, oe = keys.qe, values.oe
+    gram4 = values.gram.view(K, d, K, d)
+    perm = tuple(range(K))
+    if grouping == "similarity" and G not in (1, K):
+        key_total = (qe * kp.pow(2).sum(dim=(-1, -2))).sum().item()
+        val_total = sum((oe[h] * gram4[h, :, h]).sum().item() for h in range(K))
+        perm = group_order(_key_gram(kp, qe), _value_blocks(gram4, _sqrt_psd(oe)), key_total, val_total, K, G, d)
+    p = torch.tensor(perm)
+    value_rows = (p.reshape(G, m)[:, :, None] * d + torch.arange(d)).reshape(G, m * d)
+    vy, value_back = factor(torch.stack([values.gram[rows][:, rows] for rows in value_rows]))  # (G, m d, m d)
+    return Coordinates(kp[p], key_back, qe[p], vy.reshape(K, d, m * d), value_back, value_rows, oe[p], perm)
+
+
+def merge_coordinates(q_w, k_w, v_w, o_w, q_b, k_b, v_b, coords: Coordinates, num_heads: int, num_kv_heads: int,
+                      groups: int, head_dim: int, *, align: bool = True, key_scale: str = "none",
+                      reference: str = "mean", merge: str = "mean", restore: str = "refit",
+                      iterations: int = 20) -> MergedAttention:
+    """The merge on factor coordinates (see `align_and_merge_layer` for the options); each merged row is
+    written as the same combination of the original rows as of their coordinates, so no metric is inverted
+    and no whitened weight exists. One K/V head's rows are float64 at a time."""
+    K, G, d, half = num_kv_heads, groups, head_dim, head_dim // 2
+    r, m = num_heads // K, K // G
+    kp, qe, v, oe, perm = coords.kp, coords.qe, coords.v, coords.oe, coords.perm
     if align:
-        kg, c = _merge_keys(kp, qe, groups, key_scale, reference, merge, restore, iterations)
-        vg, bmaps = _merge_values(v, oe, groups, reference, merge, restore, iterations)
+        kg, c = _merge_keys(kp, qe, G, key_scale, reference, merge, restore, iterations)
+        vg, bmaps = _merge_values(v, oe, G, reference, merge, restore, iterations)
     else:  # mean-pooling, optionally with a norm restore or a refit of each head's maps
-        m = num_kv_heads // groups
-        kg = kp.reshape(groups, m, half, 2, -1).mean(1)
-        vg = v.reshape(groups, m, head_dim, -1).mean(1)
+        kg = kp.reshape(G, m, half, 2, -1).mean(1)
+        vg = v.reshape(G, m, d, -1).mean(1)
         if restore == "norm":
-            kt = kp.norm(dim=(-1, -2)).reshape(groups, m, half).mean(1)
+            kt = kp.norm(dim=(-1, -2)).reshape(G, m, half).mean(1)
             kg = kg * (kt / kg.norm(dim=(-1, -2)).clamp_min(1e-300))[..., None, None]
-            vt = v.norm(dim=(-1, -2)).reshape(groups, m).mean(1)
+            vt = v.norm(dim=(-1, -2)).reshape(G, m).mean(1)
             vg = vg * (vt / vg.norm(dim=(-1, -2)).clamp_min(1e-300))[:, None, None]
         if restore == "refit":
             c, bmaps = _refit_keys(kp, kg, m), _refit_values(v, vg, m)
         else:
-            c = torch.eye(2, dtype=F64).expand(num_kv_heads, half, 2, 2)
-            bmaps = torch.eye(head_dim, dtype=F64).expand(num_kv_heads, head_dim, head_dim)
+            c = torch.eye(2, dtype=F64).expand(K, half, 2, 2)
+            bmaps = torch.eye(d, dtype=F64).expand(K, d, d)
 
-    # Back to the original basis: K and V rows leave the metric's coordinates; the maps are coordinate-free.
-    k_new = from_pairs(kg)
-    v_new = vg.reshape(groups * head_dim, -1)
-    if lk is not None:
-        k_new = torch.linalg.solve_triangular(lk, k_new, upper=False, left=False)
-    if lv is not None:
-        v_new = torch.linalg.solve_triangular(lv, v_new, upper=False, left=False)
-    q_orig = to_pairs(q_aug, num_heads, head_dim).reshape(num_kv_heads, r, half, 2, -1)
-    q_new = from_pairs((c.transpose(-1, -2)[:, None] @ q_orig).reshape(num_heads, half, 2, -1))  # C^T Q
-    o_new = torch.einsum("nkrd,kde->nkre", o, bmaps).reshape(o_w.shape)  # O B
-
-    if q_b is None and k_b is not None:
-        q_new = q_new[:, :-1]
-    if k_b is None and q_b is not None:
-        k_new = k_new[:, :-1]
-    q_out, qb_out = _split(q_new, q_b, q_w, q_b)
-    k_out, kb_out = _split(k_new, k_b, k_w, k_b)
-    v_out, vb_out = _split(v_new, v_b, v_w, v_b)
-    return MergedAttention(q_out, k_out, v_out, o_new.to(o_w.dtype), qb_out, kb_out, vb_out, perm)
+    # Back to the original basis: a merged row is the same combination of original rows as of their coordinates.
+    k_coef = kg.permute(1, 0, 2, 3).reshape(half, 2 * G, 2 * K) @ coords.key_back  # (d/2, 2G, 2K) over rows (h, c) of pair p
+    key_rows = torch.arange(K * d).reshape(K, 2, half)
+    k_out = k_w.new_empty(G, 2, half, k_w.shape[1])
+    kb_out = None if k_b is None else k_b.new_empty(G, 2, half)
+    for i in range(half):  # written straight into the output dtype, one pair at a time
+        sel = key_rows[:, :, i].reshape(-1)
+        row = (k_coef[i] @ _augment(k_w[sel], None if k_b is None else k_b[sel])).reshape(G, 2, -1)
+        k_out[:, :, i] = row[..., : k_w.shape[1]]
+        if k_b is not None:
+            kb_out[:, :, i] = row[..., -1]
+    v_out = v_w.new_empty(G, d, v_w.shape[1])
+    vb_out = None if v_b is None else v_b.new_empty(G, d)
+    for g in range(G):
+        rows = coords.value_rows[g]
+        new = vg[g] @ coords.value_back[g] @ _augment(v_w[rows], None if v_b is None else v_b[rows])  # (d, n')
+        v_out[g] = new[:, : v_w.shape[1]]
+        if v_b is not None:
+            vb_out[g] = new[:, -1]
+    q_out, o_out = torch.empty_like(q_w), torch.empty_like(o_w)
+    qb_out = None if q_b is None else torch.empty_like(q_b)
+    ct = c.transpose(-1, -2)  # (K, d/2, 2, 2): query pairs get C^T
+    n_q = q_w.shape[1]
+    for a, h in enumerate(perm):  # one K/V head's query rows and o_proj columns in float64 at a time
+        src, dst = slice(h * r * d, (h + 1) * r * d), slice(a * r * d, (a + 1) * r * d)
+        pairs = to_pairs(_augment(q_w[src], None if q_b is None else q_b[src]), r, d)  # (r, d/2, 2, n')
+        new = from_pairs(ct[a] @ pairs)
+        q_out[dst] = new[:, :n_q].to(q_w.dtype)
+        if q_b is not None:
+            qb_out[dst] = new[:, n_q].to(q_b.dtype)
+        o = o_w[:, src].to(F64).reshape(o_w.shape[0], r, d)  # (n_out, r, d)
+        o_out[:, dst] = (o @ bmaps[a]).reshape(o_w.shape[0], r * d).to(o_w.dtype)  # O B
+    k_out, v_out = k_out.reshape(G * d, -1), v_out.reshape(G * d, -1)  # (G, 2, d/2, n), (G, d, n) -> rows
+    kb_out, vb_out = (None if t is None else t.reshape(-1) for t in (kb_out, vb_out))
+    return MergedAttention(q_out, k_out, v_out, o_out, qb_out, kb_out, vb_out, perm)

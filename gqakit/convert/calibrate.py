@@ -1,15 +1,19 @@
 """Calibration for activation-aware merges: one streaming pass, layer by layer, from the safetensors shards.
 
-The model is built on the meta device. Only the parts outside the decoder layers (embedding, final norm,
-RoPE tables) and ONE decoder layer at a time hold real weights, read tensor by tensor from the shards, so
-a model larger than RAM calibrates in the memory of one layer plus the calibration activations
-(windows x tokens x hidden_size) and one layer's statistics. The hidden states of every window move
-through layer i before layer i + 1 is read ("layer-major"), each layer once.
+The model is built on the meta device and no weight matrix is ever held whole in fp32. In the decoder layer
+being calibrated every `nn.Linear` is replaced by a `StreamedLinear`, which reads its weight from the shards
+in row blocks of at most `BLOCK_BYTES` of fp32 during the forward (one block in memory at a time); a plain
+`nn.Embedding` is replaced by a `StreamedEmbedding`, which reads only the rows of the window's tokens. The
+small parameters (norms, biases, and the embedding of families that subclass `nn.Embedding`) are read whole.
+The hidden states of all windows wait in a float32 scratch file, one window per record, and every window
+moves through layer i before layer i + 1 is read ("layer-major"). So calibration holds one layer's
+statistics, one window's activations and attention probabilities and one weight block, whatever the size
+of the model or of the calibration data.
 
 What the model's forward does around its layers (embedding scale, masks, RoPE tables, per-layer
 attention types) is not re-implemented: the model's own forward runs once per window with every decoder
-layer replaced by a recorder that keeps the layer's inputs, and each real layer is later called with
-exactly those inputs.
+layer replaced by a recorder that keeps the layer's inputs, and each real layer (its own forward, with
+streamed linears) is later called with exactly those inputs.
 
 Statistics of layer i (float64 sums, stored as float32 per layer on disk by the caller), over the
 attention input x (the tensor `q_proj` reads) of the fitting windows:
@@ -21,13 +25,23 @@ attention input x (the tensor `q_proj` reads) of the fitting windows:
 * `value` E over heads and queries of xbar_m xbar_m^T with xbar_m = sum_s a_ms x_s (the attention-averaged
   input that value heads turn into what reaches o_proj), and `value_mean` E[xbar_m].
 
+Per window, with X (T, n) its attention inputs and A_h (T, T) head h's probabilities (row m: query m), the
+sums over heads and queries collapse onto T x T matrices: with P = sum_h A_h^T A_h and w = sum_h sum_m A_h[m]
+(the attention each key position receives), value = X^T P X, key = X^T (diag(w) - P) X and
+value_mean = w^T X. No (H*T, n) or n x n temporary is needed: each sum grows by one float64 `addmm_`.
+
 Held-out windows are kept whole (their attention inputs, RoPE tables and mask) so that a merge can be
 scored on the attention logits it changes.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
+import os
+import struct
+import tempfile
 from pathlib import Path
 
 import torch
@@ -36,6 +50,7 @@ from torch import nn
 from ..errors import GqakitError
 from .architectures import ArchSpec
 from .checkpoint import TensorInfo, load_tensor
+from .streamed import BLOCK_BYTES, _missing, _stream, _WindowStates
 
 F64 = torch.float64
 STATS = ("input", "mean", "key", "value", "value_mean")
@@ -59,18 +74,22 @@ class MomentSums:
 
     def add(self, x: torch.Tensor, probs: torch.Tensor) -> None:
         """One window: x (T, n) attention input, probs (H, T, T) attention probabilities (rows sum to 1)."""
-        x = x.to(torch.float32)
-        a = probs.to(torch.float32)
-        xbar = (a @ x).reshape(-1, x.shape[1])  # (H*T, n): every query's attended input
-        value = (xbar.T @ xbar).to(F64)
-        weight = a.sum(dim=(0, 1))  # (T,): how much attention each key position receives in all
-        self.input += (x.T @ x).to(F64)
-        self.mean += x.sum(0).to(F64)
-        self.key += ((x * weight[:, None]).T @ x).to(F64) - value  # sum_m [E_a(x x^T) - xbar xbar^T]
-        self.value += value
-        self.value_mean += xbar.sum(0).to(F64)
-        self.tokens += x.shape[0]
-        self.queries += xbar.shape[0]
+        x = x.to(F64)  # (T, n): small; every product with x accumulates in float64
+        T = x.shape[0]
+        flat = probs.reshape(-1, T)  # (H*T, T): every head's query rows, a view
+        # P = sum_h A_h^T A_h as one matmul in the probabilities' own precision (T x T, no n in it), then float64
+        pair = (flat.T @ flat).to(F64)
+        weight = flat.sum(0).to(F64)  # (T,) w: how much attention each key position receives in all
+        self.input.addmm_(x.T, x)
+        self.mean += x.sum(0)
+        px = pair @ x  # (T, n)
+        self.value.addmm_(x.T, px)  # sum over heads and queries of xbar xbar^T
+        pair.neg_().diagonal().add_(weight)  # diag(w) - P
+        torch.mm(pair, x, out=px)
+        self.key.addmm_(x.T, px)  # sum_m [E_a(x x^T) - xbar xbar^T]
+        self.value_mean += weight @ x
+        self.tokens += T
+        self.queries += probs.shape[0] * T
 
     def moments(self) -> dict[str, torch.Tensor]:
         """The expectations (sums over counts), float64, divided in place (no second copy of the sums):
@@ -145,8 +164,7 @@ def _materialise(module: nn.Module, prefix: str, tensors: dict[str, TensorInfo],
     for name, _ in list(module.named_parameters(recurse=recurse)):
         full = prefix + name
         if full not in tensors:
-            raise GqakitError(f"calibration needs '{full}' ({what}) but the checkpoint has no such tensor; "
-                              "the weights do not match config.json")
+            raise _missing(full, what)
         _set_param(module, name, load_tensor(tensors[full], full).to(device=device, dtype=torch.float32))
 
 
@@ -180,10 +198,13 @@ class LayerwiseModel:
         self.recorders = [_Recorder(layer) for layer in self.real]
         for i, rec in enumerate(self.recorders):
             self.layers[i] = rec
+        self.swapped: dict[int, list[tuple]] = {}
         base_name = self.prefix.split(".")[0]  # "model": the part of the CausalLM that runs the layers
         self.base = self.model.get_submodule(base_name)
-        # everything of the base outside the decoder layers (embedding, final norm): real from here on
-        _materialise(self.base, base_name + ".", tensors, self.device, "the embedding and final norm")
+        # everything of the base outside the decoder layers (embedding, final norm): real (or streamed) from here on
+        what = "the embedding and final norm"
+        _stream(self.base, base_name + ".", tensors, what)
+        _materialise(self.base, base_name + ".", tensors, self.device, what)
         self.base.to(self.device)
 
     @torch.no_grad()
@@ -194,12 +215,17 @@ class LayerwiseModel:
         rec = self.recorders[0]
         return rec.args[0], [dict(r.kwargs) for r in self.recorders]
 
-    def load_layer(self, i: int) -> nn.Module:
+    def load_layer(self, i: int, stream: bool = True) -> nn.Module:
+        """Layer i with real small parameters; its linears streamed (or, with stream=False, read whole)."""
         layer = self.real[i]
+        if stream:
+            self.swapped[i] = _stream(layer, f"{self.prefix}{i}.", self.tensors, f"layer {i}")
         _materialise(layer, f"{self.prefix}{i}.", self.tensors, self.device, f"layer {i}")
         return layer.to(self.device)
 
     def free_layer(self, i: int) -> None:
+        for owner, leaf, module in reversed(self.swapped.pop(i, [])):
+            setattr(owner, leaf, module)  # the original linears, still on meta
         _release(self.real[i])
 
 
@@ -210,30 +236,43 @@ def _attention_module(layer: nn.Module, spec: ArchSpec, prefix: str, i: int) -> 
 
 
 def calibrate(config: dict, spec: ArchSpec, tensors: dict[str, TensorInfo], windows: torch.Tensor, heldout: int,
-              device="cpu", progress: bool = True):
+              device="cpu", progress: bool = True, scratch: Path | None = None):
     """Yield (layer index, moments dict, held-out dict) layer by layer.
 
     `windows` (N, T) token ids; the last `heldout` windows are held out of the statistics and returned
     whole: {"x": (N_h, T, n) attention inputs, "cos"/"sin": (T, head_dim) RoPE tables, "allowed": (T, T)
-    which keys each query may attend to}. Only one layer's weights, statistics and attention
-    probabilities are held at a time.
+    which keys each query may attend to}. Only one layer's statistics, one weight block and one window's
+    activations and attention probabilities are held at a time; the hidden states of all windows wait in
+    a scratch file in the folder `scratch` (a temporary folder when None), deleted at the end, also on
+    an error or when the caller stops early.
     """
+    with contextlib.ExitStack() as stack:
+        if scratch is None:
+            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="gqakit-calibration-"))
+        fd, path = tempfile.mkstemp(prefix="hidden-states-", suffix=".f32", dir=scratch)
+        stack.callback(os.unlink, path)
+        file = stack.enter_context(os.fdopen(fd, "r+b", buffering=0))
+        yield from _layer_major(LayerwiseModel(config, spec, tensors, device), windows, heldout, progress, file, path)
+
+
+def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progress: bool, file, path: str):
     from tqdm.auto import tqdm
 
-    lm = LayerwiseModel(config, spec, tensors, device)
-    hidden, layer_kwargs = [], None
-    for w in windows:
-        h, kw = lm.layer_inputs(w)
-        hidden.append(h)
+    states, layer_kwargs = None, None
+    for w, ids in enumerate(windows):
+        h, kw = lm.layer_inputs(ids)  # (1, T, n)
+        if states is None:
+            states = _WindowStates(file, path, tuple(h.shape[1:]))
+        states.write(w, h)
         layer_kwargs = layer_kwargs or kw
-    hidden = torch.cat(hidden)  # (N, T, n)
-    _release(lm.base)  # the embedding and final norm are done with: only one decoder layer is held from here
+        del h
+    _release(lm.base)  # the final norm (and any embedding read whole) are done with
     fit = windows.shape[0] - heldout
-    n = hidden.shape[-1]
+    T, n = states.shape
     bar = tqdm(range(len(lm.real)), desc="calibrate", unit="layer", disable=not progress)
     for i in bar:
         layer = lm.load_layer(i)
-        attn, q_proj = _attention_module(layer, spec, lm.prefix, i)
+        attn, q_proj = _attention_module(layer, lm.spec, lm.prefix, i)
         seen: dict[str, torch.Tensor] = {}
         hooks = [q_proj.register_forward_pre_hook(lambda _m, args: seen.__setitem__("x", args[0].detach())),
                  attn.register_forward_hook(lambda _m, _a, out: seen.__setitem__("probs", out[1]))]
@@ -241,29 +280,31 @@ def calibrate(config: dict, spec: ArchSpec, tensors: dict[str, TensorInfo], wind
         held_x = []
         kwargs = layer_kwargs[i]
         mask = kwargs.get("attention_mask")
-        if not isinstance(mask, torch.Tensor) or mask.shape[-2:] != hidden.shape[1:2] * 2:
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape[-2:]) != (T, T):
             raise GqakitError(f"layer {i} received no (T, T) attention mask from the model's forward, so calibration "
                               "cannot tell which keys each query sees; use --method aligned without --calibration")
         try:
             with torch.no_grad():
-                for w in range(hidden.shape[0]):
+                for w in range(windows.shape[0]):
                     seen.clear()
-                    hidden[w : w + 1] = layer(hidden[w : w + 1], **kwargs)
+                    out = layer(states.read(w, lm.device), **kwargs)  # (1, T, n)
                     if seen.get("probs") is None:
                         raise GqakitError(f"layer {i}'s attention returned no probabilities; calibration needs "
                                           "eager attention weights")
+                    if not torch.isfinite(out).all():
+                        raise GqakitError(f"calibration activations became non-finite after layer {i}; the checkpoint "
+                                          "may be broken (try evaluating it with gqakit eval ppl)")
+                    states.write(w, out)
                     if w < fit:
                         sums.add(seen["x"][0], seen["probs"][0])
                     else:
                         held_x.append(seen["x"][0].to("cpu", torch.float32))
+                    del out
+                    seen.clear()  # this window's activations go before the next window runs
         finally:
             for hk in hooks:
                 hk.remove()
-        if not torch.isfinite(hidden).all():
-            raise GqakitError(f"calibration activations became non-finite after layer {i}; the checkpoint may be "
-                              "broken (try evaluating it with gqakit eval ppl)")
         cos, sin = kwargs["position_embeddings"]
-        T = hidden.shape[1]
         allowed = (kwargs["attention_mask"].reshape(-1, T, T)[0] == 0).cpu()
         held = {"x": torch.stack(held_x), "cos": cos[0].float().cpu(), "sin": sin[0].float().cpu(), "allowed": allowed}
         moments = {k: v.cpu() for k, v in sums.moments().items()}
@@ -285,46 +326,63 @@ def logit_error(held: dict, before: tuple, after: tuple, num_heads: int, kv_befo
     windows: sqrt(sum ||S'_j - S_j||^2 / sum ||S_j||^2) over allowed query/key pairs.
 
     `before` / `after` are (q_w, k_w, q_b, k_b) of the original (heads in the merge's order) and merged layer.
+    One query head at a time: only its rows (and its K/V head's) are ever float64.
     """
     num = den = 0.0
     allowed = held["allowed"].to(F64)
     cos, sin = held["cos"].to(F64), held["sin"].to(F64)
 
-    def logits(x, q_w, k_w, q_b, k_b, kv):
-        q = x @ q_w.to(F64).T + (0 if q_b is None else q_b.to(F64))
-        k = x @ k_w.to(F64).T + (0 if k_b is None else k_b.to(F64))
-        q = rope(q.reshape(-1, num_heads, head_dim).transpose(0, 1), cos, sin)  # (H, T, d)
-        k = rope(k.reshape(-1, kv, head_dim).transpose(0, 1), cos, sin)  # (kv, T, d)
-        k = k.repeat_interleave(num_heads // kv, dim=0)
-        return q @ k.transpose(1, 2)  # (H, T, T)
+    def project(x, w, b, head):  # (T, d): one head's rows of w (and b), rotated
+        rows = slice(head * head_dim, (head + 1) * head_dim)
+        y = x @ w[rows].to(F64).T
+        return rope(y if b is None else y + b[rows].to(F64), cos, sin)
+
+    def logits(x, j, q_w, k_w, q_b, k_b, kv):  # (T, T): query head j against its K/V head
+        return (project(x, q_w, q_b, j) @ project(x, k_w, k_b, j // (num_heads // kv)).T) * allowed
 
     for x in held["x"]:
-        x = x.to(F64)
-        s0 = logits(x, *before, kv_before) * allowed
-        s1 = logits(x, *after, kv_after) * allowed
-        num += float((s1 - s0).pow(2).sum())
-        den += float(s0.pow(2).sum())
+        x = x.to(F64)  # (T, n)
+        for j in range(num_heads):
+            s0 = logits(x, j, *before, kv_before)
+            s1 = logits(x, j, *after, kv_after)
+            num += float((s1 - s0).pow(2).sum())
+            den += float(s0.pow(2).sum())
     return math.sqrt(num / max(den, 1e-300))
 
 
 def save_layer(folder: Path, layer: int, moments: dict, held: dict) -> Path:
-    """One layer's statistics as float32 safetensors (the merge reads them back one layer at a time)."""
-    from safetensors.torch import save_file
+    """One layer's statistics as float32 safetensors (the merge reads them back one layer at a time).
 
+    Written in row blocks of at most `BLOCK_BYTES`: no float32 copy of a whole float64 sum is ever made."""
+    tensors = {**moments, **{f"heldout.{k}": v for k, v in held.items()}}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, v in tensors.items():
+        nbytes = v.numel() * (1 if v.dtype == torch.bool else 4)
+        header[name] = {"dtype": "U8" if v.dtype == torch.bool else "F32", "shape": list(v.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # keep the data 8-byte aligned
     path = folder / f"layer-{layer:05d}.safetensors"
-    tensors = {k: v.to(torch.float32).contiguous() for k, v in moments.items()}
-    tensors.update({f"heldout.{k}": (v.to(torch.uint8) if v.dtype == torch.bool else v.float()).contiguous()
-                    for k, v in held.items()})
-    save_file(tensors, str(path))
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for v in (v for v in tensors.values() if v.numel()):
+            rows = v.reshape(v.shape[0], -1) if v.dim() else v.reshape(1, 1)  # (rows, everything else)
+            step = max(1, BLOCK_BYTES // (4 * max(rows.shape[1], 1)))
+            for r0 in range(0, rows.shape[0], step):
+                block = rows[r0 : r0 + step]
+                block = block.to(torch.uint8) if v.dtype == torch.bool else block.to(torch.float32)
+                f.write(memoryview(block.contiguous().reshape(-1).view(torch.uint8).numpy()))
     return path
 
 
-def load_layer(folder: Path, layer: int, keys: tuple[str, ...] = STATS) -> tuple[dict, dict]:
-    """One layer's statistics `keys` (float64) and its held-out windows, read back from `save_layer`'s file."""
+def load_layer(folder: Path, layer: int, keys: tuple[str, ...] = STATS, dtype: torch.dtype = F64) -> tuple[dict, dict]:
+    """One layer's statistics `keys` (in `dtype`; stored float32) and its held-out windows, read back from
+    `save_layer`'s file."""
     from safetensors import safe_open
 
     with safe_open(str(folder / f"layer-{layer:05d}.safetensors"), framework="pt") as f:
-        moments = {k: f.get_tensor(k).to(F64) for k in keys}
+        moments = {k: f.get_tensor(k).to(dtype) for k in keys}
         held = {k[len("heldout."):]: f.get_tensor(k) for k in f.keys() if k.startswith("heldout.")}
     held["allowed"] = held["allowed"].bool()
     return moments, held

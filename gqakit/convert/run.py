@@ -3,23 +3,27 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import json
+import math
 import os
 import shutil
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from ..errors import GqakitError
-from .align import GROUPINGS, align_and_merge_layer, permute_kv_heads
+from .align import GROUPINGS, check_merge_options, coordinates, merge_coordinates, permute_kv_heads
 from .calibrate import calibrate, load_layer, logit_error, save_layer
 from .calibration_data import CalibrationData, load_calibration
 from .card import write_card
 from .checkpoint import DTYPES, INDEX, SINGLE, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
+from .grams import Metric, key_side, moment_metric, value_side
 from .plan import LAYER_METHODS, Plan, TensorOp, make_plan
 from .pooling import random_heads, regroup, relative_error
 from .publish import check_replaceable
@@ -34,7 +38,6 @@ MERGES = {
     "aligned": {"align": True, "key_scale": "none", "reference": "mean", "merge": "mean", "restore": "refit"},
     "fit": {"align": True, "merge": "pca", "restore": "refit"},
 }
-MERGE_STATS = ("key", "value", "value_mean")  # the calibration statistics the merges read (`metrics`)
 
 # Files that the conversion rewrites or must not carry over; everything else (tokenizer, generation
 # config, chat template, the pretraining record) is copied.
@@ -134,6 +137,18 @@ def release_freed_memory() -> None:
         pass
 
 
+def return_freed_memory_eagerly(threshold: int = 1 << 20) -> None:
+    """Make glibc serve allocations of `threshold` bytes and more from their own mappings, which go back to the
+    OS when freed (no-op elsewhere). By default glibc raises that threshold as large blocks are freed and
+    then keeps freed blocks of up to 32 MiB on its heap, where a layer merge's many temporaries count against
+    resident memory long after they are gone. Process-wide, so the console script sets it for its own
+    process (a library caller that goes on to train keeps its allocator as it was)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD (malloc.h); also stops its adaptation
+    except (OSError, AttributeError):
+        pass
+
+
 def check_method_options(cfg: ConvertConfig) -> None:
     """Refuse options the chosen method would ignore, and a fit without its calibration data."""
     if cfg.grouping is not None and cfg.grouping not in GROUPINGS:
@@ -209,64 +224,89 @@ def _attention_key(plan: Plan, layer: int, name: str) -> str:
     raise AssertionError(f"{name} is not an attention tensor of layer {layer}")
 
 
-def metrics(moments: dict[str, torch.Tensor] | None, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """align_and_merge_layer's input metrics from calibration moments: keys are compared in the attention-
-    weighted covariance of the inputs each query sees (a key bias shifts all of a query's logits alike, so
-    its coordinate gets the average weight of an input direction), values in the second moment of the
-    attention-averaged input augmented with 1 when v_proj has a bias."""
-    if moments is None:
-        return {}
-    key, value = moments["key"], moments["value"]
-    if "q_b" in weights or "k_b" in weights:
-        key = torch.block_diag(key, key.diagonal().mean().reshape(1, 1))
-    if "v_b" in weights:
-        mu = moments["value_mean"]
-        value = torch.cat([torch.cat([value, mu[:, None]], 1), torch.cat([mu, mu.new_ones(1)])[None]], 0)
-    return {"input_moment": key, "value_moment": value}
+def key_metric(key: torch.Tensor | None, n: int, with_bias: bool) -> Metric:
+    """Keys are compared in the attention-weighted covariance of the inputs each query sees; a key (or query)
+    bias shifts all of a query's logits alike, so its coordinate gets the average weight of an input direction."""
+    if key is None:
+        return Metric(n, with_bias)
+    return moment_metric(key, with_bias, corner=float(key.diagonal().to(torch.float64).mean()))
+
+
+def value_metric(value: torch.Tensor | None = None, value_mean: torch.Tensor | None = None, *, n: int,
+                 with_bias: bool) -> Metric:
+    """Values are compared in the second moment of the attention-averaged input, (x, 1) with a v_proj bias."""
+    if value is None:
+        return Metric(n, with_bias)
+    return moment_metric(value, with_bias, cross=value_mean)
 
 
 def merge_layer(plan: Plan, weights: dict[str, torch.Tensor], grouping: str = "similarity",
-                moments: dict[str, torch.Tensor] | None = None, heldout: dict | None = None
-                ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                stats: Callable[[tuple[str, ...]], dict[str, torch.Tensor]] | None = None,
+                heldout: dict | None = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """A merge of one layer by plan.method ("aligned" or "fit"): {'q_w', 'k_w', 'v_w', 'o_w', optional
     biases} -> the same keys, and for the card the relative error of the maps each query head computes
-    (`bilinear_error`) and, with held-out calibration windows, of its attention logits."""
-    merged = align_and_merge_layer(
-        weights["q_w"], weights["k_w"], weights["v_w"], weights["o_w"], weights.get("q_b"), weights.get("k_b"),
-        weights.get("v_b"), plan.num_attention_heads, plan.num_key_value_heads, plan.groups, plan.head_dim,
-        grouping=grouping, **MERGES[plan.method], **metrics(moments, weights))
-    out = {key: getattr(merged, key) for key in weights}
+    (`bilinear_error`) and, with held-out calibration windows, of its attention logits.
+
+    `stats(names)` reads calibration statistics ('key', 'value', 'value_mean'); they are read one metric at a
+    time and dropped once its Grams exist, so at most one n x n statistic is held."""
     H, K, G, d = plan.num_attention_heads, plan.num_key_value_heads, plan.groups, plan.head_dim
-    # the original heads in the merge's order (grouping by similarity permutes whole K/V heads)
-    q_w, k_w, v_w, o_w, q_b, k_b, _ = permute_kv_heads(
-        weights["q_w"], weights["k_w"], weights["v_w"], weights["o_w"], merged.perm, H, K, d,
-        weights.get("q_b"), weights.get("k_b"), weights.get("v_b"))
-    o_before = o_w.double().reshape(-1, H, d).transpose(0, 1)  # (H, n_out, d)
-    o_after = out["o_w"].double().reshape(-1, H, d).transpose(0, 1)
+    check_merge_options(H, K, G, grouping=grouping, **MERGES[plan.method])
+    q_w, k_w, v_w, o_w = (weights[key] for key in ("q_w", "k_w", "v_w", "o_w"))
+    q_b, k_b, v_b = (weights.get(key) for key in ("q_b", "k_b", "v_b"))
+    n = k_w.shape[1]
+    read = stats if stats is not None else (lambda names: {})
+    # Each statistic lives only while its Grams are computed; the (K d)^2 value Gram only until the factors exist.
+    keys = key_side(q_w, q_b, k_w, k_b, key_metric(read(("key",)).get("key"), n, q_b is not None or k_b is not None),
+                    H, K, d)
+    values = value_side(v_w, v_b, o_w, value_metric(**read(("value", "value_mean")), n=n, with_bias=v_b is not None),
+                        H, K, d)
+    coords = coordinates(keys, values, K, G, d, grouping)
+    del keys, values
+    merged = merge_coordinates(q_w, k_w, v_w, o_w, q_b, k_b, v_b, coords, H, K, G, d, **MERGES[plan.method])
+    del coords
+    out = {key: getattr(merged, key) for key in weights}
+    # query head j of the merged layer is the original head order[j] (grouping by similarity permutes whole
+    # K/V heads with their query heads): compare through views, never a permuted copy of the weights
+    r = H // K
+    order = [merged.perm[j // r] * r + j % r for j in range(H)]
     errors = {
         "k": bilinear_error(q_w.reshape(H, d, -1), k_w.reshape(K, d, -1), out["q_w"].reshape(H, d, -1),
-                            out["k_w"].reshape(G, d, -1)),
-        "v": bilinear_error(o_before.transpose(1, 2), v_w.reshape(K, d, -1), o_after.transpose(1, 2),
-                            out["v_w"].reshape(G, d, -1)),
+                            out["k_w"].reshape(G, d, -1), order),
+        "v": bilinear_error(o_w.reshape(-1, H, d).permute(1, 2, 0), v_w.reshape(K, d, -1),
+                            out["o_w"].reshape(-1, H, d).permute(1, 2, 0), out["v_w"].reshape(G, d, -1), order),
     }
     if heldout is not None:
+        q_w, k_w, _, _, q_b, k_b, _ = permute_kv_heads(q_w, k_w, v_w, o_w, merged.perm, H, K, d, q_b, k_b, v_b)
         errors["logits"] = logit_error(heldout, (q_w, k_w, q_b, k_b),
                                        (out["q_w"], out["k_w"], out.get("q_b"), out.get("k_b")), H, K, G, d)
     return out, errors
 
 
-def bilinear_error(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor) -> float:
+def bilinear_error(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor,
+                   order: list[int] | None = None) -> float:
     """sqrt(sum_j ||A_j^T B_h(j) - A2_j^T B2_g(j)||^2 / sum_j ||A_j^T B_h(j)||^2) over query heads j, with
     A (H, d, m) and B (K, d, n): the error of each head's key map q^T k (A = q rows, B = k rows) or value
-    map O V (A = o columns transposed). Computed from d x d Gram products, never an m x n matrix."""
+    map O V (A = o columns transposed). `order[j]`: the head of A (and its K/V head of B) that merged head j
+    replaces (identity when None). From d x d Gram products, one head in float64 at a time, never an m x n
+    matrix (views of the stored weights in, no whole float64 copy)."""
     H, K, G = a.shape[0], b.shape[0], b2.shape[0]
-    a, b, a2, b2 = a.double(), b.double()[torch.arange(H) // (H // K)], a2.double(), b2.double()[torch.arange(H) // (H // G)]
-    aa, bb = a @ a.transpose(1, 2), b @ b.transpose(1, 2)  # (H, d, d)
-    aa2, bb2 = a2 @ a2.transpose(1, 2), b2 @ b2.transpose(1, 2)
-    cross = (a @ a2.transpose(1, 2)) * (b @ b2.transpose(1, 2))  # tr(B^T A A2^T B2) = sum of the elementwise product
-    ref = (aa * bb).sum()
-    diff = ref + (aa2 * bb2).sum() - 2 * cross.sum()
-    return float((diff.clamp_min(0) / ref.clamp_min(1e-300)).sqrt())
+    order = list(range(H)) if order is None else order
+
+    def f64(t):
+        return t.to(torch.float64)
+
+    bb = [f64(x) @ f64(x).T for x in b]  # (d, d) per K/V head
+    bb2 = [f64(x) @ f64(x).T for x in b2]
+    ref = diff = 0.0
+    for j in range(H):
+        i = order[j]
+        h, g = i // (H // K), j // (H // G)
+        aj, a2j = f64(a[i]), f64(a2[j])
+        own = float(((aj @ aj.T) * bb[h]).sum())
+        cross = float(((aj @ a2j.T) * (f64(b[h]) @ f64(b2[g]).T)).sum())  # tr(B^T A A2^T B2)
+        ref += own
+        diff += own + float(((a2j @ a2j.T) * bb2[g]).sum()) - 2 * cross
+    return math.sqrt(max(diff, 0.0) / max(ref, 1e-300))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +317,10 @@ class LayerMerge:
     stats: Path | None = None  # layer-NNNNN.safetensors files written by the calibration pass
 
 
+def _read_stats(folder: Path, layer: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    return load_layer(folder, layer, names, dtype=torch.float32)[0]
+
+
 def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, dict[str, float]],
                   layers: dict[int, dict[str, torch.Tensor]], how: LayerMerge) -> torch.Tensor:
     """One of layer op.layer's q/k/v/o tensors from an aligned merge. The first of them computes the
@@ -284,11 +328,13 @@ def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], erro
     calibration statistics) is held."""
     if op.layer not in layers:
         keys = {_attention_key(plan, op.layer, name): name for name in op.sources}
-        moments, heldout = (load_layer(how.stats, op.layer, MERGE_STATS) if how.stats is not None
-                             else (None, None))
+        stats = heldout = None
+        if how.stats is not None:  # read back one statistic at a time, in the float32 they were stored in
+            heldout = load_layer(how.stats, op.layer, ())[1]
+            stats = functools.partial(_read_stats, how.stats, op.layer)
         merged, cost = merge_layer(plan, {key: load_tensor(tensors[name], name) for key, name in keys.items()},
-                                   how.grouping, moments, heldout)
-        del moments, heldout
+                                   how.grouping, stats, heldout)
+        del heldout
         errors.setdefault(op.layer, {}).update(cost)
         layers[op.layer] = {keys[key]: tensor for key, tensor in merged.items()}
     held = layers[op.layer]
@@ -381,8 +427,9 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
             how = dataclasses.replace(how, stats=tmp / ".calibration")
             how.stats.mkdir()
             for i, moments, heldout in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout,
-                                                 cfg.calibration_device or "cpu", cfg.progress):
+                                                 cfg.calibration_device or "cpu", cfg.progress, scratch=how.stats):
                 save_layer(how.stats, i, moments, heldout)
+                del moments, heldout  # else layer i's sums stay alive while the generator computes layer i + 1
             release_freed_memory()  # the calibration model's heap goes back to the OS before the merge
         writer = ShardWriter(tmp, entries, plan.max_shard_bytes)
         # One worker thread computes the next regrouped tensors while this thread streams byte copies
