@@ -19,9 +19,9 @@ import pytest
 import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import masking_utils
 from transformers.masking_utils import (
-    and_masks, blockwise_overlay, causal_mask_function, find_packed_sequence_indices, or_masks,
-    packed_sequence_compatibility_function, sliding_window_overlay,
+    and_masks, blockwise_overlay, causal_mask_function, find_packed_sequence_indices, or_masks, sliding_window_overlay,
 )
 
 import gqakit.attention as attention
@@ -186,6 +186,16 @@ def test_attention_function_runs_bidirectionally_when_asked():
     torch.testing.assert_close(out.transpose(1, 2), ref, atol=1e-5, rtol=1e-5)
 
 
+def _packed_causal(position_ids):
+    """The causal mask function transformers builds for packed sequences: up to 5.23 one helper, from 5.24 on
+    positions remapped per document and-ed with a same-document mask (as create_causal_mask composes them)."""
+    docs = find_packed_sequence_indices(position_ids)
+    if hasattr(masking_utils, "packed_sequence_compatibility_function"):
+        return masking_utils.packed_sequence_compatibility_function(causal_mask_function, position_ids, docs)
+    remapped = masking_utils.remap_positions_for_packed_sequence(causal_mask_function, position_ids)
+    return and_masks(remapped, masking_utils.packed_sequence_mask_function(docs))
+
+
 def test_model_mask_functions_pick_the_causal_plan_only_when_it_loses_nothing():
     ids = torch.tensor([[-1, -1, 0, 0, 0, -1, 1, 1, -1, -1, -1, -1, -1]])  # two "image" blocks, bidirectional inside
     overlay = or_masks(causal_mask_function, blockwise_overlay(ids))
@@ -193,9 +203,7 @@ def test_model_mask_functions_pick_the_causal_plan_only_when_it_loses_nothing():
     assert gqakit_mask(1, 13, 13, mask_function=and_masks(sliding_window_overlay(4), causal_mask_function)).causal
     assert gqakit_mask(1, 13, 13).causal and gqakit_mask(1, 13, 13).model_mask is None
     position_ids = torch.cat([torch.arange(5), torch.arange(8)])[None]
-    packed = packed_sequence_compatibility_function(causal_mask_function, position_ids,
-                                                    find_packed_sequence_indices(position_ids))
-    assert gqakit_mask(1, 13, 13, mask_function=packed).causal
+    assert gqakit_mask(1, 13, 13, mask_function=_packed_causal(position_ids)).causal
     assert not gqakit_mask(1, 13, 13, mask_function=lambda b, h, q, k: k <= q).causal  # unknown: no assumption
     # the or-overlay lets a block's first token see the block's later tokens: exact against the dense mask
     q, k, v = inputs(B=1, tq=13, tk=13)

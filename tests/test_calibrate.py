@@ -91,8 +91,9 @@ def test_layer_by_layer_pass_sees_what_the_whole_model_sees(family, tmp_path):
     for i, moments, held in got:
         x, p = torch.cat(xs[i]), torch.cat(probs[i])
         want = reference_moments(x[:3], p[:3])
-        for key, ref in want.items():
-            torch.testing.assert_close(moments[key], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        assert moments.keys() == want.keys() and all(v.dtype == torch.float32 for v in moments.values())
+        for key, ref in want.items():  # summed in float64, yielded in the float32 they are stored in
+            torch.testing.assert_close(moments[key].double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
         torch.testing.assert_close(held["x"], x[3:], rtol=1e-5, atol=1e-5)
         assert held["allowed"].shape == (16, 16) and not held["allowed"].triu(1).any()
         assert p[:, :, ~held["allowed"]].abs().max() == 0  # every key a query attends to is allowed
@@ -133,8 +134,12 @@ def test_hidden_states_wait_in_a_scratch_file_that_is_always_removed(tmp_path, m
     scratch.mkdir()
     run = calibrate(*args, progress=False, scratch=scratch)
     i, moments, held = next(run)
-    [states] = scratch.iterdir()
+    inputs, states, stats = sorted(scratch.iterdir())
+    assert states.name.startswith("hidden-states-") and inputs.name.startswith("attention-inputs-")
+    assert stats.name.startswith("statistics-")  # the layer's three n x n sums in float32, written as each is final
+    assert stats.stat().st_size == 3 * config["hidden_size"] ** 2 * 4
     assert states.stat().st_size == 5 * 16 * config["hidden_size"] * 4  # (N, T, n) float32, one record per window
+    assert inputs.stat().st_size == 3 * 16 * config["hidden_size"] * 4  # the 3 fitting windows' attention inputs
     save_layer(scratch, i, moments, held)  # the caller's files share the folder
     stored, _ = load_layer(scratch, i, dtype=torch.float32)
     assert all(torch.equal(v, moments[k].float()) for k, v in stored.items())  # written in blocks, read back in fp32
@@ -149,7 +154,7 @@ def test_hidden_states_wait_in_a_scratch_file_that_is_always_removed(tmp_path, m
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # no folder given: a temporary one, removed too
     run = calibrate(*args, progress=False)
     next(run)
-    assert [len(list(d.iterdir())) for d in scratch.iterdir()] == [1]
+    assert [len(list(d.iterdir())) for d in scratch.iterdir()] == [3]
     run.close()
     assert not any(scratch.iterdir())
 
@@ -244,3 +249,27 @@ def test_bad_calibration_input_is_refused_in_one_line(tmp_path):
     ]
     for args, needles in cases:
         run_refused(tmp_path, "convert-gqa", "--groups", "2", *args, "-o", out, needles=needles)
+
+
+def test_stored_moment_is_read_in_row_blocks_and_gives_the_same_gram(tmp_path, monkeypatch):
+    """The merge reads an n x n statistic from the layer file one block of rows at a time; blocks of 3 rows,
+    the last one ragged, give the stored matrix, its diagonal, and the Gram of the in-memory metric."""
+    from gqakit.convert import grams
+    from gqakit.convert.calibrate import StoredMoment
+
+    monkeypatch.setattr(grams, "BLOCK", 3)
+    gen = torch.Generator().manual_seed(5)
+    n = 10
+    a = torch.randn(n, 40, generator=gen)
+    moments = {"key": a @ a.T / 40, "value": torch.eye(n), "value_mean": torch.randn(n, generator=gen)}
+    held = {"x": torch.zeros(1, 2, n), "cos": torch.ones(2, 4), "sin": torch.zeros(2, 4),
+            "allowed": torch.ones(2, 2, dtype=torch.bool)}
+    save_layer(tmp_path, 3, moments, held)
+    stored = StoredMoment(tmp_path, 3, "key")
+    assert stored.shape == (n, n)
+    assert torch.equal(stored.rows(2, 7), moments["key"][2:7]) and torch.equal(stored.rows(8, 11), moments["key"][8:])
+    assert torch.equal(stored.diagonal(), moments["key"].diagonal())
+    w = torch.randn(7, n, generator=gen, dtype=torch.float64)
+    from_file = grams.gram(w, None, grams.moment_metric(stored, False))
+    in_memory = grams.gram(w, None, grams.moment_metric(moments["key"], False))
+    torch.testing.assert_close(from_file, in_memory, rtol=1e-12, atol=1e-12)

@@ -20,8 +20,10 @@ place of K_h (B_h Vg in place of V_h). The merge is exact whenever each K_h is C
 C_h (V_h = B_h Vg); plain mean-pooling is the special case C_h = I, B_h = I.
 
 An optional input metric (`input_moment` = E[x x^T] of the projections' input, or `input_scale` =
-a per-channel scale such as the input RMSNorm weight) changes the norm in which heads are compared;
-it is a change of variables x -> L^T x, so every written weight stays exact in the original basis.
+a per-channel scale such as the input RMSNorm weight) changes the norm in which heads are compared.
+Every merge quantity depends on the rows only through their Grams in that metric (`grams.py`): the maths
+runs on factor coordinates of the rows, and each merged row is written as the same combination of the
+original rows, so every written weight stays exact in the original basis and nothing n x n is inverted.
 """
 from __future__ import annotations
 
@@ -314,7 +316,7 @@ def _value_blocks(gram4: torch.Tensor, root_oe: torch.Tensor):
     no second (K d)^2 matrix is held."""
     def block(heads) -> torch.Tensor:
         t = torch.tensor(list(heads))
-        w = torch.einsum("aij,ajbk,blk->aibl", root_oe[t], gram4[t][:, :, t], root_oe[t])  # (m, d, m, d)
+        w = torch.einsum("aij,ajbk,blk->aibl", root_oe[t], gram4[t][:, :, t].to(F64), root_oe[t])  # (m, d, m, d)
         return w.reshape(len(t) * gram4.shape[1], -1)
     return block
 
@@ -490,11 +492,11 @@ def coordinates(keys: KeySide, values: ValueSide, num_kv_heads: int, groups: int
     perm = tuple(range(K))
     if grouping == "similarity" and G not in (1, K):
         key_total = (qe * kp.pow(2).sum(dim=(-1, -2))).sum().item()
-        val_total = sum((oe[h] * gram4[h, :, h]).sum().item() for h in range(K))
+        val_total = sum((oe[h] * gram4[h, :, h].to(F64)).sum().item() for h in range(K))
         perm = group_order(_key_gram(kp, qe), _value_blocks(gram4, _sqrt_psd(oe)), key_total, val_total, K, G, d)
     p = torch.tensor(perm)
     value_rows = (p.reshape(G, m)[:, :, None] * d + torch.arange(d)).reshape(G, m * d)
-    vy, value_back = factor(torch.stack([values.gram[rows][:, rows] for rows in value_rows]))  # (G, m d, m d)
+    vy, value_back = factor(torch.stack([values.gram[rows][:, rows].to(F64) for rows in value_rows]))  # (G, m d, m d)
     return Coordinates(kp[p], key_back, qe[p], vy.reshape(K, d, m * d), value_back, value_rows, oe[p], perm)
 
 
@@ -526,7 +528,8 @@ def merge_coordinates(q_w, k_w, v_w, o_w, q_b, k_b, v_b, coords: Coordinates, nu
             bmaps = torch.eye(d, dtype=F64).expand(K, d, d)
 
     # Back to the original basis: a merged row is the same combination of original rows as of their coordinates.
-    k_coef = kg.permute(1, 0, 2, 3).reshape(half, 2 * G, 2 * K) @ coords.key_back  # (d/2, 2G, 2K) over rows (h, c) of pair p
+    # (d/2, 2G, 2K): each merged pair row as coefficients over the original key rows (h, c) of that pair
+    k_coef = kg.permute(1, 0, 2, 3).reshape(half, 2 * G, 2 * K) @ coords.key_back
     key_rows = torch.arange(K * d).reshape(K, 2, half)
     k_out = k_w.new_empty(G, 2, half, k_w.shape[1])
     kb_out = None if k_b is None else k_b.new_empty(G, 2, half)

@@ -50,7 +50,7 @@ from torch import nn
 from ..errors import GqakitError
 from .architectures import ArchSpec
 from .checkpoint import TensorInfo, load_tensor
-from .streamed import BLOCK_BYTES, _missing, _stream, _WindowStates
+from .streamed import BLOCK_BYTES, _Float32Records, _missing, _read_into, _stream, _WindowStates
 
 F64 = torch.float64
 STATS = ("input", "mean", "key", "value", "value_mean")
@@ -58,9 +58,10 @@ STATS = ("input", "mean", "key", "value", "value_mean")
 
 @dataclasses.dataclass
 class MomentSums:
-    """Running float64 sums of one layer's statistics (`STATS`), with their counts."""
+    """Running float64 sums of one layer's statistics (`STATS`), with their counts. `input` None: E[x x^T] is
+    summed elsewhere (the calibration pass does it after the others, so that two n x n sums exist at a time)."""
 
-    input: torch.Tensor
+    input: torch.Tensor | None
     mean: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
@@ -69,8 +70,9 @@ class MomentSums:
     queries: int = 0  # head x query pairs
 
     @classmethod
-    def zeros(cls, n: int, device="cpu") -> "MomentSums":
-        return cls(*(torch.zeros(*s, dtype=F64, device=device) for s in ((n, n), (n,), (n, n), (n, n), (n,))))
+    def zeros(cls, n: int, device="cpu", with_input: bool = True) -> "MomentSums":
+        sums = [torch.zeros(*s, dtype=F64, device=device) for s in ((n,), (n, n), (n, n), (n,))]
+        return cls(torch.zeros(n, n, dtype=F64, device=device) if with_input else None, *sums)
 
     def add(self, x: torch.Tensor, probs: torch.Tensor) -> None:
         """One window: x (T, n) attention input, probs (H, T, T) attention probabilities (rows sum to 1)."""
@@ -80,7 +82,8 @@ class MomentSums:
         # P = sum_h A_h^T A_h as one matmul in the probabilities' own precision (T x T, no n in it), then float64
         pair = (flat.T @ flat).to(F64)
         weight = flat.sum(0).to(F64)  # (T,) w: how much attention each key position receives in all
-        self.input.addmm_(x.T, x)
+        if self.input is not None:
+            self.input.addmm_(x.T, x)
         self.mean += x.sum(0)
         px = pair @ x  # (T, n)
         self.value.addmm_(x.T, px)  # sum over heads and queries of xbar xbar^T
@@ -95,8 +98,9 @@ class MomentSums:
         """The expectations (sums over counts), float64, divided in place (no second copy of the sums):
         call once, at the end."""
         t, q = max(self.tokens, 1), max(self.queries, 1)
-        return {"input": self.input.div_(t), "mean": self.mean.div_(t), "key": self.key.div_(q),
-                "value": self.value.div_(q), "value_mean": self.value_mean.div_(q)}
+        out = {"mean": self.mean.div_(t), "key": self.key.div_(q), "value": self.value.div_(q),
+               "value_mean": self.value_mean.div_(q)}
+        return out if self.input is None else {"input": self.input.div_(t), **out}
 
 
 def reference_moments(x: torch.Tensor, probs: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -237,32 +241,38 @@ def _attention_module(layer: nn.Module, spec: ArchSpec, prefix: str, i: int) -> 
 
 def calibrate(config: dict, spec: ArchSpec, tensors: dict[str, TensorInfo], windows: torch.Tensor, heldout: int,
               device="cpu", progress: bool = True, scratch: Path | None = None):
-    """Yield (layer index, moments dict, held-out dict) layer by layer.
+    """Yield (layer index, moments dict, held-out dict) layer by layer; the moments (`STATS`) are summed in
+    float64 and yielded in float32, the precision they are stored in.
 
     `windows` (N, T) token ids; the last `heldout` windows are held out of the statistics and returned
     whole: {"x": (N_h, T, n) attention inputs, "cos"/"sin": (T, head_dim) RoPE tables, "allowed": (T, T)
-    which keys each query may attend to}. Only one layer's statistics, one weight block and one window's
-    activations and attention probabilities are held at a time; the hidden states of all windows wait in
-    a scratch file in the folder `scratch` (a temporary folder when None), deleted at the end, also on
-    an error or when the caller stops early.
+    which keys each query may attend to}. At most two of a layer's three n x n sums, one weight block and
+    one window's activations and attention probabilities are held at a time: the key and value sums first,
+    then, with those in float32, E[x x^T] from the fitting windows' attention inputs. The hidden states of
+    all windows and those attention inputs wait in scratch files in the folder `scratch` (a temporary
+    folder when None), deleted at the end, also on an error or when the caller stops early.
     """
     with contextlib.ExitStack() as stack:
         if scratch is None:
             scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="gqakit-calibration-"))
-        fd, path = tempfile.mkstemp(prefix="hidden-states-", suffix=".f32", dir=scratch)
-        stack.callback(os.unlink, path)
-        file = stack.enter_context(os.fdopen(fd, "r+b", buffering=0))
-        yield from _layer_major(LayerwiseModel(config, spec, tensors, device), windows, heldout, progress, file, path)
+        files = []
+        for prefix in ("hidden-states-", "attention-inputs-", "statistics-"):
+            fd, path = tempfile.mkstemp(prefix=prefix, suffix=".f32", dir=scratch)
+            stack.callback(os.unlink, path)
+            files.append((stack.enter_context(os.fdopen(fd, "r+b", buffering=0)), path))
+        yield from _layer_major(LayerwiseModel(config, spec, tensors, device), windows, heldout, progress, *files)
 
 
-def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progress: bool, file, path: str):
+def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progress: bool, hidden_file: tuple,
+                 inputs_file: tuple, stats_file: tuple):
     from tqdm.auto import tqdm
 
     states, layer_kwargs = None, None
     for w, ids in enumerate(windows):
         h, kw = lm.layer_inputs(ids)  # (1, T, n)
         if states is None:
-            states = _WindowStates(file, path, tuple(h.shape[1:]))
+            states = _WindowStates(*hidden_file, tuple(h.shape[1:]))
+            inputs = _WindowStates(*inputs_file, tuple(h.shape[1:]))  # the fitting windows' attention inputs
         states.write(w, h)
         layer_kwargs = layer_kwargs or kw
         del h
@@ -276,7 +286,7 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
         seen: dict[str, torch.Tensor] = {}
         hooks = [q_proj.register_forward_pre_hook(lambda _m, args: seen.__setitem__("x", args[0].detach())),
                  attn.register_forward_hook(lambda _m, _a, out: seen.__setitem__("probs", out[1]))]
-        sums = MomentSums.zeros(n, lm.device)
+        sums = MomentSums.zeros(n, lm.device, with_input=False)
         held_x = []
         kwargs = layer_kwargs[i]
         mask = kwargs.get("attention_mask")
@@ -297,6 +307,7 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
                     states.write(w, out)
                     if w < fit:
                         sums.add(seen["x"][0], seen["probs"][0])
+                        inputs.write(w, seen["x"][0])
                     else:
                         held_x.append(seen["x"][0].to("cpu", torch.float32))
                     del out
@@ -307,10 +318,30 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
         cos, sin = kwargs["position_embeddings"]
         allowed = (kwargs["attention_mask"].reshape(-1, T, T)[0] == 0).cpu()
         held = {"x": torch.stack(held_x), "cos": cos[0].float().cpu(), "sin": sin[0].float().cpu(), "allowed": allowed}
-        moments = {k: v.cpu() for k, v in sums.moments().items()}
         lm.free_layer(i)
+        moments, tokens = sums.moments(), sums.tokens
+        del sums
+        # Each finished float64 sum goes to float32 on disk, block by block, as it is freed; then E[x x^T] is
+        # summed alone. So at most two of the layer's three n x n sums exist at any time, never a float32 twin.
+        records = _Float32Records(*stats_file)
+        for key in ("key", "value"):
+            records.put(key, moments.pop(key))
+        records.put("input", _input_moment(inputs, fit, tokens, lm.device))
+        moments = {key: v.to("cpu", torch.float32) for key, v in moments.items()}  # the two means (n,)
+        moments.update(records.take())
         yield i, moments, held
-        del moments, held, sums
+        del moments, held
+
+
+def _input_moment(inputs, windows: int, tokens: int, device) -> torch.Tensor:
+    """E[x x^T] (float64) over the attention inputs of the first `windows` windows, read back from the scratch
+    file one window at a time."""
+    n = inputs.shape[1]
+    total = torch.zeros(n, n, dtype=F64, device=device)
+    for w in range(windows):
+        x = inputs.read(w, device)[0].to(F64)  # (T, n)
+        total.addmm_(x.T, x)
+    return total.div_(max(tokens, 1))
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -374,6 +405,31 @@ def save_layer(folder: Path, layer: int, moments: dict, held: dict) -> Path:
                 block = block.to(torch.uint8) if v.dtype == torch.bool else block.to(torch.float32)
                 f.write(memoryview(block.contiguous().reshape(-1).view(torch.uint8).numpy()))
     return path
+
+
+class StoredMoment:
+    """One n x n statistic of `save_layer`'s file, read one block of rows at a time (a `grams.RowBlocks`), so that
+    the merge never holds it whole: plain reads at its byte range, no mapping."""
+
+    def __init__(self, folder: Path, layer: int, name: str):
+        self.path = folder / f"layer-{layer:05d}.safetensors"
+        with open(self.path, "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            entry = json.loads(f.read(size))[name]
+        if entry["dtype"] != "F32" or len(entry["shape"]) != 2:
+            raise GqakitError(f"{self.path}: '{name}' is not a float32 matrix; the calibration folder was changed")
+        self.shape = tuple(entry["shape"])
+        self.start = 8 + size + entry["data_offsets"][0]
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        stop = min(stop, self.shape[0])
+        with open(self.path, "rb", buffering=0) as f:
+            return _read_into(f, torch.empty(stop - start, self.shape[1]), self.start + start * self.shape[1] * 4,
+                              f"{self.path} ended early; was the calibration folder changed?")
+
+    def diagonal(self) -> torch.Tensor:
+        step = max(1, BLOCK_BYTES // (4 * self.shape[1]))
+        return torch.cat([self.rows(i, i + step).diagonal(offset=i) for i in range(0, self.shape[0], step)])
 
 
 def load_layer(folder: Path, layer: int, keys: tuple[str, ...] = STATS, dtype: torch.dtype = F64) -> tuple[dict, dict]:

@@ -13,7 +13,7 @@ Rows may carry a bias as an extra column (`x` augmented with 1); a metric then h
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -27,12 +27,14 @@ class Metric(NamedTuple):
     """An input metric for rows of width n (+1 with a bias column), kept in its stored dtype.
 
     `moment` (n, n) or None with `scale` (n,) (the diagonal metric diag(scale^2)) or neither (the identity);
+    the moment is a tensor or anything with `shape`, `rows(start, stop)` and `diagonal()` (a symmetric second
+    moment read from a file one block at a time: its rows are its columns);
     with a bias column, `cross` (n,) is E[x] paired with the bias coordinate (None = 0) and `corner` its weight.
     `ridge` is added to the whole diagonal (the smallest that keeps a calibrated moment definite)."""
 
     n: int
     with_bias: bool
-    moment: torch.Tensor | None = None
+    moment: "torch.Tensor | RowBlocks | None" = None
     scale: torch.Tensor | None = None
     cross: torch.Tensor | None = None
     corner: float = 1.0
@@ -53,7 +55,7 @@ class Metric(NamedTuple):
         else:
             out = torch.empty_like(x)
             for j in range(0, n, BLOCK):
-                out[:, j : j + BLOCK] = x @ self.moment[:, j : j + BLOCK].to(F64)
+                out[:, j : j + BLOCK] = x @ _columns(self.moment, j, j + BLOCK).to(F64)
         if self.with_bias:
             b = rows[:, n:]  # (b, 1)
             last = b * self.corner
@@ -65,7 +67,25 @@ class Metric(NamedTuple):
         return out.add_(rows, alpha=self.ridge)
 
 
-def moment_metric(moment: torch.Tensor, with_bias: bool, cross: torch.Tensor | None = None, corner: float = 1.0,
+class RowBlocks(Protocol):
+    """A symmetric (n, n) second moment that is read one block of rows at a time (never whole)."""
+
+    shape: tuple[int, int]
+
+    def rows(self, start: int, stop: int) -> torch.Tensor: ...
+
+    def diagonal(self) -> torch.Tensor: ...
+
+
+def _columns(moment, start: int, stop: int) -> torch.Tensor:
+    """Columns start:stop of a moment: a slice of a tensor, or (symmetric: only the symmetric part of a metric
+    reaches a Gram, which is symmetrised) the transposed rows of one read in blocks."""
+    if isinstance(moment, torch.Tensor):
+        return moment[:, start:stop]
+    return moment.rows(start, stop).T
+
+
+def moment_metric(moment: "torch.Tensor | RowBlocks", with_bias: bool, cross: torch.Tensor | None = None, corner: float = 1.0,
                   ridge: float = 1e-6) -> Metric:
     """The metric [[M, cross], [cross^T, corner]] (the bias block only `with_bias`) of a second moment M (n, n),
     kept in its stored dtype, plus a ridge of `ridge` times its mean diagonal: a moment from fewer
@@ -119,8 +139,10 @@ def row_energies(w: torch.Tensor, b: torch.Tensor | None, metric: Metric) -> tor
     return out
 
 
-def gram(w: torch.Tensor, b: torch.Tensor | None, metric: Metric, index: torch.Tensor | None = None) -> torch.Tensor:
-    """W M W^T (float64, symmetrised) of the rows `index` (all rows when None), in row blocks."""
+def gram(w: torch.Tensor, b: torch.Tensor | None, metric: Metric, index: torch.Tensor | None = None,
+         dtype: torch.dtype = F64) -> torch.Tensor:
+    """W M W^T (symmetrised) of the rows `index` (all rows when None), computed in float64 row blocks and kept
+    in `dtype`."""
     idx = torch.arange(w.shape[0]) if index is None else index
     size = width(metric)
 
@@ -128,7 +150,7 @@ def gram(w: torch.Tensor, b: torch.Tensor | None, metric: Metric, index: torch.T
         sel = idx[i:j]
         return rows_f64(w[sel], None if b is None else b[sel], 0, len(sel), size)
 
-    out = torch.empty(len(idx), len(idx), dtype=F64)
+    out = torch.empty(len(idx), len(idx), dtype=dtype)
     for i in range(0, len(idx), BLOCK):
         left = metric.apply(take(i, i + BLOCK))  # (block, n')
         for j in range(0, len(idx), BLOCK):
@@ -174,18 +196,26 @@ def key_side(q_w, q_b, k_w, k_b, metric: Metric, num_heads: int, num_kv_heads: i
     """Everything the key merge needs from q/k and the key metric. Pair p of a head is its rows p and p + d/2
     (transformers' rotate_half); a key merge only ever combines rows of the same pair, so the Grams are
     (d/2) blocks of 2K x 2K, not (K d)^2."""
-    half = head_dim // 2
+    half, size = head_dim // 2, 2 * num_kv_heads
     energy = row_energies(q_w, q_b, metric).reshape(num_kv_heads, -1, 2, half)  # (K, r, 2, d/2)
     qe = energy.sum(dim=(1, 2))
     rows = torch.arange(num_kv_heads * head_dim).reshape(num_kv_heads, 2, half)  # (K, 2, d/2): row of (h, c, p)
-    pairs = torch.stack([gram(k_w, k_b, metric, rows[:, :, p].reshape(-1)) for p in range(half)])
-    return KeySide(qe, pairs)
+    pairs = torch.empty(half, size, size, dtype=F64)
+    step = max(1, BLOCK // size)  # pairs per application of the metric (each reads all of it)
+    for p0 in range(0, half, step):
+        idx = rows[:, :, p0 : p0 + step].permute(2, 0, 1).reshape(-1)  # pair-major: (pairs * 2K,)
+        block = rows_f64(k_w[idx], None if k_b is None else k_b[idx], 0, len(idx), width(metric))
+        applied = metric.apply(block)
+        for t in range(len(idx) // size):
+            part = slice(t * size, (t + 1) * size)
+            pairs[p0 + t] = applied[part] @ block[part].T
+    return KeySide(qe, (pairs + pairs.transpose(-1, -2)) / 2)  # only the metric's symmetric part is a metric
 
 
 class ValueSide(NamedTuple):
     """The value rows' Gram in the value metric and each K/V head's o_proj energy."""
 
-    gram: torch.Tensor  # (K d, K d)
+    gram: torch.Tensor  # (K d, K d): float32 for 16-bit weights (their own precision is 8 bits), else float64
     oe: torch.Tensor  # (K, d, d): sum of O_j^T O_j over the query heads j reading h
 
 
@@ -195,4 +225,7 @@ def value_side(v_w, v_b, o_w, metric: Metric, num_heads: int, num_kv_heads: int,
     for h in range(num_kv_heads):  # one K/V head's o_proj columns in float64 at a time
         o = o_w[:, h * r * head_dim : (h + 1) * r * head_dim].to(F64).reshape(-1, r, head_dim)  # (n_out, r, d)
         oe[h] = torch.einsum("nrd,nre->de", o, o)
-    return ValueSide(gram(v_w, v_b, metric), oe)
+    # The (K d)^2 Gram is the merge's largest array (128 MiB at a 7B's 4096 value rows in float64); of 16-bit
+    # weights float32 keeps every bit they have. Group blocks are factored in float64 either way.
+    dtype = torch.float32 if v_w.dtype.itemsize <= 2 else F64
+    return ValueSide(gram(v_w, v_b, metric, dtype=dtype), oe)

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from ..errors import GqakitError
 from .align import GROUPINGS, check_merge_options, coordinates, merge_coordinates, permute_kv_heads
-from .calibrate import calibrate, load_layer, logit_error, save_layer
+from .calibrate import StoredMoment, calibrate, load_layer, logit_error, save_layer
 from .calibration_data import CalibrationData, load_calibration
 from .card import write_card
 from .checkpoint import DTYPES, INDEX, SINGLE, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
@@ -317,8 +317,12 @@ class LayerMerge:
     stats: Path | None = None  # layer-NNNNN.safetensors files written by the calibration pass
 
 
-def _read_stats(folder: Path, layer: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    return load_layer(folder, layer, names, dtype=torch.float32)[0]
+def _read_stats(folder: Path, layer: int, names: tuple[str, ...]) -> dict:
+    """The merge's statistics of one layer: the n x n ones read in row blocks as they are used, never whole;
+    vectors in their stored float32."""
+    out = {name: StoredMoment(folder, layer, name) for name in names if name in ("key", "value")}
+    rest = tuple(name for name in names if name not in out)
+    return {**out, **(load_layer(folder, layer, rest, dtype=torch.float32)[0] if rest else {})}
 
 
 def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, dict[str, float]],
