@@ -27,6 +27,7 @@ from torch import nn
 
 from cli_contract import run_refused
 from gqakit.cli import convert_main
+from gqakit.convert import calibrate as calibrate_module
 from gqakit.convert import streamed as streamed_module
 from gqakit.convert.architectures import find_family
 from gqakit.convert.calibrate import (LayerwiseModel, MomentSums, calibrate, load_layer, logit_error, reference_moments,
@@ -104,6 +105,7 @@ def test_layer_by_layer_pass_sees_what_the_whole_model_sees(family, tmp_path):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3", "stablelm"])
 def test_streamed_layer_gives_the_materialised_layers_output(family, tmp_path, monkeypatch):
     monkeypatch.setattr(streamed_module, "BLOCK_BYTES", 3 * 32 * 4)  # 3 rows of 32: 11 blocks, the last of 2 rows
+    monkeypatch.setattr(calibrate_module, "MLP_TOKENS", 5)  # the MLP over 4 chunks of the window, the last of 1
     src = make_model(family, tmp_path / "src")
     config = json.loads((src / "config.json").read_text())
     lm = LayerwiseModel(config, find_family(config["architectures"][0]), scan_checkpoint(src))
@@ -114,11 +116,13 @@ def test_streamed_layer_gives_the_materialised_layers_output(family, tmp_path, m
             layer = lm.load_layer(i)
             streamed = sum(isinstance(m, StreamedLinear) for m in layer.modules())
             assert plain >= 4 and streamed == plain and not any(type(m) is nn.Linear for m in layer.modules())
+            assert type(layer.mlp).__name__ == "_TokenChunks" and layer.mlp.tokens == 5
             assert all(p.dim() == 1 for p in layer.parameters())  # norms and biases only: no weight matrix is real
             got = layer(hidden, **kwargs[i])
             lm.free_layer(i)
             assert all(p.is_meta for p in lm.real[i].parameters())
             assert sum(type(m) is nn.Linear for m in lm.real[i].modules()) == plain  # the originals are back
+            assert type(lm.real[i].mlp).__name__ != "_TokenChunks"
             want = lm.load_layer(i, stream=False)(hidden, **kwargs[i])
             lm.free_layer(i)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())  # blocks: fp32 rounding

@@ -54,6 +54,7 @@ from .streamed import BLOCK_BYTES, _Float32Records, _missing, _read_into, _strea
 
 F64 = torch.float64
 STATS = ("input", "mean", "key", "value", "value_mean")
+MLP_TOKENS = 128  # positions per chunk of a calibration layer's MLP
 
 
 @dataclasses.dataclass
@@ -178,6 +179,25 @@ def _release(module: nn.Module) -> None:
         _set_param(module, name, torch.empty_like(param, device="meta"))
 
 
+class _TokenChunks(nn.Module):
+    """Runs a position-wise module (a decoder layer's MLP) over `tokens` positions at a time: the same values,
+    with its intermediates (tokens x intermediate_size, several of them) for a chunk instead of the window."""
+
+    def __init__(self, inner: nn.Module, tokens: int | None = None):
+        super().__init__()
+        self.inner, self.tokens = inner, tokens or MLP_TOKENS
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):  # (B, T, n) -> (B, T, n)
+        if x.dim() != 3 or x.shape[1] <= self.tokens:
+            return self.inner(x, *args, **kwargs)
+        first = self.inner(x[:, : self.tokens], *args, **kwargs)
+        if not isinstance(first, torch.Tensor):  # e.g. a mixture of experts' (output, router logits): whole
+            return self.inner(x, *args, **kwargs)
+        rest = [self.inner(x[:, t : t + self.tokens], *args, **kwargs)
+                for t in range(self.tokens, x.shape[1], self.tokens)]
+        return torch.cat([first, *rest], dim=1)
+
+
 class LayerwiseModel:
     """A model on the meta device whose layers are run one at a time on calibration windows."""
 
@@ -220,10 +240,14 @@ class LayerwiseModel:
         return rec.args[0], [dict(r.kwargs) for r in self.recorders]
 
     def load_layer(self, i: int, stream: bool = True) -> nn.Module:
-        """Layer i with real small parameters; its linears streamed (or, with stream=False, read whole)."""
+        """Layer i with real small parameters; its linears streamed (or, with stream=False, read whole) and its
+        position-wise MLP run over chunks of tokens."""
         layer = self.real[i]
         if stream:
             self.swapped[i] = _stream(layer, f"{self.prefix}{i}.", self.tensors, f"layer {i}")
+            if isinstance(getattr(layer, "mlp", None), nn.Module):
+                self.swapped[i].append((layer, "mlp", layer.mlp))
+                layer.mlp = _TokenChunks(layer.mlp)
         _materialise(layer, f"{self.prefix}{i}.", self.tensors, self.device, f"layer {i}")
         return layer.to(self.device)
 
@@ -283,11 +307,25 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
     for i in bar:
         layer = lm.load_layer(i)
         attn, q_proj = _attention_module(layer, lm.spec, lm.prefix, i)
-        seen: dict[str, torch.Tensor] = {}
-        hooks = [q_proj.register_forward_pre_hook(lambda _m, args: seen.__setitem__("x", args[0].detach())),
-                 attn.register_forward_hook(lambda _m, _a, out: seen.__setitem__("probs", out[1]))]
+        seen: dict = {}
         sums = MomentSums.zeros(n, lm.device, with_input=False)
         held_x = []
+
+        def attended(_module, _args, out):
+            """The window's statistics as soon as its attention probabilities exist: they and the attention
+            input are dropped before the MLP runs (the layer discards the probabilities it returns)."""
+            if out[1] is None:
+                return
+            seen["probs"] = True
+            x = seen.pop("x")[0]  # (T, n)
+            if seen["w"] < fit:
+                sums.add(x, out[1][0])
+                inputs.write(seen["w"], x)
+            else:
+                held_x.append(x.to("cpu", torch.float32))
+
+        hooks = [q_proj.register_forward_pre_hook(lambda _m, args: seen.__setitem__("x", args[0].detach())),
+                 attn.register_forward_hook(attended)]
         kwargs = layer_kwargs[i]
         mask = kwargs.get("attention_mask")
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape[-2:]) != (T, T):
@@ -297,6 +335,7 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
             with torch.no_grad():
                 for w in range(windows.shape[0]):
                     seen.clear()
+                    seen["w"] = w
                     out = layer(states.read(w, lm.device), **kwargs)  # (1, T, n)
                     if seen.get("probs") is None:
                         raise GqakitError(f"layer {i}'s attention returned no probabilities; calibration needs "
@@ -305,11 +344,6 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
                         raise GqakitError(f"calibration activations became non-finite after layer {i}; the checkpoint "
                                           "may be broken (try evaluating it with gqakit eval ppl)")
                     states.write(w, out)
-                    if w < fit:
-                        sums.add(seen["x"][0], seen["probs"][0])
-                        inputs.write(w, seen["x"][0])
-                    else:
-                        held_x.append(seen["x"][0].to("cpu", torch.float32))
                     del out
                     seen.clear()  # this window's activations go before the next window runs
         finally:
@@ -320,7 +354,7 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
         held = {"x": torch.stack(held_x), "cos": cos[0].float().cpu(), "sin": sin[0].float().cpu(), "allowed": allowed}
         lm.free_layer(i)
         moments, tokens = sums.moments(), sums.tokens
-        del sums
+        sums = None  # the hook's cell too: the float64 sums go as each is written out below
         # Each finished float64 sum goes to float32 on disk, block by block, as it is freed; then E[x x^T] is
         # summed alone. So at most two of the layer's three n x n sums exist at any time, never a float32 twin.
         records = _Float32Records(*stats_file)
