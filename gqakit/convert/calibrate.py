@@ -6,9 +6,9 @@ in row blocks of at most `BLOCK_BYTES` of fp32 during the forward (one block in 
 `nn.Embedding` is replaced by a `StreamedEmbedding`, which reads only the rows of the window's tokens. The
 small parameters (norms, biases, and the embedding of families that subclass `nn.Embedding`) are read whole.
 The hidden states of all windows wait in a float32 scratch file, one window per record, and every window
-moves through layer i before layer i + 1 is read ("layer-major"). So calibration holds one layer's
-statistics, one window's activations and attention probabilities and one weight block, whatever the size
-of the model or of the calibration data.
+moves through layer i before layer i + 1 is read ("layer-major"). So calibration holds at most two of a
+layer's three n x n statistics, one window's activations and one weight block, whatever the size of the
+model or of the calibration data.
 
 What the model's forward does around its layers (embedding scale, masks, RoPE tables, per-layer
 attention types) is not re-implemented: the model's own forward runs once per window with every decoder
@@ -49,8 +49,8 @@ from torch import nn
 
 from ..errors import GqakitError
 from .architectures import ArchSpec
-from .checkpoint import TensorInfo, load_tensor
-from .streamed import BLOCK_BYTES, _Float32Records, _missing, _read_into, _stream, _WindowStates
+from .checkpoint import TensorInfo, load_tensor, read_header
+from .streamed import BLOCK_BYTES, _Float32Records, _missing, _RowReader, _stream, _WindowStates, row_blocks
 
 F64 = torch.float64
 STATS = ("input", "mean", "key", "value", "value_mean")
@@ -432,10 +432,7 @@ def save_layer(folder: Path, layer: int, moments: dict, held: dict) -> Path:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for v in (v for v in tensors.values() if v.numel()):
-            rows = v.reshape(v.shape[0], -1) if v.dim() else v.reshape(1, 1)  # (rows, everything else)
-            step = max(1, BLOCK_BYTES // (4 * max(rows.shape[1], 1)))
-            for r0 in range(0, rows.shape[0], step):
-                block = rows[r0 : r0 + step]
+            for block in row_blocks(v):
                 block = block.to(torch.uint8) if v.dtype == torch.bool else block.to(torch.float32)
                 f.write(memoryview(block.contiguous().reshape(-1).view(torch.uint8).numpy()))
     return path
@@ -446,24 +443,26 @@ class StoredMoment:
     the merge never holds it whole: plain reads at its byte range, no mapping."""
 
     def __init__(self, folder: Path, layer: int, name: str):
-        self.path = folder / f"layer-{layer:05d}.safetensors"
-        with open(self.path, "rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            entry = json.loads(f.read(size))[name]
-        if entry["dtype"] != "F32" or len(entry["shape"]) != 2:
-            raise GqakitError(f"{self.path}: '{name}' is not a float32 matrix; the calibration folder was changed")
-        self.shape = tuple(entry["shape"])
-        self.start = 8 + size + entry["data_offsets"][0]
+        path = folder / f"layer-{layer:05d}.safetensors"
+        info = read_header(path)[0][name]
+        if info.dtype != "F32" or len(info.shape) != 2:
+            raise GqakitError(f"{path}: '{name}' is not a float32 matrix; the calibration folder was changed")
+        self.shape = tuple(info.shape)
+        self._rows = _RowReader(info, name, self.shape, "a calibration statistic")
+        self._diagonal: torch.Tensor | None = None
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         stop = min(stop, self.shape[0])
-        with open(self.path, "rb", buffering=0) as f:
-            return _read_into(f, torch.empty(stop - start, self.shape[1]), self.start + start * self.shape[1] * 4,
-                              f"{self.path} ended early; was the calibration folder changed?")
+        with open(self._rows.info.file, "rb", buffering=0) as f:
+            return self._rows.read(f, start, stop)
 
     def diagonal(self) -> torch.Tensor:
-        step = max(1, BLOCK_BYTES // (4 * self.shape[1]))
-        return torch.cat([self.rows(i, i + step).diagonal(offset=i) for i in range(0, self.shape[0], step)])
+        """Read once (the metric's ridge and the key bias's weight both use it)."""
+        if self._diagonal is None:
+            step = max(1, BLOCK_BYTES // (4 * self.shape[1]))
+            self._diagonal = torch.cat([self.rows(i, i + step).diagonal(offset=i)
+                                        for i in range(0, self.shape[0], step)])
+        return self._diagonal
 
 
 def load_layer(folder: Path, layer: int, keys: tuple[str, ...] = STATS, dtype: torch.dtype = F64) -> tuple[dict, dict]:

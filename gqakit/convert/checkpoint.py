@@ -191,15 +191,22 @@ def load_tensor(info: TensorInfo, name: str) -> torch.Tensor:
     supports.
     """
     tensor = torch.empty(info.shape, dtype=DTYPES[info.dtype])
-    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own storage, as bytes
     with open(info.file, "rb", buffering=0) as f:
-        f.seek(info.start)
-        done = 0
-        while done < len(view):
-            n = f.readinto(view[done:])
-            if not n:
-                raise GqakitError(f"{info.file} ended before tensor '{name}'; re-download or re-save the checkpoint")
-            done += n
+        return read_into(f, tensor, info.start,
+                         f"{info.file} ended before tensor '{name}'; re-download or re-save the checkpoint")
+
+
+def read_into(f, tensor: torch.Tensor, offset: int, error: str) -> torch.Tensor:
+    """Fill the contiguous `tensor` from the open binary file `f` at byte `offset` (GqakitError `error` if the
+    file ends first). Plain reads, never a mapping: mapped pages would count as this process's resident memory."""
+    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own storage, as bytes
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise GqakitError(error)
+        done += n
     return tensor
 
 

@@ -139,22 +139,14 @@ def row_energies(w: torch.Tensor, b: torch.Tensor | None, metric: Metric) -> tor
     return out
 
 
-def gram(w: torch.Tensor, b: torch.Tensor | None, metric: Metric, index: torch.Tensor | None = None,
-         dtype: torch.dtype = F64) -> torch.Tensor:
-    """W M W^T (symmetrised) of the rows `index` (all rows when None), computed in float64 row blocks and kept
-    in `dtype`."""
-    idx = torch.arange(w.shape[0]) if index is None else index
-    size = width(metric)
-
-    def take(i, j):
-        sel = idx[i:j]
-        return rows_f64(w[sel], None if b is None else b[sel], 0, len(sel), size)
-
-    out = torch.empty(len(idx), len(idx), dtype=dtype)
-    for i in range(0, len(idx), BLOCK):
-        left = metric.apply(take(i, i + BLOCK))  # (block, n')
-        for j in range(0, len(idx), BLOCK):
-            out[i : i + BLOCK, j : j + BLOCK] = left @ take(j, j + BLOCK).T
+def gram(w: torch.Tensor, b: torch.Tensor | None, metric: Metric, dtype: torch.dtype = F64) -> torch.Tensor:
+    """W M W^T (symmetrised), computed in float64 row blocks and kept in `dtype`."""
+    rows, size = w.shape[0], width(metric)
+    out = torch.empty(rows, rows, dtype=dtype)
+    for i in range(0, rows, BLOCK):
+        left = metric.apply(rows_f64(w, b, i, i + BLOCK, size))  # (block, n')
+        for j in range(0, rows, BLOCK):
+            out[i : i + BLOCK, j : j + BLOCK] = left @ rows_f64(w, b, j, j + BLOCK, size).T
     return symmetrise_(out)
 
 

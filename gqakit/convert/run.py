@@ -247,8 +247,9 @@ def merge_layer(plan: Plan, weights: dict[str, torch.Tensor], grouping: str = "s
     biases} -> the same keys, and for the card the relative error of the maps each query head computes
     (`bilinear_error`) and, with held-out calibration windows, of its attention logits.
 
-    `stats(names)` reads calibration statistics ('key', 'value', 'value_mean'); they are read one metric at a
-    time and dropped once its Grams exist, so at most one n x n statistic is held."""
+    `stats(names)` reads calibration statistics ('key', 'value', 'value_mean'), one metric at a time, dropped
+    once its Grams exist; from the calibration folder an n x n statistic is read in row blocks as the metric
+    is applied, never whole."""
     H, K, G, d = plan.num_attention_heads, plan.num_key_value_heads, plan.groups, plan.head_dim
     check_merge_options(H, K, G, grouping=grouping, **MERGES[plan.method])
     q_w, k_w, v_w, o_w = (weights[key] for key in ("q_w", "k_w", "v_w", "o_w"))
@@ -297,13 +298,16 @@ def bilinear_error(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch
 
     bb = [f64(x) @ f64(x).T for x in b]  # (d, d) per K/V head
     bb2 = [f64(x) @ f64(x).T for x in b2]
+    bb_cross: dict[tuple[int, int], torch.Tensor] = {}  # B_h B2_g^T, once per (original, merged) K/V head pair
     ref = diff = 0.0
     for j in range(H):
         i = order[j]
         h, g = i // (H // K), j // (H // G)
+        if (h, g) not in bb_cross:
+            bb_cross[h, g] = f64(b[h]) @ f64(b2[g]).T
         aj, a2j = f64(a[i]), f64(a2[j])
         own = float(((aj @ aj.T) * bb[h]).sum())
-        cross = float(((aj @ a2j.T) * (f64(b[h]) @ f64(b2[g]).T)).sum())  # tr(B^T A A2^T B2)
+        cross = float(((aj @ a2j.T) * bb_cross[h, g]).sum())  # tr(B^T A A2^T B2)
         ref += own
         diff += own + float(((a2j @ a2j.T) * bb2[g]).sum()) - 2 * cross
     return math.sqrt(max(diff, 0.0) / max(ref, 1e-300))

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import GqakitError
-from .checkpoint import DTYPES, TensorInfo
+from .checkpoint import DTYPES, TensorInfo, read_into
 
 BLOCK_BYTES = 16 << 20  # fp32 bytes of one block of a streamed weight (1,024 rows at hidden size 4,096)
 
@@ -24,26 +24,21 @@ def _missing(full: str, what: str) -> GqakitError:
                        "the weights do not match config.json")
 
 
-def _read_into(f, tensor: torch.Tensor, offset: int, error: str) -> torch.Tensor:
-    """Fill the contiguous `tensor` from the open binary file `f` at byte `offset`. Plain reads, never a
-    mapping: mapped pages would count as this process's resident memory."""
-    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own storage, as bytes
-    f.seek(offset)
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise GqakitError(error)
-        done += n
-    return tensor
-
-
 def _write_from(f, tensor: torch.Tensor, offset: int) -> None:
     view = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
     f.seek(offset)
     done = 0
     while done < len(view):
         done += f.write(view[done:])
+
+
+def row_blocks(tensor: torch.Tensor):
+    """`tensor` as (rows, everything else) in consecutive blocks of rows, each at most `BLOCK_BYTES` as float32:
+    for writing a (float64) tensor out without a whole converted copy."""
+    rows = tensor.reshape(tensor.shape[0], -1) if tensor.dim() else tensor.reshape(1, 1)
+    step = max(1, BLOCK_BYTES // (4 * max(rows.shape[1], 1)))
+    for r0 in range(0, rows.shape[0], step):
+        yield rows[r0 : r0 + step]
 
 
 class _RowReader:
@@ -60,7 +55,7 @@ class _RowReader:
     def read(self, f, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows r0..r1 in the stored dtype, (r1 - r0, *shape[1:]) or into `out`."""
         out = torch.empty(r1 - r0, *self.info.shape[1:], dtype=self.dtype) if out is None else out
-        return _read_into(f, out, self.info.start + r0 * self.row_bytes,
+        return read_into(f, out, self.info.start + r0 * self.row_bytes,
                           f"{self.info.file} ended before tensor '{self.name}'; re-download or re-save the checkpoint")
 
 
@@ -148,7 +143,7 @@ class _WindowStates:
 
     def read(self, w: int, device) -> torch.Tensor:  # (1, T, n)
         hidden = torch.empty(1, *self.shape)
-        _read_into(self.file, hidden, w * self.record,
+        read_into(self.file, hidden, w * self.record,
                    f"the calibration scratch file {self.path} ended early; was it changed or its disk full?")
         return hidden.to(device)
 
@@ -162,17 +157,15 @@ class _Float32Records:
         self.end, self.index = 0, {}
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
-        rows = tensor.reshape(tensor.shape[0], -1) if tensor.dim() else tensor.reshape(1, 1)  # (rows, the rest)
-        step = max(1, BLOCK_BYTES // (4 * max(rows.shape[1], 1)))
         self.index[name] = (self.end, tuple(tensor.shape))
-        for r0 in range(0, rows.shape[0], step):
-            block = rows[r0 : r0 + step].to("cpu", torch.float32)
+        for block in row_blocks(tensor):
+            block = block.to("cpu", torch.float32)
             _write_from(self.file, block, self.end)
             self.end += block.numel() * 4
 
     def take(self) -> dict[str, torch.Tensor]:
         """Every tensor put since the last take, float32; the file is reused from its start."""
-        out = {name: _read_into(self.file, torch.empty(shape), offset,
+        out = {name: read_into(self.file, torch.empty(shape), offset,
                                 f"the calibration scratch file {self.path} ended early; was it changed or its disk full?")
                for name, (offset, shape) in self.index.items()}
         self.end, self.index = 0, {}
