@@ -150,6 +150,10 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
     from .uptrain.loop import uptrain
 
     record = uptrain(cfg, command=command)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # every rank has passed uptrain's last barrier
+        dist.destroy_process_group()  # a rank that exits with the group alive may abort in gloo's teardown
     if int(os.environ.get("RANK", "0")):
         return  # one report per run, from rank 0
     if record.get("final_eval_ppl") is not None and record.get("initial_eval_ppl") is not None:

@@ -22,6 +22,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"differ": differ, "names": sorted(state), "local_shapes": local}, f)
+    dist.barrier()
+    dist.destroy_process_group()  # a rank that exits with the group alive may abort in gloo's teardown
 
 
 if __name__ == "__main__":
