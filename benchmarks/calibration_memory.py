@@ -9,11 +9,13 @@ then runs, side by side in one run and as subprocesses, `convert-gqa --groups G`
 one's wall time and peak RSS (the converter's own VmHWM, which it writes at exit: ru_maxrss from wait4
 would include this process's RSS at the fork) next to what the design predicts:
 
-* calibration holds one layer's statistics (three hidden x hidden float64 sums), one window's hidden
-  states and attention probabilities, and one block of one weight at a time (the decoder layer's linears
-  are streamed from the shards in row blocks, and the windows' hidden states wait on disk);
-* the merge holds the layer's four attention weights in their stored dtype, one statistic in its stored
-  float32 at a time, and the value rows' Gram (K d x K d float64); nothing n x n in float64.
+* calibration holds one window's hidden states and attention probabilities and one block of one weight while
+  a layer runs (the decoder layer's linears are streamed from the shards in row blocks, and the windows'
+  hidden states, attention inputs and attention terms wait on disk), then one hidden x hidden float64 sum at
+  a time, each summed alone over the windows and written to the layer's file;
+* the merge holds the layer's four attention weights in their stored dtype, one column block of one
+  statistic at a time (read from the layer's file), and the value rows' Gram (K d x K d, float32 for
+  16-bit weights); nothing n x n in float64.
 
 The issue's bound is the streaming conversion's peak (mean) plus one layer's statistics; the report
 prints the verdict from the measured peaks.
@@ -44,7 +46,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_speed import PRESETS, converter_command, llama_config, llama_entries, log, run_child  # noqa: E402
 
+from gqakit.convert.calibrate import MLP_TOKENS  # noqa: E402
 from gqakit.convert.checkpoint import ShardWriter  # noqa: E402
+from gqakit.convert.grams import BLOCK  # noqa: E402
 from gqakit.convert.run import parse_size  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,12 +87,14 @@ def predicted(shape, window: int, weight_dtype_bytes: int = 2) -> dict[str, floa
     h, i, heads = shape.hidden, shape.intermediate, shape.heads
     kv_rows = heads * (h // heads)
     return {
-        "calibration: two of the layer's three statistics at a time (float64)": 2 * h * h * 8 / MIB,
-        "calibration: one window's hidden states, MLP activations (fp32)": (window * h * 3 + window * i * 3) * 4 / MIB,
+        "calibration: one of the layer's three statistics at a time (float64)": h * h * 8 / MIB,
+        "calibration: one window's attention input and P x (float64)": 2 * window * h * 8 / MIB,
+        "calibration: one window's hidden states, MLP activations of one chunk (fp32)":
+            (window * h * 3 + min(window, MLP_TOKENS) * i * 3) * 4 / MIB,
         "calibration: one window's attention probabilities (fp32)": heads * window * window * 4 / MIB,
         "calibration: one block of a streamed weight (fp32, and its stored bytes)": 16 * 1.5,
         "merge: the layer's q/k/v/o in their stored dtype": 4 * h * h * weight_dtype_bytes / MIB,
-        "merge: one statistic in its stored float32": h * h * 4 / MIB,
+        "merge: one column block of a statistic (float32 as stored, and float64)": BLOCK * h * (4 + 8) / MIB,
         "merge: the value rows' Gram (K d)^2 (float32 for 16-bit weights)": kv_rows**2 * 4 / MIB,
     }
 

@@ -163,8 +163,8 @@ def memory_table(args) -> tuple[list[str], list[tuple[int, int, int, float]]]:
 
 def bytes_table(args) -> tuple[list[str], dict]:
     T, P = max(args.seq), max(args.ranks)
-    rows = [f"| K/V heads | mask | layout | fwd MiB per rank (mean / max) | bwd MiB per rank (mean / max) "
-            f"| total vs MHA full |", "|---|---|---|---|---|---|"]
+    rows = ["| K/V heads | mask | layout | fwd MiB per rank (mean / max) | bwd MiB per rank (mean / max) "
+            "| total vs MHA full |", "|---|---|---|---|---|---|"]
     totals = {}
     for G in (args.heads, args.gqa_heads):
         for window in (None, args.window):

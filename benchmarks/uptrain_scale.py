@@ -358,8 +358,6 @@ def main(argv=None) -> int:
         bare(args.bare)
         return 0
 
-    import torch
-
     from gqakit.reference import HELDOUT_TEXT
 
     shape = PRESETS[args.shape]

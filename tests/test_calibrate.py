@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,8 +29,9 @@ from gqakit.cli import convert_main
 from gqakit.convert import calibrate as calibrate_module
 from gqakit.convert import streamed as streamed_module
 from gqakit.convert.architectures import find_family
-from gqakit.convert.calibrate import (LayerwiseModel, MomentSums, calibrate, load_layer, logit_error, reference_moments,
-                                      rope, save_layer)
+from gqakit.convert.calibrate import (STATS, LayerwiseModel, attention_terms, calibrate, layer_path, load_layer,
+                                      logit_error, reference_moments, rope, save_layer, sum_moments)
+from gqakit.convert.checkpoint import read_header
 from gqakit.convert.checkpoint import scan_checkpoint
 from gqakit.convert.streamed import StreamedLinear
 from test_architectures import make_model
@@ -61,10 +61,16 @@ def test_moment_sums_match_an_explicit_loop():
     x = torch.randn(2, 6, 5, generator=gen, dtype=torch.float64)
     scores = torch.randn(2, 3, 6, 6, generator=gen, dtype=torch.float64)
     probs = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
-    sums = MomentSums.zeros(5)
-    for w in range(2):
-        sums.add(x[w], probs[w])
-    got, want = sums.moments(), reference_moments(x, probs)
+    got, order = {}, []
+
+    def keep(name, value):
+        order.append(name)
+        got[name] = value.clone()
+
+    sum_moments(2, lambda w: (x[w], attention_terms(probs[w])), 3, keep)
+    assert order == ["key", "value", "input", "mean", "value_mean"]  # one n x n sum at a time, in this order
+    want = reference_moments(x, probs)
+    assert got.keys() == want.keys()
     for key, ref in want.items():
         torch.testing.assert_close(got[key], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
@@ -76,8 +82,10 @@ def test_layer_by_layer_pass_sees_what_the_whole_model_sees(family, tmp_path):
     src = make_model(family, tmp_path / "src")
     config = json.loads((src / "config.json").read_text())
     windows = torch.randint(3, 64, (5, 16), generator=torch.Generator().manual_seed(1))  # 16 > sliding window 8
-    got = list(calibrate(config, find_family(config["architectures"][0]), scan_checkpoint(src), windows, 2,
-                         progress=False))
+    folder = tmp_path / "stats"
+    folder.mkdir()
+    done = list(calibrate(config, find_family(config["architectures"][0]), scan_checkpoint(src), windows, 2, folder,
+                          progress=False))
 
     model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager", dtype=torch.float32).eval()
     xs: dict[int, list] = {}
@@ -88,11 +96,14 @@ def test_layer_by_layer_pass_sees_what_the_whole_model_sees(family, tmp_path):
         for w in windows:
             for i, a in enumerate(model(input_ids=w[None], output_attentions=True).attentions):
                 probs.setdefault(i, []).append(a)
-    assert [i for i, *_ in got] == list(range(len(model.model.layers)))
-    for i, moments, held in got:
+    assert done == list(range(len(model.model.layers)))
+    assert sorted(p.name for p in folder.iterdir()) == [layer_path(folder, i).name for i in done]  # no scratch left
+    for i in done:
+        moments, held = load_layer(folder, i, dtype=torch.float32)
         x, p = torch.cat(xs[i]), torch.cat(probs[i])
         want = reference_moments(x[:3], p[:3])
-        assert moments.keys() == want.keys() and all(v.dtype == torch.float32 for v in moments.values())
+        stored = read_header(layer_path(folder, i))[0]
+        assert moments.keys() == want.keys() and all(stored[k].dtype == "F32" for k in STATS)
         for key, ref in want.items():  # summed in float64, yielded in the float32 they are stored in
             torch.testing.assert_close(moments[key].double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
         torch.testing.assert_close(held["x"], x[3:], rtol=1e-5, atol=1e-5)
@@ -129,38 +140,40 @@ def test_streamed_layer_gives_the_materialised_layers_output(family, tmp_path, m
         hidden = want
 
 
-def test_hidden_states_wait_in_a_scratch_file_that_is_always_removed(tmp_path, monkeypatch):
+def test_hidden_states_wait_in_a_scratch_file_that_is_always_removed(tmp_path):
     src = make_model("llama", tmp_path / "src")
     config = json.loads((src / "config.json").read_text())
+    n = config["hidden_size"]
     args = (config, find_family(config["architectures"][0]), scan_checkpoint(src),
             torch.randint(3, 64, (5, 16), generator=torch.Generator().manual_seed(1)), 2)
     scratch = tmp_path / "stats"
     scratch.mkdir()
-    run = calibrate(*args, progress=False, scratch=scratch)
-    i, moments, held = next(run)
-    inputs, states, stats = sorted(scratch.iterdir())
+    run = calibrate(*args, scratch, progress=False)
+    assert next(run) == 0
+    inputs, terms, states, layer = sorted(scratch.iterdir())
     assert states.name.startswith("hidden-states-") and inputs.name.startswith("attention-inputs-")
-    assert stats.name.startswith("statistics-")  # the layer's three n x n sums in float32, written as each is final
-    assert stats.stat().st_size == 3 * config["hidden_size"] ** 2 * 4
-    assert states.stat().st_size == 5 * 16 * config["hidden_size"] * 4  # (N, T, n) float32, one record per window
-    assert inputs.stat().st_size == 3 * 16 * config["hidden_size"] * 4  # the 3 fitting windows' attention inputs
-    save_layer(scratch, i, moments, held)  # the caller's files share the folder
-    stored, _ = load_layer(scratch, i, dtype=torch.float32)
-    assert all(torch.equal(v, moments[k].float()) for k, v in stored.items())  # written in blocks, read back in fp32
-    assert load_layer(scratch, i)[0]["key"].dtype == torch.float64
-    (scratch / f"layer-{i:05d}.safetensors").unlink()
-    assert len(list(run)) == 1 and not any(scratch.iterdir())  # to the end
-    run = calibrate(*args, progress=False, scratch=scratch)
+    assert states.stat().st_size == 5 * 16 * n * 4  # (N, T, n) float32, one record per window
+    assert inputs.stat().st_size == 3 * 16 * n * 4  # the 3 fitting windows' attention inputs
+    assert terms.name.startswith("attention-terms-") and terms.stat().st_size == 3 * 17 * 16 * 4  # (T + 1, T) each
+    assert layer == layer_path(scratch, 0)  # written as each statistic is final; the caller's to keep
+    moments, held = load_layer(scratch, 0, dtype=torch.float32)
+    held = {k: held[k] for k in ("x", "cos", "sin", "allowed")}  # the order calibration writes them in
+    save_layer(tmp_path, 0, moments, held)  # the same file, written whole from memory
+    assert layer.read_bytes() == layer_path(tmp_path, 0).read_bytes()
+    assert load_layer(scratch, 0)[0]["key"].dtype == torch.float64
+    assert list(run) == [1] and sorted(p.name for p in scratch.iterdir()) == [layer.name, layer_path(scratch, 1).name]
+    for p in scratch.iterdir():
+        p.unlink()
+    run = calibrate(*args, scratch, progress=False)
     next(run)
     with pytest.raises(RuntimeError, match="the caller failed"):
         run.throw(RuntimeError("the caller failed"))
-    assert not any(scratch.iterdir())
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # no folder given: a temporary one, removed too
-    run = calibrate(*args, progress=False)
+    assert [p.name for p in scratch.iterdir()] == [layer.name]  # scratch removed on an error too
+    layer.unlink()
+    run = calibrate(*args, scratch, progress=False)
     next(run)
-    assert [len(list(d.iterdir())) for d in scratch.iterdir()] == [3]
-    run.close()
-    assert not any(scratch.iterdir())
+    run.close()  # the caller stops early
+    assert [p.name for p in scratch.iterdir()] == [layer.name]
 
 
 def test_logit_error_one_head_at_a_time_is_the_all_heads_formula():

@@ -1,6 +1,5 @@
 """The console scripts, run as a user runs them."""
 import json
-import shutil
 import subprocess
 import sys
 

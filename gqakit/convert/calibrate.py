@@ -6,16 +6,17 @@ in row blocks of at most `BLOCK_BYTES` of fp32 during the forward (one block in 
 `nn.Embedding` is replaced by a `StreamedEmbedding`, which reads only the rows of the window's tokens. The
 small parameters (norms, biases, and the embedding of families that subclass `nn.Embedding`) are read whole.
 The hidden states of all windows wait in a float32 scratch file, one window per record, and every window
-moves through layer i before layer i + 1 is read ("layer-major"). So calibration holds at most two of a
-layer's three n x n statistics, one window's activations and one weight block, whatever the size of the
-model or of the calibration data.
+moves through layer i before layer i + 1 is read ("layer-major"). The fitting windows' attention inputs and
+attention terms (below) wait in scratch files too, and each of the layer's three n x n statistics is then summed
+alone over them and written to the layer's file. So calibration holds one window's activations and one weight
+block while a layer runs, then one n x n float64 sum, whatever the size of the model or of the calibration data.
 
 What the model's forward does around its layers (embedding scale, masks, RoPE tables, per-layer
 attention types) is not re-implemented: the model's own forward runs once per window with every decoder
 layer replaced by a recorder that keeps the layer's inputs, and each real layer (its own forward, with
 streamed linears) is later called with exactly those inputs.
 
-Statistics of layer i (float64 sums, stored as float32 per layer on disk by the caller), over the
+Statistics of layer i (float64 sums, stored as float32 in one file per layer), over the
 attention input x (the tensor `q_proj` reads) of the fitting windows:
 
 * `input` E[x x^T] and `mean` E[x];
@@ -28,7 +29,8 @@ attention input x (the tensor `q_proj` reads) of the fitting windows:
 Per window, with X (T, n) its attention inputs and A_h (T, T) head h's probabilities (row m: query m), the
 sums over heads and queries collapse onto T x T matrices: with P = sum_h A_h^T A_h and w = sum_h sum_m A_h[m]
 (the attention each key position receives), value = X^T P X, key = X^T (diag(w) - P) X and
-value_mean = w^T X. No (H*T, n) or n x n temporary is needed: each sum grows by one float64 `addmm_`.
+value_mean = w^T X (`attention_terms`, `add_moment`). No (H*T, n) or n x n temporary is needed: each sum grows
+by one float64 `addmm_` per window.
 
 Held-out windows are kept whole (their attention inputs, RoPE tables and mask) so that a merge can be
 scored on the attention logits it changes.
@@ -36,12 +38,12 @@ scored on the attention logits it changes.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
 import struct
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -50,58 +52,63 @@ from torch import nn
 from ..errors import GqakitError
 from .architectures import ArchSpec
 from .checkpoint import TensorInfo, load_tensor, read_header
-from .streamed import BLOCK_BYTES, _Float32Records, _missing, _RowReader, _stream, _WindowStates, row_blocks
+from .streamed import BLOCK_BYTES, _missing, _RowReader, _stream, _WindowStates, _write_from, row_blocks
 
 F64 = torch.float64
 STATS = ("input", "mean", "key", "value", "value_mean")
 MLP_TOKENS = 128  # positions per chunk of a calibration layer's MLP
 
 
-@dataclasses.dataclass
-class MomentSums:
-    """Running float64 sums of one layer's statistics (`STATS`), with their counts. `input` None: E[x x^T] is
-    summed elsewhere (the calibration pass does it after the others, so that two n x n sums exist at a time)."""
+SUMS = ("key", "value", "input")  # the n x n statistics, in the order they are summed
 
-    input: torch.Tensor | None
-    mean: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    value_mean: torch.Tensor
-    tokens: int = 0
-    queries: int = 0  # head x query pairs
 
-    @classmethod
-    def zeros(cls, n: int, device="cpu", with_input: bool = True) -> "MomentSums":
-        sums = [torch.zeros(*s, dtype=F64, device=device) for s in ((n,), (n, n), (n, n), (n,))]
-        return cls(torch.zeros(n, n, dtype=F64, device=device) if with_input else None, *sums)
+def attention_terms(probs: torch.Tensor) -> torch.Tensor:
+    """What the key and value statistics need of one window's attention probabilities probs (H, T, T), in their
+    precision: (T + 1, T), rows 0..T-1 P = sum_h A_h^T A_h and row T w = sum_h sum_m A_h[m] (the attention each
+    key position receives). Nothing n-sized: a window's statistics are then one (T, n) product each."""
+    T = probs.shape[-1]
+    flat = probs.reshape(-1, T)  # (H*T, T): every head's query rows, a view
+    return torch.cat([flat.T @ flat, flat.sum(0, keepdim=True)])
 
-    def add(self, x: torch.Tensor, probs: torch.Tensor) -> None:
-        """One window: x (T, n) attention input, probs (H, T, T) attention probabilities (rows sum to 1)."""
-        x = x.to(F64)  # (T, n): small; every product with x accumulates in float64
-        T = x.shape[0]
-        flat = probs.reshape(-1, T)  # (H*T, T): every head's query rows, a view
-        # P = sum_h A_h^T A_h as one matmul in the probabilities' own precision (T x T, no n in it), then float64
-        pair = (flat.T @ flat).to(F64)
-        weight = flat.sum(0).to(F64)  # (T,) w: how much attention each key position receives in all
-        if self.input is not None:
-            self.input.addmm_(x.T, x)
-        self.mean += x.sum(0)
-        px = pair @ x  # (T, n)
-        self.value.addmm_(x.T, px)  # sum over heads and queries of xbar xbar^T
-        pair.neg_().diagonal().add_(weight)  # diag(w) - P
-        torch.mm(pair, x, out=px)
-        self.key.addmm_(x.T, px)  # sum_m [E_a(x x^T) - xbar xbar^T]
-        self.value_mean += weight @ x
-        self.tokens += T
-        self.queries += probs.shape[0] * T
 
-    def moments(self) -> dict[str, torch.Tensor]:
-        """The expectations (sums over counts), float64, divided in place (no second copy of the sums):
-        call once, at the end."""
-        t, q = max(self.tokens, 1), max(self.queries, 1)
-        out = {"mean": self.mean.div_(t), "key": self.key.div_(q), "value": self.value.div_(q),
-               "value_mean": self.value_mean.div_(q)}
-        return out if self.input is None else {"input": self.input.div_(t), **out}
+def add_moment(total: torch.Tensor, name: str, x: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
+    """total (n, n) float64 += X^T M X over one window, X = x (T, n) and `terms` from `attention_terms`:
+    M = I for `input`, P for `value` (the sum over heads and queries of xbar xbar^T) and diag(w) - P for `key`
+    (the sum over heads and queries of E_a[x x^T] - xbar xbar^T). One float64 `addmm_`."""
+    x = x.to(F64)  # (T, n): small; every product with x accumulates in float64
+    if name == "input":
+        return total.addmm_(x.T, x)
+    T = x.shape[0]
+    pair = terms[:T].to(F64)  # (T, T)
+    if name == "key":
+        pair.neg_().diagonal().add_(terms[T].to(F64))  # diag(w) - P
+    return total.addmm_(x.T, pair @ x)
+
+
+def sum_moments(windows: int, read: Callable[[int], tuple[torch.Tensor, torch.Tensor]], heads: int,
+                keep: Callable[[str, torch.Tensor], None], device="cpu") -> None:
+    """One layer's statistics (`STATS`, expectations in float64) over its fitting windows, handed to
+    keep(name, value) one at a time. `read(w)` gives window w's attention input (T, n) and its
+    `attention_terms`. Each n x n sum runs over every window alone and is dropped once `keep` returns, so one
+    n x n float64 sum exists at a time (`keep` writes it out)."""
+    T, n = read(0)[0].shape
+    tokens = windows * T
+    queries = heads * tokens  # head x query pairs
+    mean = torch.zeros(n, dtype=F64, device=device)
+    value_mean = torch.zeros(n, dtype=F64, device=device)
+    for name in SUMS:
+        total = torch.zeros(n, n, dtype=F64, device=device)
+        for w in range(windows):
+            x, terms = read(w)
+            add_moment(total, name, x, terms)
+            if name == "input":  # the two means ride along with the last pass
+                x = x.to(F64)
+                mean += x.sum(0)
+                value_mean += terms[T].to(F64) @ x
+        keep(name, total.div_(max(tokens if name == "input" else queries, 1)))
+        del total
+    keep("mean", mean.div_(max(tokens, 1)))
+    keep("value_mean", value_mean.div_(max(queries, 1)))
 
 
 def reference_moments(x: torch.Tensor, probs: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -264,31 +271,32 @@ def _attention_module(layer: nn.Module, spec: ArchSpec, prefix: str, i: int) -> 
 
 
 def calibrate(config: dict, spec: ArchSpec, tensors: dict[str, TensorInfo], windows: torch.Tensor, heldout: int,
-              device="cpu", progress: bool = True, scratch: Path | None = None):
-    """Yield (layer index, moments dict, held-out dict) layer by layer; the moments (`STATS`) are summed in
-    float64 and yielded in float32, the precision they are stored in.
+              folder: Path, device="cpu", progress: bool = True) -> Iterator[int]:
+    """Calibrate layer by layer into `folder`: yields each layer's index once `layer_path(folder, i)` is complete
+    (its `STATS` as float32, the precision they are stored in, summed in float64; read them with `load_layer` or
+    `StoredMoment`).
 
-    `windows` (N, T) token ids; the last `heldout` windows are held out of the statistics and returned
-    whole: {"x": (N_h, T, n) attention inputs, "cos"/"sin": (T, head_dim) RoPE tables, "allowed": (T, T)
-    which keys each query may attend to}. At most two of a layer's three n x n sums, one weight block and
-    one window's activations and attention probabilities are held at a time: the key and value sums first,
-    then, with those in float32, E[x x^T] from the fitting windows' attention inputs. The hidden states of
-    all windows and those attention inputs wait in scratch files in the folder `scratch` (a temporary
-    folder when None), deleted at the end, also on an error or when the caller stops early.
+    `windows` (N, T) token ids; the last `heldout` windows are held out of the statistics and stored whole:
+    heldout.x (N_h, T, n) attention inputs, heldout.cos / heldout.sin (T, head_dim) RoPE tables and
+    heldout.allowed (T, T), which keys each query may attend to. Memory: one weight block and one window's
+    activations while the layer runs; then one n x n float64 sum at a time (`sum_moments`), each written to the
+    layer's file block by block. The hidden states of all windows, and the fitting windows' attention inputs
+    and attention terms, wait in scratch files in `folder`, deleted at the end, also on an error or when the
+    caller stops early; the layer files are the caller's.
     """
+    folder = Path(folder)
     with contextlib.ExitStack() as stack:
-        if scratch is None:
-            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="gqakit-calibration-"))
         files = []
-        for prefix in ("hidden-states-", "attention-inputs-", "statistics-"):
-            fd, path = tempfile.mkstemp(prefix=prefix, suffix=".f32", dir=scratch)
+        for prefix in ("hidden-states-", "attention-inputs-", "attention-terms-"):
+            fd, path = tempfile.mkstemp(prefix=prefix, suffix=".f32", dir=folder)
             stack.callback(os.unlink, path)
             files.append((stack.enter_context(os.fdopen(fd, "r+b", buffering=0)), path))
-        yield from _layer_major(LayerwiseModel(config, spec, tensors, device), windows, heldout, progress, *files)
+        yield from _layer_major(LayerwiseModel(config, spec, tensors, device), windows, heldout, progress, folder,
+                                *files)
 
 
-def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progress: bool, hidden_file: tuple,
-                 inputs_file: tuple, stats_file: tuple):
+def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progress: bool, folder: Path,
+                 hidden_file: tuple, inputs_file: tuple, terms_file: tuple):
     from tqdm.auto import tqdm
 
     states, layer_kwargs = None, None
@@ -296,31 +304,31 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
         h, kw = lm.layer_inputs(ids)  # (1, T, n)
         if states is None:
             states = _WindowStates(*hidden_file, tuple(h.shape[1:]))
-            inputs = _WindowStates(*inputs_file, tuple(h.shape[1:]))  # the fitting windows' attention inputs
         states.write(w, h)
         layer_kwargs = layer_kwargs or kw
         del h
     _release(lm.base)  # the final norm (and any embedding read whole) are done with
     fit = windows.shape[0] - heldout
     T, n = states.shape
+    inputs = _WindowStates(*inputs_file, (T, n))  # the fitting windows' attention inputs
+    terms = _WindowStates(*terms_file, (T + 1, T))  # ... and their attention_terms
     bar = tqdm(range(len(lm.real)), desc="calibrate", unit="layer", disable=not progress)
     for i in bar:
         layer = lm.load_layer(i)
         attn, q_proj = _attention_module(layer, lm.spec, lm.prefix, i)
         seen: dict = {}
-        sums = MomentSums.zeros(n, lm.device, with_input=False)
         held_x = []
 
         def attended(_module, _args, out):
-            """The window's statistics as soon as its attention probabilities exist: they and the attention
-            input are dropped before the MLP runs (the layer discards the probabilities it returns)."""
+            """The window's attention input and attention terms go to scratch as soon as its probabilities
+            exist: they are dropped before the MLP runs (the layer discards the probabilities it returns)."""
             if out[1] is None:
                 return
-            seen["probs"] = True
+            seen["heads"] = out[1].shape[1]
             x = seen.pop("x")[0]  # (T, n)
             if seen["w"] < fit:
-                sums.add(x, out[1][0])
                 inputs.write(seen["w"], x)
+                terms.write(seen["w"], attention_terms(out[1][0]))
             else:
                 held_x.append(x.to("cpu", torch.float32))
 
@@ -331,15 +339,17 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape[-2:]) != (T, T):
             raise GqakitError(f"layer {i} received no (T, T) attention mask from the model's forward, so calibration "
                               "cannot tell which keys each query sees; use --method aligned without --calibration")
+        heads = None
         try:
             with torch.no_grad():
                 for w in range(windows.shape[0]):
                     seen.clear()
                     seen["w"] = w
                     out = layer(states.read(w, lm.device), **kwargs)  # (1, T, n)
-                    if seen.get("probs") is None:
+                    if seen.get("heads") is None:
                         raise GqakitError(f"layer {i}'s attention returned no probabilities; calibration needs "
                                           "eager attention weights")
+                    heads = seen["heads"]
                     if not torch.isfinite(out).all():
                         raise GqakitError(f"calibration activations became non-finite after layer {i}; the checkpoint "
                                           "may be broken (try evaluating it with gqakit eval ppl)")
@@ -349,33 +359,20 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
         finally:
             for hk in hooks:
                 hk.remove()
-        cos, sin = kwargs["position_embeddings"]
-        allowed = (kwargs["attention_mask"].reshape(-1, T, T)[0] == 0).cpu()
-        held = {"x": torch.stack(held_x), "cos": cos[0].float().cpu(), "sin": sin[0].float().cpu(), "allowed": allowed}
         lm.free_layer(i)
-        moments, tokens = sums.moments(), sums.tokens
-        sums = None  # the hook's cell too: the float64 sums go as each is written out below
-        # Each finished float64 sum goes to float32 on disk, block by block, as it is freed; then E[x x^T] is
-        # summed alone. So at most two of the layer's three n x n sums exist at any time, never a float32 twin.
-        records = _Float32Records(*stats_file)
-        for key in ("key", "value"):
-            records.put(key, moments.pop(key))
-        records.put("input", _input_moment(inputs, fit, tokens, lm.device))
-        moments = {key: v.to("cpu", torch.float32) for key, v in moments.items()}  # the two means (n,)
-        moments.update(records.take())
-        yield i, moments, held
-        del moments, held
-
-
-def _input_moment(inputs, windows: int, tokens: int, device) -> torch.Tensor:
-    """E[x x^T] (float64) over the attention inputs of the first `windows` windows, read back from the scratch
-    file one window at a time."""
-    n = inputs.shape[1]
-    total = torch.zeros(n, n, dtype=F64, device=device)
-    for w in range(windows):
-        x = inputs.read(w, device)[0].to(F64)  # (T, n)
-        total.addmm_(x.T, x)
-    return total.div_(max(tokens, 1))
+        cos, sin = kwargs["position_embeddings"]
+        held = {"x": torch.stack(held_x), "cos": cos[0].float().cpu(), "sin": sin[0].float().cpu(),
+                "allowed": (mask.reshape(-1, T, T)[0] == 0).cpu()}
+        held_x.clear()
+        shapes = {**{name: (n, n) if name in SUMS else (n,) for name in STATS},
+                  **{f"heldout.{k}": tuple(v.shape) for k, v in held.items()}}
+        with LayerFile(layer_path(folder, i), shapes) as out_file:
+            for k, v in held.items():
+                out_file.write(f"heldout.{k}", v)
+            del held
+            sum_moments(fit, lambda w: (inputs.read(w, lm.device)[0], terms.read(w, lm.device)[0]), heads,
+                        out_file.write, lm.device)
+        yield i
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -415,26 +412,60 @@ def logit_error(held: dict, before: tuple, after: tuple, num_heads: int, kv_befo
     return math.sqrt(num / max(den, 1e-300))
 
 
-def save_layer(folder: Path, layer: int, moments: dict, held: dict) -> Path:
-    """One layer's statistics as float32 safetensors (the merge reads them back one layer at a time).
+MASK = "heldout.allowed"  # the one boolean tensor of a layer file (stored as U8)
 
-    Written in row blocks of at most `BLOCK_BYTES`: no float32 copy of a whole float64 sum is ever made."""
+
+def layer_path(folder: Path, layer: int) -> Path:
+    return Path(folder) / f"layer-{layer:05d}.safetensors"
+
+
+class LayerFile:
+    """One layer's statistics and held-out windows as a safetensors file (float32; `MASK` as U8), written one
+    tensor at a time, in any order: the header, with every tensor's shape, goes first, and each tensor is then
+    written in row blocks of at most `BLOCK_BYTES` at its offset, so no float32 copy of a whole float64 sum is
+    ever made. A file left incomplete is an error when the `with` block ends."""
+
+    def __init__(self, path: Path, shapes: dict[str, tuple[int, ...]]):
+        header, offset, self.where = {"__metadata__": {"format": "pt"}}, 0, {}
+        for name, shape in shapes.items():
+            nbytes = math.prod(shape) * (1 if name == MASK else 4)
+            header[name] = {"dtype": "U8" if name == MASK else "F32", "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self.where[name] = (offset, tuple(shape))
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # keep the data 8-byte aligned
+        self.path, self.base, self.missing = path, 8 + len(blob), set(shapes)
+        self.file = open(path, "wb", buffering=0)
+        self.file.write(struct.pack("<Q", len(blob)) + blob)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        offset, shape = self.where[name]
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the header says {shape}")
+        position = self.base + offset
+        for block in row_blocks(tensor):
+            block = block.to("cpu", torch.uint8 if name == MASK else torch.float32)
+            _write_from(self.file, block, position)
+            position += block.numel() * block.element_size()
+        self.missing.discard(name)
+
+    def __enter__(self) -> "LayerFile":
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        self.file.close()
+        if kind is None and self.missing:
+            raise RuntimeError(f"{self.path}: {sorted(self.missing)} never written")
+
+
+def save_layer(folder: Path, layer: int, moments: dict, held: dict) -> Path:
+    """One layer's statistics (any float dtype) and held-out windows as `LayerFile` (what calibration writes)."""
     tensors = {**moments, **{f"heldout.{k}": v for k, v in held.items()}}
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, v in tensors.items():
-        nbytes = v.numel() * (1 if v.dtype == torch.bool else 4)
-        header[name] = {"dtype": "U8" if v.dtype == torch.bool else "F32", "shape": list(v.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # keep the data 8-byte aligned
-    path = folder / f"layer-{layer:05d}.safetensors"
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for v in (v for v in tensors.values() if v.numel()):
-            for block in row_blocks(v):
-                block = block.to(torch.uint8) if v.dtype == torch.bool else block.to(torch.float32)
-                f.write(memoryview(block.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    path = layer_path(folder, layer)
+    with LayerFile(path, {name: tuple(v.shape) for name, v in tensors.items()}) as f:
+        for name, v in tensors.items():
+            f.write(name, v)
     return path
 
 
@@ -443,7 +474,7 @@ class StoredMoment:
     the merge never holds it whole: plain reads at its byte range, no mapping."""
 
     def __init__(self, folder: Path, layer: int, name: str):
-        path = folder / f"layer-{layer:05d}.safetensors"
+        path = layer_path(folder, layer)
         info = read_header(path)[0][name]
         if info.dtype != "F32" or len(info.shape) != 2:
             raise GqakitError(f"{path}: '{name}' is not a float32 matrix; the calibration folder was changed")
@@ -470,7 +501,7 @@ def load_layer(folder: Path, layer: int, keys: tuple[str, ...] = STATS, dtype: t
     `save_layer`'s file."""
     from safetensors import safe_open
 
-    with safe_open(str(folder / f"layer-{layer:05d}.safetensors"), framework="pt") as f:
+    with safe_open(str(layer_path(folder, layer)), framework="pt") as f:
         moments = {k: f.get_tensor(k).to(dtype) for k in keys}
         held = {k[len("heldout."):]: f.get_tensor(k) for k in f.keys() if k.startswith("heldout.")}
     held["allowed"] = held["allowed"].bool()

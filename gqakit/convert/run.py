@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from ..errors import GqakitError
 from .align import GROUPINGS, check_merge_options, coordinates, merge_coordinates, permute_kv_heads
-from .calibrate import StoredMoment, calibrate, load_layer, logit_error, save_layer
+from .calibrate import StoredMoment, calibrate, load_layer, logit_error
 from .calibration_data import CalibrationData, load_calibration
 from .card import write_card
 from .checkpoint import DTYPES, INDEX, SINGLE, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
@@ -434,10 +434,9 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
         if calibration is not None:  # one pass, layer by layer; statistics wait on disk, one file per layer
             how = dataclasses.replace(how, stats=tmp / ".calibration")
             how.stats.mkdir()
-            for i, moments, heldout in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout,
-                                                 cfg.calibration_device or "cpu", cfg.progress, scratch=how.stats):
-                save_layer(how.stats, i, moments, heldout)
-                del moments, heldout  # else layer i's sums stay alive while the generator computes layer i + 1
+            for _ in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout, how.stats,
+                               cfg.calibration_device or "cpu", cfg.progress):
+                pass  # each layer's statistics are in their file in how.stats when its index is yielded
             release_freed_memory()  # the calibration model's heap goes back to the OS before the merge
         writer = ShardWriter(tmp, entries, plan.max_shard_bytes)
         # One worker thread computes the next regrouped tensors while this thread streams byte copies

@@ -146,27 +146,3 @@ class _WindowStates:
         read_into(self.file, hidden, w * self.record,
                    f"the calibration scratch file {self.path} ended early; was it changed or its disk full?")
         return hidden.to(device)
-
-
-class _Float32Records:
-    """Float32 copies of tensors in a scratch file: each is written one row block at a time (a float64 source is
-    never converted whole, so it can be freed without a float32 twin in memory) and read back whole by `take`."""
-
-    def __init__(self, file, path: str):
-        self.file, self.path = file, path
-        self.end, self.index = 0, {}
-
-    def put(self, name: str, tensor: torch.Tensor) -> None:
-        self.index[name] = (self.end, tuple(tensor.shape))
-        for block in row_blocks(tensor):
-            block = block.to("cpu", torch.float32)
-            _write_from(self.file, block, self.end)
-            self.end += block.numel() * 4
-
-    def take(self) -> dict[str, torch.Tensor]:
-        """Every tensor put since the last take, float32; the file is reused from its start."""
-        out = {name: read_into(self.file, torch.empty(shape), offset,
-                                f"the calibration scratch file {self.path} ended early; was it changed or its disk full?")
-               for name, (offset, shape) in self.index.items()}
-        self.end, self.index = 0, {}
-        return out
