@@ -112,12 +112,14 @@ def test_layer_by_layer_pass_sees_what_the_whole_model_sees(family, tmp_path):
         assert held["allowed"].sum() == (p[0, 0] > 0).sum()  # ... and no other (eager probs are positive)
 
 
-# plain, biased k/v, scaled embedding and softcaps, fused qkv_proj / gate_up_proj, per-head qk norms
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3", "stablelm"])
-def test_streamed_layer_gives_the_materialised_layers_output(family, tmp_path, monkeypatch):
+# plain, biased MLP (its biases read under the MLP's own names, not the chunked wrapper's), biased k/v, scaled
+# embedding and softcaps, fused qkv_proj / gate_up_proj, per-head qk norms
+@pytest.mark.parametrize("family, overrides", [("llama", {}), ("llama", {"mlp_bias": True}), ("qwen2", {}),
+                                               ("gemma2", {}), ("phi3", {}), ("stablelm", {})])
+def test_streamed_layer_gives_the_materialised_layers_output(family, overrides, tmp_path, monkeypatch):
     monkeypatch.setattr(streamed_module, "BLOCK_BYTES", 3 * 32 * 4)  # 3 rows of 32: 11 blocks, the last of 2 rows
     monkeypatch.setattr(calibrate_module, "MLP_TOKENS", 5)  # the MLP over 4 chunks of the window, the last of 1
-    src = make_model(family, tmp_path / "src")
+    src = make_model(family, tmp_path / "src", **overrides)
     config = json.loads((src / "config.json").read_text())
     lm = LayerwiseModel(config, find_family(config["architectures"][0]), scan_checkpoint(src))
     hidden, kwargs = lm.layer_inputs(torch.randint(3, 64, (16,), generator=torch.Generator().manual_seed(3)))
@@ -266,6 +268,62 @@ def test_bad_calibration_input_is_refused_in_one_line(tmp_path):
     ]
     for args, needles in cases:
         run_refused(tmp_path, "convert-gqa", "--groups", "2", *args, "-o", out, needles=needles)
+
+
+def test_a_layer_file_left_partial_is_removed(tmp_path):
+    """Its header is complete from the start, so a partial file would read as zeros: an error inside the `with`
+    block, or a tensor never written, removes it."""
+    from gqakit.convert.calibrate import LayerFile
+
+    path = tmp_path / "layer.safetensors"
+    with pytest.raises(OSError, match="disk full"):
+        with LayerFile(path, {"key": (3, 3), "mean": (3,)}) as f:
+            f.write("mean", torch.ones(3))
+            raise OSError("disk full")
+    assert not path.exists()
+    with pytest.raises(RuntimeError, match=r"\['key'\] never written"):
+        with LayerFile(path, {"key": (3, 3), "mean": (3,)}) as f:
+            f.write("mean", torch.ones(3))
+    assert not path.exists()
+    with LayerFile(path, {"key": (3, 3), "mean": (3,)}) as f:
+        f.write("key", torch.eye(3, dtype=torch.float64))
+        f.write("mean", torch.ones(3))
+    assert torch.equal(load_file(path)["key"], torch.eye(3))
+
+
+def test_a_slightly_indefinite_statistic_gets_the_next_ridge_and_a_broken_one_a_one_line_error(monkeypatch):
+    """A calibrated metric whose negative directions (float32 rounding) the smallest ridge does not cover is
+    merged with the next ridge that does: the same merge as asking for that ridge alone. One that no ridge
+    makes positive semi-definite is a GqakitError."""
+    import types
+
+    from gqakit.convert import run as run_module
+    from gqakit.errors import GqakitError
+
+    gen = torch.Generator().manual_seed(7)
+    n, heads, d = 16, 4, 4
+    rotation = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))[0].float()
+    weights = {"q_w": torch.randn(n, n, generator=gen), "k_w": torch.randn(n, n, generator=gen),
+               "v_w": rotation, "o_w": torch.randn(n, n, generator=gen)}
+    plan = types.SimpleNamespace(num_attention_heads=heads, num_key_value_heads=heads, groups=2, head_dim=d,
+                                 method="fit")
+    x = torch.randn(4, n, generator=gen)  # 4 samples: a rank-4 moment, 12 directions at eigenvalue 0
+    moment = x.T @ x / 4
+    slightly = moment - 3e-3 * moment.diagonal().mean() * torch.eye(n)  # those 12 at -3e-3 x the mean diagonal
+
+    def stats(m):
+        return lambda names: {k: {"key": m, "value": m, "value_mean": x.mean(0)}[k] for k in names}
+
+    got, _ = run_module.merge_layer(plan, weights, "contiguous", stats(slightly))
+    monkeypatch.setattr(run_module, "RIDGES", (1e-6,))
+    with pytest.raises(GqakitError, match="not positive semi-definite even with a ridge of 1e-06"):
+        run_module.merge_layer(plan, weights, "contiguous", stats(slightly))  # the smallest alone does not do
+    monkeypatch.setattr(run_module, "RIDGES", (1e-2,))
+    want, _ = run_module.merge_layer(plan, weights, "contiguous", stats(slightly))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    monkeypatch.undo()
+    with pytest.raises(GqakitError, match="recalibrate"):
+        run_module.merge_layer(plan, weights, "contiguous", stats(-moment - torch.eye(n)))
 
 
 def test_stored_moment_is_read_in_row_blocks_and_gives_the_same_gram(tmp_path, monkeypatch):

@@ -79,7 +79,7 @@ def add_moment(total: torch.Tensor, name: str, x: torch.Tensor, terms: torch.Ten
     if name == "input":
         return total.addmm_(x.T, x)
     T = x.shape[0]
-    pair = terms[:T].to(F64)  # (T, T)
+    pair = terms[:T].to(F64, copy=True)  # (T, T), changed in place below: never the caller's terms
     if name == "key":
         pair.neg_().diagonal().add_(terms[T].to(F64))  # diag(w) - P
     return total.addmm_(x.T, pair @ x)
@@ -252,10 +252,11 @@ class LayerwiseModel:
         layer = self.real[i]
         if stream:
             self.swapped[i] = _stream(layer, f"{self.prefix}{i}.", self.tensors, f"layer {i}")
-            if isinstance(getattr(layer, "mlp", None), nn.Module):
-                self.swapped[i].append((layer, "mlp", layer.mlp))
-                layer.mlp = _TokenChunks(layer.mlp)
+        # before the MLP is wrapped, so that parameter names (e.g. mlp.gate_proj.bias) are the checkpoint's
         _materialise(layer, f"{self.prefix}{i}.", self.tensors, self.device, f"layer {i}")
+        if stream and isinstance(getattr(layer, "mlp", None), nn.Module):
+            self.swapped[i].append((layer, "mlp", layer.mlp))
+            layer.mlp = _TokenChunks(layer.mlp)
         return layer.to(self.device)
 
     def free_layer(self, i: int) -> None:
@@ -423,7 +424,8 @@ class LayerFile:
     """One layer's statistics and held-out windows as a safetensors file (float32; `MASK` as U8), written one
     tensor at a time, in any order: the header, with every tensor's shape, goes first, and each tensor is then
     written in row blocks of at most `BLOCK_BYTES` at its offset, so no float32 copy of a whole float64 sum is
-    ever made. A file left incomplete is an error when the `with` block ends."""
+    ever made. The file is removed if the `with` block ends early (an error) or leaves a tensor unwritten (which
+    is then an error): its header is complete from the start, so a partial file would read as zeros."""
 
     def __init__(self, path: Path, shapes: dict[str, tuple[int, ...]]):
         header, offset, self.where = {"__metadata__": {"format": "pt"}}, 0, {}
@@ -455,6 +457,8 @@ class LayerFile:
 
     def __exit__(self, kind, *_) -> None:
         self.file.close()
+        if kind is not None or self.missing:
+            self.path.unlink()
         if kind is None and self.missing:
             raise RuntimeError(f"{self.path}: {sorted(self.missing)} never written")
 
@@ -496,13 +500,15 @@ class StoredMoment:
         return self._diagonal
 
 
-def load_layer(folder: Path, layer: int, keys: tuple[str, ...] = STATS, dtype: torch.dtype = F64) -> tuple[dict, dict]:
-    """One layer's statistics `keys` (in `dtype`; stored float32) and its held-out windows, read back from
-    `save_layer`'s file."""
+def load_layer(folder: Path, layer: int, keys: tuple[str, ...] = STATS, dtype: torch.dtype = F64,
+               held: bool = True) -> tuple[dict, dict]:
+    """One layer's statistics `keys` (in `dtype`; stored float32) and, with `held`, its held-out windows (else
+    {}), read back from its `LayerFile`."""
     from safetensors import safe_open
 
     with safe_open(str(layer_path(folder, layer)), framework="pt") as f:
         moments = {k: f.get_tensor(k).to(dtype) for k in keys}
-        held = {k[len("heldout."):]: f.get_tensor(k) for k in f.keys() if k.startswith("heldout.")}
-    held["allowed"] = held["allowed"].bool()
-    return moments, held
+        windows = {k[len("heldout."):]: f.get_tensor(k) for k in f.keys() if held and k.startswith("heldout.")}
+    if held:
+        windows["allowed"] = windows["allowed"].bool()
+    return moments, windows

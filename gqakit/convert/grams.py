@@ -23,6 +23,11 @@ PSD_TOLERANCE = 1e-6  # a Gram eigenvalue below -tol * the largest means the met
 RANK_TOLERANCE = 1e-12  # factor directions with eigenvalue below tol * the largest are treated as zero
 
 
+class IndefiniteMetric(ValueError):
+    """A Gram had an eigenvalue below -PSD_TOLERANCE times its largest: the metric is not positive semi-definite
+    (not a second moment, or one whose float32 rounding the ridge did not cover)."""
+
+
 class Metric(NamedTuple):
     """An input metric for rows of width n (+1 with a bias column), kept in its stored dtype.
 
@@ -169,7 +174,7 @@ def factor(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lam, u = torch.linalg.eigh(g)
     top = lam.amax(-1, keepdim=True).clamp_min(1e-300)
     if bool((lam < -PSD_TOLERANCE * top).any()):
-        raise ValueError("the input metric is not positive semi-definite (is it a second moment?)")
+        raise IndefiniteMetric("the input metric is not positive semi-definite (is it a second moment?)")
     keep = lam > RANK_TOLERANCE * top
     root = lam.clamp_min(0).sqrt()
     y = u * root[..., None, :]  # (..., r, r): row i's coordinates

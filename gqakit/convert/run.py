@@ -23,7 +23,7 @@ from .calibrate import StoredMoment, calibrate, load_layer, logit_error
 from .calibration_data import CalibrationData, load_calibration
 from .card import write_card
 from .checkpoint import DTYPES, INDEX, SINGLE, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
-from .grams import Metric, key_side, moment_metric, value_side
+from .grams import IndefiniteMetric, Metric, key_side, moment_metric, value_side
 from .plan import LAYER_METHODS, Plan, TensorOp, make_plan
 from .pooling import random_heads, regroup, relative_error
 from .publish import check_replaceable
@@ -224,20 +224,23 @@ def _attention_key(plan: Plan, layer: int, name: str) -> str:
     raise AssertionError(f"{name} is not an attention tensor of layer {layer}")
 
 
-def key_metric(key: torch.Tensor | None, n: int, with_bias: bool) -> Metric:
+RIDGES = (1e-6, 1e-4, 1e-2)  # a calibrated metric's ridge (times its mean diagonal), tried in turn
+
+
+def key_metric(key: torch.Tensor | None, n: int, with_bias: bool, ridge: float = RIDGES[0]) -> Metric:
     """Keys are compared in the attention-weighted covariance of the inputs each query sees; a key (or query)
     bias shifts all of a query's logits alike, so its coordinate gets the average weight of an input direction."""
     if key is None:
         return Metric(n, with_bias)
-    return moment_metric(key, with_bias, corner=float(key.diagonal().to(torch.float64).mean()))
+    return moment_metric(key, with_bias, corner=float(key.diagonal().to(torch.float64).mean()), ridge=ridge)
 
 
 def value_metric(value: torch.Tensor | None = None, value_mean: torch.Tensor | None = None, *, n: int,
-                 with_bias: bool) -> Metric:
+                 with_bias: bool, ridge: float = RIDGES[0]) -> Metric:
     """Values are compared in the second moment of the attention-averaged input, (x, 1) with a v_proj bias."""
     if value is None:
         return Metric(n, with_bias)
-    return moment_metric(value, with_bias, cross=value_mean)
+    return moment_metric(value, with_bias, cross=value_mean, ridge=ridge)
 
 
 def merge_layer(plan: Plan, weights: dict[str, torch.Tensor], grouping: str = "similarity",
@@ -257,11 +260,21 @@ def merge_layer(plan: Plan, weights: dict[str, torch.Tensor], grouping: str = "s
     n = k_w.shape[1]
     read = stats if stats is not None else (lambda names: {})
     # Each statistic lives only while its Grams are computed; the (K d)^2 value Gram only until the factors exist.
-    keys = key_side(q_w, q_b, k_w, k_b, key_metric(read(("key",)).get("key"), n, q_b is not None or k_b is not None),
-                    H, K, d)
-    values = value_side(v_w, v_b, o_w, value_metric(**read(("value", "value_mean")), n=n, with_bias=v_b is not None),
-                        H, K, d)
-    coords = coordinates(keys, values, K, G, d, grouping)
+    # A calibrated metric whose float32 rounding the smallest ridge does not cover gets the next one.
+    for ridge in RIDGES if stats is not None else RIDGES[:1]:
+        try:
+            keys = key_side(q_w, q_b, k_w, k_b, key_metric(read(("key",)).get("key"), n, q_b is not None or
+                                                           k_b is not None, ridge), H, K, d)
+            values = value_side(v_w, v_b, o_w, value_metric(**read(("value", "value_mean")), n=n,
+                                                            with_bias=v_b is not None, ridge=ridge), H, K, d)
+            coords = coordinates(keys, values, K, G, d, grouping)
+            break
+        except IndefiniteMetric:
+            keys = values = None
+            if stats is None or ridge == RIDGES[-1]:
+                raise GqakitError(f"the merge's metric is not positive semi-definite even with a ridge of {ridge:g} x "
+                                  "its mean diagonal; recalibrate (--calibration-tokens) or use --method aligned "
+                                  "without --calibration") from None
     del keys, values
     merged = merge_coordinates(q_w, k_w, v_w, o_w, q_b, k_b, v_b, coords, H, K, G, d, **MERGES[plan.method])
     del coords
@@ -326,7 +339,7 @@ def _read_stats(folder: Path, layer: int, names: tuple[str, ...]) -> dict:
     vectors in their stored float32."""
     out = {name: StoredMoment(folder, layer, name) for name in names if name in ("key", "value")}
     rest = tuple(name for name in names if name not in out)
-    return {**out, **(load_layer(folder, layer, rest, dtype=torch.float32)[0] if rest else {})}
+    return {**out, **(load_layer(folder, layer, rest, dtype=torch.float32, held=False)[0] if rest else {})}
 
 
 def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, dict[str, float]],
@@ -340,8 +353,11 @@ def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], erro
         if how.stats is not None:  # read back one statistic at a time, in the float32 they were stored in
             heldout = load_layer(how.stats, op.layer, ())[1]
             stats = functools.partial(_read_stats, how.stats, op.layer)
-        merged, cost = merge_layer(plan, {key: load_tensor(tensors[name], name) for key, name in keys.items()},
-                                   how.grouping, stats, heldout)
+        try:
+            merged, cost = merge_layer(plan, {key: load_tensor(tensors[name], name) for key, name in keys.items()},
+                                       how.grouping, stats, heldout)
+        except GqakitError as e:
+            raise GqakitError(f"layer {op.layer}: {e}") from None
         del heldout
         errors.setdefault(op.layer, {}).update(cost)
         layers[op.layer] = {keys[key]: tensor for key, tensor in merged.items()}
