@@ -239,6 +239,7 @@ def test_a_single_document_holds_out_a_tail_span(files, tok, tmp_path):
     k = min(4, round(0.02 * ((len(stream) - 1) // 32)))
     need = k * 32 + 1
     assert data.describe()["held_out"] == "tail" and len(data.eval) == k
+    assert data.describe()["held_out_documents"] is None  # no whole documents were held out
     assert torch.equal(data.eval, pack(stream[-need:], 32))
     assert torch.equal(data.train[list(range(len(data.train)))], pack(stream[:-need], 32))
 
@@ -292,6 +293,7 @@ def test_uptrain_trains_on_a_token_cache(files, tmp_path, capsys):
                           eval_data=[str(held)], output_dir=str(tmp_path / "run"), steps=1, seq_len=16)
     record = uptrain(load_recipe(UptrainConfig, recipe))
     assert record["data"]["held_out"] == "eval_data" and record["data"]["eval_sequences"] == 4
+    assert record["data"]["held_out_documents"] is None  # evaluation data of its own: nothing held out of training
     empty = tmp_path / "empty"
     empty.mkdir()
     recipe = write_recipe(tmp_path / "r2.yaml", model=str(model), data=[str(empty)], output_dir=str(tmp_path / "run2"),

@@ -82,9 +82,10 @@ class PackedData:
     held_out_documents: int = 0
 
     def describe(self) -> dict:
+        """For uptraining.json; `held_out_documents` is null unless whole documents were held out of training."""
         return {"train_sequences": len(self.train), "eval_sequences": len(self.eval),
                 "train_stream_tokens": self.train_tokens, "held_out": self.held_out,
-                "held_out_documents": self.held_out_documents}
+                "held_out_documents": self.held_out_documents if self.held_out == "documents" else None}
 
 
 def _groups(entries: tuple[str, ...]) -> list[Source | list[Source]]:
