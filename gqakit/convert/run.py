@@ -261,7 +261,8 @@ def merge_layer(plan: Plan, weights: dict[str, torch.Tensor], grouping: str = "s
     read = stats if stats is not None else (lambda names: {})
     # Each statistic lives only while its Grams are computed; the (K d)^2 value Gram only until the factors exist.
     # A calibrated metric whose float32 rounding the smallest ridge does not cover gets the next one.
-    for ridge in RIDGES if stats is not None else RIDGES[:1]:
+    ridges = RIDGES if stats is not None else RIDGES[:1]  # weights alone: the identity metric, no ridge to raise
+    for ridge in ridges:
         try:
             keys = key_side(q_w, q_b, k_w, k_b, key_metric(read(("key",)).get("key"), n, q_b is not None or
                                                            k_b is not None, ridge), H, K, d)
@@ -271,7 +272,7 @@ def merge_layer(plan: Plan, weights: dict[str, torch.Tensor], grouping: str = "s
             break
         except IndefiniteMetric:
             keys = values = None
-            if stats is None or ridge == RIDGES[-1]:
+            if ridge == ridges[-1]:
                 raise GqakitError(f"the merge's metric is not positive semi-definite even with a ridge of {ridge:g} x "
                                   "its mean diagonal; recalibrate (--calibration-tokens) or use --method aligned "
                                   "without --calibration") from None
