@@ -100,9 +100,9 @@ def sum_moments(windows: int, read: Callable[[int], tuple[torch.Tensor, torch.Te
         total = torch.zeros(n, n, dtype=F64, device=device)
         for w in range(windows):
             x, terms = read(w)
+            x = x.to(F64)  # once: add_moment's own conversion is then a no-op
             add_moment(total, name, x, terms)
             if name == "input":  # the two means ride along with the last pass
-                x = x.to(F64)
                 mean += x.sum(0)
                 value_mean += terms[T].to(F64) @ x
         keep(name, total.div_(max(tokens if name == "input" else queries, 1)))
