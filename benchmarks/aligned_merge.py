@@ -84,7 +84,7 @@ def load(name: str):
         window = json.loads((path / "pretraining.json").read_text())["heldout"]["window"]
         calib_text = (ROOT / "gqakit/assets/pride_and_prejudice.txt").read_text(encoding="utf-8")
     else:
-        from gqakit.evaluate.data import encode_documents, load_documents
+        from gqakit.common.text import encode_documents, load_documents
 
         path = SMOLLM2
         tok = AutoTokenizer.from_pretrained(path)

@@ -46,8 +46,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_speed import PRESETS, converter_command, llama_config, llama_entries, log, run_child  # noqa: E402
 
-from gqakit.convert.calibrate import MLP_TOKENS  # noqa: E402
-from gqakit.convert.checkpoint import ShardWriter  # noqa: E402
+from gqakit.convert.calibration.calibrate import MLP_TOKENS  # noqa: E402
+from gqakit.hf.checkpoint import ShardWriter  # noqa: E402
 from gqakit.convert.grams import BLOCK  # noqa: E402
 from gqakit.convert.run import parse_size  # noqa: E402
 

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gqakit.convert.checkpoint import INDEX, SINGLE, ShardWriter
+from gqakit.hf.checkpoint import INDEX, SINGLE, ShardWriter
 from gqakit.convert.run import parse_size
-from gqakit.errors import GqakitError
+from gqakit.common.errors import GqakitError
 
 RATIO_TARGET = 1.5  # convert may take at most 1.5x the time of cp -r
 RSS_TARGET_MB = 1536  # and hold at most 1.5 GiB resident (MiB)

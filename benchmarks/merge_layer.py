@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from gqakit.convert.calibrate import save_layer
+from gqakit.convert.calibration.calibrate import save_layer
 from gqakit.convert.run import _read_stats, merge_layer, return_freed_memory_eagerly
 
 

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from gqakit.attention.cache import SinkCache
+from gqakit.decode.cache import SinkCache
 
 FLAT_TARGET = 1.5  # SinkCache: latency at the deepest point <= 1.5x latency at the first
 

@@ -62,7 +62,7 @@ def _tokens_per_char(tokenizer, text: str) -> float:
 def write_corpus(folder: Path, tokens: int, fmt: str, seed: int = 0) -> int:
     """~`tokens` tokens of Emma words in `folder`; returns the characters written."""
     from gqakit.reference import HELDOUT_TEXT, reference_model_path
-    from gqakit.uptrain.token_build import load_tokenizer
+    from gqakit.uptrain.data.token_build import load_tokenizer
 
     words = Path(HELDOUT_TEXT).read_text(encoding="utf-8").split()
     rng = random.Random(seed)
@@ -96,8 +96,8 @@ def _entries(folder: Path, fmt: str) -> list[str]:
 
 def child_build(args) -> dict:
     from gqakit.reference import reference_model_path
-    from gqakit.uptrain.sources import resolve_source
-    from gqakit.uptrain.token_build import build_cache, load_tokenizer
+    from gqakit.uptrain.data.sources import resolve_source
+    from gqakit.uptrain.data.token_build import build_cache, load_tokenizer
 
     tokenizer = load_tokenizer(str(reference_model_path()))
     base = _status_mib("VmRSS")
@@ -112,8 +112,8 @@ def child_old(args) -> dict:
     import hashlib
 
     from gqakit.reference import reference_model_path
-    from gqakit.uptrain.data import read_documents, tokenize_stream
-    from gqakit.uptrain.token_build import load_tokenizer
+    from gqakit.uptrain.data.batches import read_documents, tokenize_stream
+    from gqakit.uptrain.data.token_build import load_tokenizer
 
     tokenizer = load_tokenizer(str(reference_model_path()))
     base = _status_mib("VmRSS")
@@ -129,8 +129,8 @@ def child_windows(args) -> dict:
     import numpy as np
     import torch
 
-    from gqakit.uptrain.token_cache import TOKENS, open_cache
-    from gqakit.uptrain.windows import Corpus, Windows
+    from gqakit.uptrain.data.token_cache import TOKENS, open_cache
+    from gqakit.uptrain.data.windows import Corpus, Windows
 
     cache = open_cache(args.cache)
     corpus = Corpus([cache])

@@ -17,9 +17,9 @@ import os
 import shlex
 import sys
 
-from . import __version__
-from .errors import GqakitError
-from .evaluate.cli import add_eval_parser
+from gqakit import __version__
+from gqakit.common.errors import GqakitError
+from gqakit.evaluate.cli import add_eval_parser
 
 
 def _add_convert_args(p: argparse.ArgumentParser) -> None:
@@ -55,10 +55,10 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_convert(args: argparse.Namespace, command: str) -> None:
-    from .convert import ConvertConfig, convert
-    from .convert.card import describe_plan, kv_summary
-    from .convert.plan import LAYER_METHODS
-    from .convert.run import return_freed_memory_eagerly
+    from gqakit.convert import ConvertConfig, convert
+    from gqakit.convert.card import describe_plan, kv_summary
+    from gqakit.convert.plan import LAYER_METHODS
+    from gqakit.convert.run import return_freed_memory_eagerly
 
     cfg = ConvertConfig(
         model_dir=args.model_dir, groups=args.groups, output_dir=args.output_dir, method=args.method,
@@ -80,14 +80,14 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
 
 
 def _run_demo(args: argparse.Namespace, command: str) -> None:
-    from .demo import run_demo
+    from gqakit.demo import run_demo
 
     run_demo(output_dir=args.output_dir, eval_tokens=args.eval_tokens, keep=args.keep, force=args.force,
              command=command)
 
 
 def _run_generate(args: argparse.Namespace, command: str) -> None:
-    from .generate import GenerateConfig, generate
+    from gqakit.generate import GenerateConfig, generate
 
     optional = {k: getattr(args, k) for k in ("sinks", "window", "temperature", "top_p", "seed")
                 if getattr(args, k) is not None}  # typed ones only: GenerateConfig refuses those it would ignore
@@ -122,8 +122,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_uptrain(args: argparse.Namespace, command: str) -> None:
-    from .recipes import load_recipe
-    from .uptrain.config import UptrainConfig  # without torch: a bad recipe is refused at once
+    from gqakit.common.options import load_recipe
+    from gqakit.uptrain.config import UptrainConfig  # without torch: a bad recipe is refused at once
 
     overrides = list(args.overrides)
     budget = ("alpha", "tokens", "steps")
@@ -140,14 +140,14 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
     if args.device_memory is not None:
         cfg = dataclasses.replace(cfg, device_memory=args.device_memory)
     if args.plan:  # arithmetic from config.json alone: no data, tokenizer or output folder needed
-        from .uptrain.memory_plan import describe_plan
+        from gqakit.uptrain.memory_plan import describe_plan
 
         print(describe_plan(cfg, args.processes))
         return
     if args.processes is not None:
         raise GqakitError("--processes only applies with --plan; a run's world size is the launcher's "
                           "(torchrun --nproc_per_node N ...)")
-    from .uptrain.loop import uptrain
+    from gqakit.uptrain.loop import uptrain
 
     record = uptrain(cfg, command=command)
     import torch.distributed as dist
@@ -163,7 +163,7 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
 
 
 def _run_tokenize(args: argparse.Namespace, command: str) -> None:
-    from .uptrain.token_build import tokenize_to
+    from gqakit.uptrain.data.token_build import tokenize_to
 
     header = tokenize_to(args.data, args.output, args.tokenizer, num_proc=args.num_proc, text_column=args.text_column,
                          force=args.force, progress=not args.quiet)
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     up.set_defaults(func=_run_uptrain,
                     interrupted="the last checkpoint is kept: run the same command again to resume")
-    tok = sub.add_parser("tokenize", help="tokenise training data once into a token cache (see gqakit.uptrain.token_build)")
+    tok = sub.add_parser("tokenize", help="tokenise training data once into a token cache (see gqakit.uptrain.data.token_build)")
     _add_tokenize_args(tok)
     tok.set_defaults(func=_run_tokenize, interrupted="nothing was written")
     add_eval_parser(sub)

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .convert import ConvertConfig, convert
-from .errors import GqakitError
-from .evaluate.models import kv_bytes_per_token, kv_heading, model_dtype
-from .evaluate.perplexity import perplexity
-from .evaluate.report import prepare_output, write_report
-from .reference import HELDOUT_TEXT, reference_model_path
+from gqakit import __version__
+from gqakit.convert import ConvertConfig, convert
+from gqakit.common.errors import GqakitError
+from gqakit.hf.loading import kv_bytes_per_token, kv_heading, model_dtype
+from gqakit.evaluate.perplexity import perplexity
+from gqakit.common.report import prepare_output, write_report
+from gqakit.reference import HELDOUT_TEXT, reference_model_path
 
 GROUPS = (4, 2, 1)
 METHODS = ("mean", "first", "random")

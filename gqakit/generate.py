@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import GqakitError
+from gqakit.common.errors import GqakitError
 
 ATTENTION = ("sinks", "sliding", "tiled", "default")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -121,8 +121,8 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> str:
     out, err = out or sys.stdout, err or sys.stderr
     prompt = _prompt(cfg)  # before the heavy imports: a bad prompt file is refused at once
 
-    from .attention import streaming
-    from .evaluate.models import apply_attention, load_model
+    from gqakit.decode import streaming
+    from gqakit.hf.loading import apply_attention, load_model
 
     model, tok = load_model(cfg.model, cfg.dtype, device="cpu")  # the prompt's ids stay on the CPU
     kernel = cfg.attention == "tiled"

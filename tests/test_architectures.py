@@ -218,7 +218,7 @@ def family_model(request, tmp_path_factory):
 
 
 def test_every_supported_architecture_is_tested():
-    from gqakit.convert.architectures import supported_architectures
+    from gqakit.hf.architectures import supported_architectures
 
     assert sorted(ARCHITECTURES.values()) == supported_architectures()
 

@@ -8,7 +8,7 @@ import torch
 from transformers.masking_utils import and_masks, padding_mask_function, sdpa_mask
 
 from gqakit.attention.masks import AttentionOptionError, MaskSpec
-from gqakit.errors import GqakitError
+from gqakit.common.errors import GqakitError
 
 SPECS = [
     MaskSpec(),

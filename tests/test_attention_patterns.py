@@ -16,7 +16,7 @@ from gqakit.attention import patterns, registry
 from gqakit.attention.masks import AttentionOptionError, MaskSpec
 from gqakit.attention.reference import eager_reference
 from gqakit.attention.tiled import block_plan, tiled_attention, work
-from gqakit.errors import GqakitError
+from gqakit.common.errors import GqakitError
 from test_tiled import left_padding, make_inputs
 
 NEG_INF = float("-inf")

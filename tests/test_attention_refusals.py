@@ -13,7 +13,7 @@ import transformers
 
 from gqakit.attention import use
 from gqakit.attention.registry import UNSUPPORTED, _make_attention
-from gqakit.errors import GqakitError
+from gqakit.common.errors import GqakitError
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8)
@@ -98,7 +98,7 @@ def test_alibi_models_are_refused_at_use_and_encoders_are_not():
 
 def test_generate_after_use_sinks_keeps_a_bounded_sink_cache():
     """StreamingLLM: the KV cache never holds more than sinks + window positions, however long the output."""
-    from gqakit.attention.cache import SinkCache
+    from gqakit.decode.cache import SinkCache
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(**SMALL, max_position_embeddings=256, eos_token_id=None, pad_token_id=0)

@@ -68,7 +68,7 @@ REFUSED = {
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
 def test_families_without_the_attention_interface_are_refused_at_use(family):
-    from gqakit.errors import GqakitError
+    from gqakit.common.errors import GqakitError
 
     model = transformers.AutoModelForCausalLM.from_config(REFUSED[family]())
     with pytest.raises(GqakitError, match="cannot be plugged in|ALiBi"):

@@ -26,14 +26,14 @@ from torch import nn
 
 from cli_contract import run_refused
 from gqakit.cli import convert_main
-from gqakit.convert import calibrate as calibrate_module
-from gqakit.convert import streamed as streamed_module
-from gqakit.convert.architectures import find_family
-from gqakit.convert.calibrate import (STATS, LayerwiseModel, attention_terms, calibrate, layer_path, load_layer,
+from gqakit.convert.calibration import calibrate as calibrate_module
+from gqakit.convert.calibration import streamed as streamed_module
+from gqakit.hf.architectures import find_family
+from gqakit.convert.calibration.calibrate import (STATS, LayerwiseModel, attention_terms, calibrate, layer_path, load_layer,
                                       logit_error, reference_moments, rope, save_layer, sum_moments)
-from gqakit.convert.checkpoint import read_header
-from gqakit.convert.checkpoint import scan_checkpoint
-from gqakit.convert.streamed import StreamedLinear
+from gqakit.hf.checkpoint import read_header
+from gqakit.hf.checkpoint import scan_checkpoint
+from gqakit.convert.calibration.streamed import StreamedLinear
 from test_architectures import make_model
 from tiny_models import checkpoint_logits, make_disguised_llama, make_tiny_llama
 
@@ -273,7 +273,7 @@ def test_bad_calibration_input_is_refused_in_one_line(tmp_path):
 def test_a_layer_file_left_partial_is_removed(tmp_path):
     """Its header is complete from the start, so a partial file would read as zeros: an error inside the `with`
     block, or a tensor never written, removes it."""
-    from gqakit.convert.calibrate import LayerFile
+    from gqakit.convert.calibration.calibrate import LayerFile
 
     path = tmp_path / "layer.safetensors"
     with pytest.raises(OSError, match="disk full"):
@@ -298,7 +298,7 @@ def test_a_slightly_indefinite_statistic_gets_the_next_ridge_and_a_broken_one_a_
     import types
 
     from gqakit.convert import run as run_module
-    from gqakit.errors import GqakitError
+    from gqakit.common.errors import GqakitError
 
     gen = torch.Generator().manual_seed(7)
     n, heads, d = 16, 4, 4
@@ -330,7 +330,7 @@ def test_stored_moment_is_read_in_row_blocks_and_gives_the_same_gram(tmp_path, m
     """The merge reads an n x n statistic from the layer file one block of rows at a time; blocks of 3 rows,
     the last one ragged, give the stored matrix, its diagonal, and the Gram of the in-memory metric."""
     from gqakit.convert import grams
-    from gqakit.convert.calibrate import StoredMoment
+    from gqakit.convert.calibration.calibrate import StoredMoment
 
     monkeypatch.setattr(grams, "BLOCK", 3)
     gen = torch.Generator().manual_seed(5)

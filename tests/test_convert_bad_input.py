@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from gqakit.cli import convert_main
-from gqakit.convert import checkpoint as ckpt
+from gqakit.hf import checkpoint as ckpt
 from gqakit.convert import run as run_mod
 from tiny_models import make_tiny_llama
 

@@ -379,7 +379,7 @@ def test_sigterm_mid_write_leaves_nothing(tmp_path):
 def test_sigterm_handler_only_during_the_write(src, tmp_path, monkeypatch, capsys):
     """In-process: SIGTERM raised by the writer itself interrupts cleanly; the old handler comes back."""
     from gqakit.cli import convert_main
-    from gqakit.convert import checkpoint as ckpt
+    from gqakit.hf import checkpoint as ckpt
 
     seen = []
     real = ckpt.ShardWriter.copy_tensor

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from cli_contract import run_cli, run_refused
 from eval_tiny import checkpoint, run_eval, text, tiny_llama, tokenizer
-from gqakit.errors import GqakitError
+from gqakit.common.errors import GqakitError
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_no_weights_is_one_line_everywhere(root, tmp_path, command):
     ("resized", ("mlp.down_proj.weight is [32, 64] in the weights but config.json implies [32, 96]",)),
 ])
 def test_broken_checkpoints_are_refused_before_use(root, folder, needles):
-    from gqakit.evaluate.models import load_model
+    from gqakit.hf.loading import load_model
 
     with pytest.raises(GqakitError) as e:
         load_model(str(root / folder), device="cpu")
@@ -225,7 +225,7 @@ def test_reach_warning():
 def test_demo_and_eval_count_kv_bytes_alike(tmp_path, tok):
     """A bf16-stored model scored in fp32: before, demo said 2 bytes per value (stored), eval 4 (compute)."""
     from gqakit import demo
-    from gqakit.evaluate.models import describe, kv_bytes_per_token, kv_heading, load_model
+    from gqakit.hf.loading import describe, kv_bytes_per_token, kv_heading, load_model
     from gqakit.evaluate.perplexity import format_table
 
     folder = tmp_path / "bf16"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eval_tiny import checkpoint, one_line_error, run_eval, tokenizer
-from gqakit.evaluate import report
+from gqakit.common import report
 from gqakit.evaluate.passkey import (INTRO, NEEDLE, QUESTION, PasskeyConfig, accuracy, answer_digits, build_cases,
                                      greedy_generator, make_key, parse_depths, parse_lengths, run_passkey, score)
 
@@ -83,7 +83,7 @@ def test_report_with_a_fake_model(model_dir, tmp_path):
 
 
 def test_greedy_generation_is_deterministic(model_dir, tok):
-    from gqakit.evaluate.models import load_model
+    from gqakit.hf.loading import load_model
 
     model, tok = load_model(str(model_dir))
     cases = build_cases(tok, [256], [0.0, 1.0], trials=2, seed=2)

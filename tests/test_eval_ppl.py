@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from eval_tiny import checkpoint, one_line_error, run_eval, text, tiny_llama, tokenizer
-from gqakit.errors import GqakitError
-from gqakit.evaluate import report
-from gqakit.evaluate.data import encode_documents, load_documents
+from gqakit.common.errors import GqakitError
+from gqakit.common import report
+from gqakit.common.text import encode_documents, load_documents
 from gqakit.evaluate.perplexity import perplexity, strided_nll
 
 RTOL = 1e-5

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from eval_tiny import checkpoint, one_line_error, run_eval, text, tiny_llama, tokenizer
-from gqakit.attention.cache import SinkCache, WindowCache
-from gqakit.evaluate import report
+from gqakit.decode.cache import SinkCache, WindowCache
+from gqakit.common import report
 from gqakit.evaluate.stream import POLICIES, bucketize, fluency, stream_nll
-from gqakit.evaluate.stream_cache import ChunkedSinkCache
+from gqakit.decode.stream_cache import ChunkedSinkCache
 
 ATOL = 1e-5  # per-token NLL, nats
 N, W, S = 61, 6, 2

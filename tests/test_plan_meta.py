@@ -4,7 +4,7 @@ import math
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from gqakit.convert.checkpoint import TensorInfo
+from gqakit.hf.checkpoint import TensorInfo
 from gqakit.convert.plan import make_plan, total_bytes
 
 

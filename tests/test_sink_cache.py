@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from gqakit.attention.cache import SinkCache, WindowCache
-from gqakit.attention.streaming import _Detokenizer, sample_next, stream_tokens, streaming_generate
+from gqakit.decode.cache import SinkCache, WindowCache
+from gqakit.decode.streaming import _Detokenizer, sample_next, stream_tokens, streaming_generate
 
 ATOL_SAME = 1e-5  # same maths, different cache bookkeeping
 ATOL_REF = 1e-4  # against the from-scratch references (different op order)

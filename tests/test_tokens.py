@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from gqakit.cli import main
-from gqakit.errors import GqakitError
+from gqakit.common.errors import GqakitError
 from gqakit.reference import HELDOUT_TEXT, reference_model_path
-from gqakit.uptrain.data import pack, prepare_data, read_documents, tokenize_stream
-from gqakit.uptrain.sources import resolve_source, text_chunks
-from gqakit.uptrain.token_build import build_cache, load_tokenizer, tokenize_to
-from gqakit.uptrain.token_cache import DOCUMENTS, TOKENS, open_cache
-from gqakit.uptrain.windows import Corpus, Windows, split_held_out
+from gqakit.uptrain.data.batches import pack, prepare_data, read_documents, tokenize_stream
+from gqakit.uptrain.data.sources import resolve_source, text_chunks
+from gqakit.uptrain.data.token_build import build_cache, load_tokenizer, tokenize_to
+from gqakit.uptrain.data.token_cache import DOCUMENTS, TOKENS, open_cache
+from gqakit.uptrain.data.windows import Corpus, Windows, split_held_out
 from uptrain_tiny import make_text, make_uptrain_model, write_recipe
 
 EMMA = Path(HELDOUT_TEXT).read_text(encoding="utf-8")
@@ -282,7 +282,7 @@ def test_tokenize_cli_end_to_end_and_its_refusals(files, tok, tmp_path, capsys):
 
 
 def test_uptrain_trains_on_a_token_cache(files, tmp_path, capsys):
-    from gqakit.recipes import load_recipe
+    from gqakit.common.options import load_recipe
     from gqakit.uptrain import UptrainConfig, uptrain
 
     tokens, held = tmp_path / "tokens", tmp_path / "held"

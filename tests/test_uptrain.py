@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gqakit.recipes import load_recipe
+from gqakit.common.options import load_recipe
 from gqakit.uptrain import UptrainConfig, uptrain
-from gqakit.uptrain.data import BatchOrder, pack
+from gqakit.uptrain.data.batches import BatchOrder, pack
 from gqakit.uptrain.loss import IGNORE, cross_entropy_sum, distillation_sum
 from gqakit.uptrain.modeling import lr_factor
 from uptrain_tiny import make_text, make_uptrain_model, write_recipe
@@ -301,9 +301,9 @@ def test_bf16_autocast_trains_fp32_weights(tiny, tmp_path):
 def test_every_shipped_recipe_maps_onto_its_dataclass():
     from pathlib import Path
 
-    from gqakit.recipes import from_dict
+    from gqakit.common.options import from_dict
     from gqakit.reference.train import PretrainConfig
-    from gqakit.uptrain.grid import GridConfig
+    from gqakit.experiments.grid import GridConfig
 
     recipes = Path(__file__).parents[1] / "recipes"
     classes = {"reference_model.yaml": PretrainConfig, "gqa_paper.yaml": GridConfig}

@@ -49,7 +49,7 @@ def test_fields_out_of_range_or_of_the_wrong_type_are_refused_before_any_work(ti
 
 
 def test_fields_are_checked_however_the_config_is_built(tiny, tmp_path):
-    from gqakit.errors import GqakitError
+    from gqakit.common.errors import GqakitError
     from gqakit.uptrain import UptrainConfig
 
     with pytest.raises(GqakitError, match="lr=nan must be a finite number"):

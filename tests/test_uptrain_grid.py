@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from gqakit.errors import GqakitError
-from gqakit.recipes import from_dict
-from gqakit.uptrain.grid import GridConfig, run_grid
-from gqakit.uptrain.report import format_table
+from gqakit.common.errors import GqakitError
+from gqakit.common.options import from_dict
+from gqakit.experiments.grid import GridConfig, run_grid
+from gqakit.experiments.grid_report import format_table
 from uptrain_tiny import make_text, make_uptrain_model
 
 

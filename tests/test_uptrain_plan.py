@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from gqakit.cli import main
-from gqakit.errors import GqakitError
+from gqakit.common.errors import GqakitError
 from gqakit.uptrain.config import UptrainConfig
 from gqakit.uptrain.memory_plan import check_fits, parse_size, plan_memory
 

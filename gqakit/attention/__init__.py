@@ -7,8 +7,8 @@
 Importing this package registers `gqakit_tiled`, `gqakit_sliding` and `gqakit_sinks`, and
 `gqakit_ring` (context-parallel ring attention; run it inside `ring.ring_context`, see ring.py).
 """
-from . import ring  # registers gqakit_ring
-from .registry import KINDS, AttentionOptionError, register_all, use
+from gqakit.attention import ring  # registers gqakit_ring
+from gqakit.attention.registry import KINDS, AttentionOptionError, register_all, use
 
 register_all()
 

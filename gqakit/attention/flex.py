@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
-from .masks import MaskSpec, dense_allowed
-from .patterns import head_mask_function
-from .tiled import check_attn_mask, check_inputs, tiled_attention
+from gqakit.attention.masks import MaskSpec, dense_allowed
+from gqakit.attention.patterns import head_mask_function
+from gqakit.attention.tiled import check_attn_mask, check_inputs, tiled_attention
 
 Backend = Literal["sdpa", "flex", "tiled"]
 Spec = MaskSpec | Sequence[MaskSpec]  # one pattern for all heads, or one per query head (as tiled_attention)

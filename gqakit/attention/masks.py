@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import GqakitError
+from gqakit.common.errors import GqakitError
 
 
 class AttentionOptionError(GqakitError, ValueError):

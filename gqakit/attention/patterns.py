@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .masks import AttentionOptionError, MaskSpec
+from gqakit.attention.masks import AttentionOptionError, MaskSpec
 
 PARTS = ("both", "a1", "a2")
 

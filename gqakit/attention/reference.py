@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .masks import dense_allowed
+from gqakit.attention.masks import dense_allowed
 
 
 def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:

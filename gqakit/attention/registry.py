@@ -33,9 +33,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, causal_mask_function
 
-from . import patterns
-from .masks import AttentionOptionError, MaskSpec
-from .flex import attention_forward
+from gqakit.attention import patterns
+from gqakit.attention.masks import AttentionOptionError, MaskSpec
+from gqakit.attention.flex import attention_forward
 
 KINDS = ("tiled", "sliding", "sinks", "sparse")
 OPTIONS = {
@@ -477,7 +477,7 @@ def _bound_generate(model, options: dict) -> None:
     """After `use(model, "sinks")`, `model.generate()` decodes with the bounded `SinkCache` of those
     options (StreamingLLM), not a growing cache: given no cache it makes one per call (passing the
     call's attention_mask, for left padding); another kind of cache is refused."""
-    from .cache import SinkCache
+    from gqakit.decode.cache import SinkCache
 
     original = getattr(model.generate, "gqakit_original", model.generate)  # a second use() wraps the stock one
 

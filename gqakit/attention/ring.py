@@ -27,10 +27,10 @@ import torch.distributed as dist
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .masks import MaskSpec
-from .registry import AttentionOptionError, check_model
-from .ring_layout import RingGroups, RingLayout, check_ring_size, ring_batch, ring_groups  # noqa: F401 (re-exported)
-from .tiled import tiled_attention, tiled_attention_backward
+from gqakit.attention.masks import MaskSpec
+from gqakit.attention.registry import AttentionOptionError, check_model
+from gqakit.attention.ring_layout import RingGroups, RingLayout, check_ring_size, ring_batch, ring_groups  # noqa: F401 (re-exported)
+from gqakit.attention.tiled import tiled_attention, tiled_attention_backward
 
 _NEG_INF = float("-inf")
 Pair = tuple[int, int, int, int, int, int]  # q rows [qa, qb) at global qpos; src key rows [ka, kb) at kpos

@@ -17,8 +17,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from .masks import MaskSpec
-from .registry import AttentionOptionError
+from gqakit.attention.masks import MaskSpec
+from gqakit.attention.registry import AttentionOptionError
 
 KINDS = ("zigzag", "contiguous")
 

@@ -38,8 +38,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import patterns
-from .masks import MaskSpec, dense_allowed
+from gqakit.attention import patterns
+from gqakit.attention.masks import MaskSpec, dense_allowed
 
 _NEG_INF = float("-inf")
 

@@ -1,5 +1,5 @@
 """MHA -> GQA/MQA checkpoint surgery with torch and safetensors only."""
-from .plan import Plan, make_plan
-from .run import ConvertConfig, convert
+from gqakit.convert.plan import Plan, make_plan
+from gqakit.convert.run import ConvertConfig, convert
 
 __all__ = ["ConvertConfig", "Plan", "convert", "make_plan"]

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from .grams import KeySide, ValueSide, factor, key_side, metric_from_matrix, value_side
+from gqakit.convert.grams import KeySide, ValueSide, factor, key_side, metric_from_matrix, value_side
 
 F64 = torch.float64
 KEY_SCALES = ("none", "balance", "match")

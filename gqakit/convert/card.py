@@ -5,9 +5,9 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from .. import __version__
-from .checkpoint import DTYPES
-from .plan import Plan, total_bytes
+from gqakit import __version__
+from gqakit.hf.checkpoint import DTYPES
+from gqakit.convert.plan import Plan, total_bytes
 
 
 def _gb(n: int) -> str:

@@ -12,11 +12,11 @@ import re
 
 import torch
 
-from ..errors import GqakitError
-from .architectures import ArchSpec, KNorm, find_family, supported_architectures
-from .checkpoint import DTYPE_NAMES, DTYPES, TensorInfo, assign_shards, shard_names
-from .fields import ModelFields, read_fields
-from .pooling import METHODS, valid_groups
+from gqakit.common.errors import GqakitError
+from gqakit.hf.architectures import ArchSpec, KNorm, find_family, supported_architectures
+from gqakit.hf.checkpoint import DTYPE_NAMES, DTYPES, TensorInfo, assign_shards, shard_names
+from gqakit.hf.fields import ModelFields, read_fields
+from gqakit.convert.pooling import METHODS, valid_groups
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # methods that rewrite a layer's Q, K, V and O together (gqakit.convert.align): aligned (weights only, or

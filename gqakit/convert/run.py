@@ -17,16 +17,16 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import GqakitError
-from .align import GROUPINGS, check_merge_options, coordinates, merge_coordinates, permute_kv_heads
-from .calibrate import StoredMoment, calibrate, load_layer, logit_error
-from .calibration_data import CalibrationData, load_calibration
-from .card import write_card
-from .checkpoint import DTYPES, INDEX, SINGLE, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
-from .grams import IndefiniteMetric, Metric, key_side, moment_metric, value_side
-from .plan import LAYER_METHODS, Plan, TensorOp, make_plan
-from .pooling import random_heads, regroup, relative_error
-from .publish import check_replaceable
+from gqakit.common.errors import GqakitError
+from gqakit.convert.align import GROUPINGS, check_merge_options, coordinates, merge_coordinates, permute_kv_heads
+from gqakit.convert.calibration.calibrate import StoredMoment, calibrate, load_layer, logit_error
+from gqakit.convert.calibration.data import CalibrationData, load_calibration
+from gqakit.convert.card import write_card
+from gqakit.hf.checkpoint import DTYPES, INDEX, SINGLE, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
+from gqakit.convert.grams import IndefiniteMetric, Metric, key_side, moment_metric, value_side
+from gqakit.convert.plan import LAYER_METHODS, Plan, TensorOp, make_plan
+from gqakit.convert.pooling import random_heads, regroup, relative_error
+from gqakit.common.atomic import check_replaceable
 
 LOOKAHEAD = 2  # regrouped tensors computed ahead of the writer
 # align_and_merge_layer's options per --method (grouping comes from --grouping, default similarity):

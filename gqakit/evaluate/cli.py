@@ -40,7 +40,7 @@ def _add_attention(p: argparse.ArgumentParser) -> None:
 
 
 def _run_ppl(args: argparse.Namespace, command: str) -> None:
-    from .perplexity import PplConfig, run_ppl
+    from gqakit.evaluate.perplexity import PplConfig, run_ppl
 
     run_ppl(PplConfig(
         models=tuple(args.models), text=args.text, dataset=args.dataset, text_column=args.text_column,
@@ -50,7 +50,7 @@ def _run_ppl(args: argparse.Namespace, command: str) -> None:
 
 
 def _run_stream(args: argparse.Namespace, command: str) -> None:
-    from .stream import StreamConfig, run_stream
+    from gqakit.evaluate.stream import StreamConfig, run_stream
 
     policies = tuple(p.strip() for spec in (args.policy or ["sinks"]) for p in spec.split(",") if p.strip())
     run_stream(StreamConfig(
@@ -62,7 +62,7 @@ def _run_stream(args: argparse.Namespace, command: str) -> None:
 
 
 def _run_passkey(args: argparse.Namespace, command: str) -> None:
-    from .passkey import PasskeyConfig, parse_depths, parse_lengths, run_passkey
+    from gqakit.evaluate.passkey import PasskeyConfig, parse_depths, parse_lengths, run_passkey
 
     run_passkey(PasskeyConfig(
         model=args.model, lengths=tuple(parse_lengths(args.lengths)), depths=tuple(parse_depths(args.depths)),

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import GqakitError
+from gqakit.common.errors import GqakitError
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.\n")
@@ -252,8 +252,8 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
                 err=None) -> dict:
     """Build the cases, decode, score, print the table, write the report; `generate` overrides the model's.
     A warning (on `err`, stderr) comes first when a length is past the model's context or its window."""
-    from . import plots, report
-    from .models import apply_attention, attention_options, describe, load_model
+    from gqakit.common import plots, report
+    from gqakit.hf.loading import apply_attention, attention_options, describe, load_model
 
     out, err = out or sys.stdout, err or sys.stderr
     if cfg.new_tokens < 1:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import GqakitError
+from gqakit.common.errors import GqakitError
 
 
 @torch.no_grad()
@@ -128,7 +128,7 @@ def resolve_window(cfg: PplConfig, contexts: list[int | None]) -> tuple[int, int
 def _context(path: str) -> int | None:
     """max_position_embeddings of a local checkpoint folder, checked early (config.json, safetensors headers)
     so that a broken second model fails before the first is evaluated; None for a hub name."""
-    from .models import check_model_folder, context_length
+    from gqakit.hf.loading import check_model_folder, context_length
 
     config = check_model_folder(path)
     return None if config is None else context_length(config)
@@ -145,7 +145,7 @@ def _bos_id(tok, model) -> int:
 
 def format_table(rows: list[dict], dtype: str = "float32") -> str:
     """A markdown table: model, K/V heads, KV-cache bytes per token at `dtype`, perplexity, scored tokens."""
-    from .models import kv_heading
+    from gqakit.hf.loading import kv_heading
 
     lines = [f"| model | K/V heads | {kv_heading(dtype)} | perplexity | scored tokens |", "|---|---|---|---|---|"]
     for r in rows:
@@ -156,9 +156,9 @@ def format_table(rows: list[dict], dtype: str = "float32") -> str:
 
 def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     """Evaluate every model, print the table, write the report (JSON, CSV, plot); returns the report dict."""
-    from . import plots, report
-    from .data import encode_documents, load_documents
-    from .models import apply_attention, attention_options, describe, load_model
+    from gqakit.common import plots, report
+    from gqakit.common.text import encode_documents, load_documents
+    from gqakit.hf.loading import apply_attention, attention_options, describe, load_model
 
     out = out or sys.stdout
     _check(cfg)

@@ -32,8 +32,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import GqakitError
-from .stream_cache import ChunkedSinkCache
+from gqakit.common.errors import GqakitError
+from gqakit.decode.stream_cache import ChunkedSinkCache
 
 POLICIES = ("dense", "window", "sinks", "recompute")
 RECOMPUTE_TOKENS = 32_768  # most tokens per recompute forward (rows x length), to bound activation memory
@@ -106,7 +106,7 @@ def _cached(model, ids: torch.Tensor, policy: str, window: int, sinks: int, chun
 def _recompute(model, ids: torch.Tensor, window: int, every: int, chunk: int, progress: bool
                ) -> tuple[torch.Tensor, int]:
     """Blocks [b, b + R) of queries, each a fresh forward over [b - W, b + R); equal-shape blocks batched."""
-    from .models import kv_bytes_per_token, model_dtype
+    from gqakit.hf.loading import kv_bytes_per_token, model_dtype
 
     device = next(model.parameters()).device
     n = ids.numel()
@@ -242,9 +242,9 @@ def _table(cfg: StreamConfig, summary: dict) -> str:
 
 def run_stream(cfg: StreamConfig, command: str = "", out=None) -> dict:
     """Stream the text under every policy; print a table, write the report; returns the results dict."""
-    from . import plots, report
-    from .data import encode_documents, load_documents
-    from .models import describe, load_model
+    from gqakit.common import plots, report
+    from gqakit.common.text import encode_documents, load_documents
+    from gqakit.hf.loading import describe, load_model
 
     out = out or sys.stdout
     policies = _check(cfg)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from ..recipes import check_fields, load_recipe, option, to_dict
-from ..uptrain.modeling import lr_factor
-from .tokenizer import EOS, train_bpe
+from gqakit.common.options import check_fields, load_recipe, option, to_dict
+from gqakit.uptrain.modeling import lr_factor
+from gqakit.reference.tokenizer import EOS, train_bpe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,7 @@ def _sample(model, tok, prompt: str, n: int, seed: int) -> str:
 def train(cfg: PretrainConfig) -> dict:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from ..evaluate.perplexity import perplexity
+    from gqakit.evaluate.perplexity import perplexity
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)

@@ -14,8 +14,8 @@ import json
 import math
 from pathlib import Path
 
-from ..errors import GqakitError
-from ..recipes import check_fields, option, to_dict
+from gqakit.common.errors import GqakitError
+from gqakit.common.options import check_fields, option, to_dict
 
 TRAINABLE = ("all", "attention", "kv")
 ATTENTION = ("default", "tiled", "sliding", "sinks")
@@ -79,7 +79,7 @@ class UptrainConfig:
     threads: int | None = option(None, above=0)  # torch CPU threads per process
     progress: bool = True
     force: bool = False  # start over even if output_dir holds a finished or different run
-    # data at scale: data files are tokenised once into a token cache (gqakit.uptrain.token_build)
+    # data at scale: data files are tokenised once into a token cache (gqakit.uptrain.data.token_build)
     cache_dir: str | None = None  # where; default $GQAKIT_CACHE_DIR, else ~/.cache/gqakit/tokens
     num_proc: int = option(1, above=0)  # processes that tokenise (the stream is the same for any number)
 
@@ -139,9 +139,9 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def _check_paths(cfg: UptrainConfig) -> None:
-    from ..convert.checkpoint import scan_checkpoint
-    from ..convert.run import read_config
-    from .sources import resolve_source
+    from gqakit.hf.checkpoint import scan_checkpoint
+    from gqakit.convert.run import read_config
+    from gqakit.uptrain.data.sources import resolve_source
 
     for path in (*cfg.data, *cfg.eval_data):
         resolve_source(path)  # a readable file, a folder of them, a save_to_disk folder, a token cache, or hf:NAME
@@ -171,8 +171,8 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
     """Attention options, the trainable subset and the teacher, from config.json alone."""
     from types import SimpleNamespace
 
-    from ..attention.registry import AttentionOptionError, normalise_options
-    from ..convert.architectures import find_family
+    from gqakit.attention.registry import AttentionOptionError, normalise_options
+    from gqakit.hf.architectures import find_family
 
     if cfg.attention != "default":
         try:
@@ -187,7 +187,7 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
             raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} {why}; use "
                               "trainable=attention or trainable=all")
     if cfg.teacher is not None:
-        from ..convert.run import read_config
+        from gqakit.convert.run import read_config
 
         teacher = read_config(Path(cfg.teacher))
         if teacher.get("vocab_size") != model_config.get("vocab_size"):
@@ -197,7 +197,7 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
 
 def check(cfg: UptrainConfig) -> dict:
     """Validate a recipe before any work starts; returns the model's config.json."""
-    from ..convert.run import read_config
+    from gqakit.convert.run import read_config
 
     model_config = read_config(Path(cfg.model))  # field types and ranges were checked when cfg was built
     if not cfg.data:
@@ -213,7 +213,7 @@ def check(cfg: UptrainConfig) -> dict:
         raise GqakitError("mixed_precision=fp16 with sharding=fsdp would need a sharded loss scaler; use "
                           "mixed_precision=bf16 (FSDP2's policy: bf16 compute, fp32 reduction and master weights)")
     if cfg.sharding == "fsdp":
-        from .fsdp import check_wrappable
+        from gqakit.uptrain.fsdp import check_wrappable
 
         for role, path in (("model", cfg.model), ("teacher", cfg.teacher)):
             if path is not None:

@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.masks import MaskSpec
-from ..attention.registry import mask_spec
-from ..attention.ring import ring_context, use_ring
-from ..attention.ring_layout import RingLayout, ring_groups
-from .config import UptrainConfig
-from .loss import IGNORE
-from .parallel import SequenceParallel
+from gqakit.attention.masks import MaskSpec
+from gqakit.attention.registry import mask_spec
+from gqakit.attention.ring import ring_context, use_ring
+from gqakit.attention.ring_layout import RingLayout, ring_groups
+from gqakit.uptrain.config import UptrainConfig
+from gqakit.uptrain.loss import IGNORE
+from gqakit.uptrain.parallel import SequenceParallel
 
 
 def ring_spec(model) -> MaskSpec:
     """The MaskSpec of the attention the model was switched to: the recipe's sliding window / sinks,
     else the model's own `sliding_window` (Mistral), else full causal attention."""
-    from ..attention.registry import CONFIG_KEY
+    from gqakit.attention.registry import CONFIG_KEY
 
     options = dict(getattr(model.config, CONFIG_KEY, None) or {})
     kind = options.pop("kind", "tiled")

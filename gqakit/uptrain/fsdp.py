@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..errors import GqakitError
+from gqakit.common.errors import GqakitError
 
 
 def init_world(device_type: str) -> None:
@@ -128,7 +128,7 @@ def _local_rows(param) -> tuple[int, int]:
 def materialise(model, path: str, device: torch.device) -> None:
     """Give a sharded meta model local storage on `device` and fill every rank's rows from the
     checkpoint's safetensors files (non-persistent buffers keep their computed values)."""
-    from ..convert.checkpoint import DTYPES, load_tensor, scan_checkpoint
+    from gqakit.hf.checkpoint import DTYPES, load_tensor, scan_checkpoint
 
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)

@@ -20,19 +20,19 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import GqakitError
-from . import modeling
-from .config import UptrainConfig, check, resolve_budget
-from .data import BatchOrder, load_training_data
-from .loss import cross_entropy_sum, distillation_sum
-from .memory_plan import check_fits
-from .metrics import MetricsLog, plot
-from .parallel import SequenceParallel
-from .record import save_final, source_dtype
-from .run_folder import check_processes, plan_run, start_run
-from .run_lock import run_lock
-from .state import CHECKPOINTS, checkpoint_dirs, load_checkpoint, rank_record, save_checkpoint, set_rng_state
-from .token_build import load_tokenizer
+from gqakit.common.errors import GqakitError
+from gqakit.uptrain import modeling
+from gqakit.uptrain.config import UptrainConfig, check, resolve_budget
+from gqakit.uptrain.data.batches import BatchOrder, load_training_data
+from gqakit.uptrain.loss import cross_entropy_sum, distillation_sum
+from gqakit.uptrain.memory_plan import check_fits
+from gqakit.uptrain.run.metrics import MetricsLog, plot
+from gqakit.uptrain.parallel import SequenceParallel
+from gqakit.uptrain.run.final import save_final, source_dtype
+from gqakit.uptrain.run.folder import check_processes, plan_run, start_run
+from gqakit.uptrain.run.lock import run_lock
+from gqakit.uptrain.run.checkpoints import CHECKPOINTS, checkpoint_dirs, load_checkpoint, rank_record, save_checkpoint, set_rng_state
+from gqakit.uptrain.data.token_build import load_tokenizer
 
 
 def _sums(model, teacher, seqs: torch.Tensor, cfg: UptrainConfig, sp: SequenceParallel, autocast):
@@ -117,7 +117,7 @@ def _models(cfg: UptrainConfig, sp: SequenceParallel, accelerator):
         sp.prepare_teacher(teacher)
 
     if cfg.sharding == "fsdp":
-        from . import fsdp
+        from gqakit.uptrain import fsdp
 
         mesh, policy = fsdp.make_mesh(accelerator.device.type), fsdp.mp_policy(cfg.mixed_precision)
         model = fsdp.load_sharded(cfg.model, mesh, policy, accelerator.device, prepare_student)
@@ -318,7 +318,7 @@ def _gradient_sync(accelerator, model, fsdp: bool, sync: bool):
     if sync:
         return contextlib.nullcontext()
     if fsdp:
-        from .fsdp import gradient_sync
+        from gqakit.uptrain.fsdp import gradient_sync
 
         return gradient_sync(model, False)
     return accelerator.no_sync(model)
@@ -328,6 +328,6 @@ def _clip(accelerator, model, trained: list, max_norm: float, fsdp: bool) -> tor
     """Clip the global gradient norm (over every shard); returns the norm before clipping."""
     if not fsdp:
         return accelerator.clip_grad_norm_(model.parameters(), max_norm)
-    from .fsdp import full_tensor
+    from gqakit.uptrain.fsdp import full_tensor
 
     return full_tensor(torch.nn.utils.clip_grad_norm_(trained, max_norm))  # DTensor grads: a global norm

@@ -80,8 +80,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import GqakitError
-from .config import MIXED_PRECISION, SHARDING, TRAINABLE, UptrainConfig
+from gqakit.common.errors import GqakitError
+from gqakit.uptrain.config import MIXED_PRECISION, SHARDING, TRAINABLE, UptrainConfig
 
 GB = 10**9
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -142,7 +142,7 @@ class ModelCount:
 
 def count_model(path: str | Path) -> ModelCount:
     """Count the parameters of the checkpoint folder's model from its config.json alone."""
-    from ..convert.run import read_config
+    from gqakit.convert.run import read_config
 
     config = read_config(Path(path))  # one-line errors for a missing folder or config.json
     return _count(str(Path(path).resolve()), json.dumps(config, sort_keys=True))
@@ -152,7 +152,7 @@ def count_model(path: str | Path) -> ModelCount:
 def _count(path: str, config_json: str) -> ModelCount:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .modeling import select_trainable
+    from gqakit.uptrain.modeling import select_trainable
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -163,7 +163,7 @@ def _count(path: str, config_json: str) -> ModelCount:
         raise GqakitError(f"cannot build the model of {path}/config.json on the meta device ({why}); "
                           "check config.json") from None
     try:
-        from .fsdp import decoder_layers  # the units sharding=fsdp wraps
+        from gqakit.uptrain.fsdp import decoder_layers  # the units sharding=fsdp wraps
 
         layers = decoder_layers(model)
     except (ImportError, GqakitError):

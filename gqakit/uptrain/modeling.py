@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from ..errors import GqakitError
-from .config import UptrainConfig
+from gqakit.common.errors import GqakitError
+from gqakit.uptrain.config import UptrainConfig
 
 
 def load_causal_lm(path: str):
@@ -21,14 +21,14 @@ def load_causal_lm(path: str):
 
 def set_attention(model, cfg: UptrainConfig) -> dict:
     """Switch to the recipe's gqakit attention kind; returns the options in force ({} for default)."""
-    from ..evaluate.models import apply_attention
+    from gqakit.hf.loading import apply_attention
 
     return apply_attention(model, cfg.attention, cfg.attention_options())
 
 
 def _kv_names(model) -> list[str]:
     """Parameter-name prefixes of the K/V projections (and key norms) per the architecture table."""
-    from ..convert.architectures import KNorm, find_family
+    from gqakit.hf.architectures import KNorm, find_family
 
     arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
     spec = find_family(arch)

@@ -11,7 +11,7 @@ import contextlib
 
 import torch
 
-from .config import UptrainConfig
+from gqakit.uptrain.config import UptrainConfig
 
 
 class SequenceParallel:
@@ -26,7 +26,7 @@ class SequenceParallel:
     def create(cfg: UptrainConfig, accelerator) -> "SequenceParallel":
         if cfg.context_parallel == 1:
             return SequenceParallel(accelerator.num_processes, accelerator.process_index)
-        from .context_parallel import RingSequenceParallel
+        from gqakit.uptrain.context_parallel import RingSequenceParallel
 
         return RingSequenceParallel(cfg, accelerator)
 

@@ -1,0 +1,205 @@
+"""Publish an output folder atomically, and clean up after runs that were stopped.
+
+A run writes into `.OUT.gqakit-tmp-PID` beside OUT and renames it to OUT at the end; with --force an
+existing OUT (a folder, a file or a symlink: the entry itself, never what a link points to) is first
+renamed to `.OUT.gqakit-old-PID` and removed once the new folder is in place. Ctrl-C and SIGTERM (what
+`kill`, systemd and job schedulers send) both raise KeyboardInterrupt while the folder is written, so
+the temporary folder is removed on the way out.
+
+Only `kill -9`, a crash or a power cut can leave such a folder behind. The next run that writes the
+same OUT removes the leftovers whose process is gone, and says so on stderr. "Gone" is
+`os.kill(pid, 0)` failing with ProcessLookupError on this machine: a leftover whose PID has since been
+reused by an unrelated process looks alive and is kept (the safe mistake, cleaned up by a later run).
+On a folder shared between machines a live run elsewhere looks gone here, so do not write the same
+OUT from two machines at once.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from gqakit.common.errors import GqakitError
+
+KINDS = ("tmp", "old")
+# How a folder shows that gqakit wrote it: a file and a string it holds. --force replaces nothing else.
+WRITTEN_BY_GQAKIT = (("README.md", "Made by gqakit"), ("README.md", "tags: [gqakit"), ("uptraining.json", ""),
+                     ("results.json", '"gqakit"'), ("header.json", '"gqakit-token-cache"'))
+
+
+def sibling(out: Path, kind: str, pid: int | None = None) -> Path:
+    """The hidden working name `.OUT.gqakit-KIND-PID` beside `out`."""
+    return out.with_name(f".{out.name}.gqakit-{kind}-{os.getpid() if pid is None else pid}")
+
+
+def pid_alive(pid: int) -> bool:
+    """Is there a process with this id on this machine? (Another user's process counts as alive.)"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError):  # no process can have this id
+        return False
+    return True
+
+
+def stale_leftovers(out: Path) -> list[tuple[Path, int]]:
+    """`.OUT.gqakit-tmp-PID` / `.OUT.gqakit-old-PID` siblings of `out` whose process has exited."""
+    try:
+        names = os.listdir(out.parent)
+    except OSError:  # no parent yet (it is made later) or unreadable: nothing to clean
+        return []
+    found = []
+    for name in sorted(names):
+        for kind in KINDS:
+            prefix = f".{out.name}.gqakit-{kind}-"
+            digits = name[len(prefix):]
+            if name.startswith(prefix) and digits.isascii() and digits.isdigit():
+                pid = int(digits)
+                if pid != os.getpid() and not pid_alive(pid):
+                    found.append((out.parent / name, pid))
+    return found
+
+
+def written_by_gqakit(folder: Path) -> bool:
+    """Does `folder` carry one of gqakit's marks (a model card, a run record, a report, a token cache)?"""
+    for name, mark in WRITTEN_BY_GQAKIT:
+        try:
+            with open(folder / name, encoding="utf-8", errors="replace") as f:
+                if mark in f.read(1 << 16):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def check_replaceable(out: Path, option: str = "-o") -> None:
+    """--force may replace a symlink (the link itself), an empty folder, or a folder gqakit wrote: never
+    a file or a folder of the user's, whatever --force says."""
+    if not os.path.lexists(out) or out.is_symlink():
+        return
+    if out.is_dir() and (not any(out.iterdir()) or written_by_gqakit(out)):
+        return
+    what = "a file" if not out.is_dir() else "a folder gqakit did not write"
+    raise GqakitError(f"{out} is {what}, so --force will not replace it (it may hold your files); remove it "
+                      f"yourself or choose another {option}")
+
+
+def remove_path(path: Path) -> None:
+    """Remove a folder tree, a file or a symlink (the link itself: never what it points to)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _notice(text: str) -> None:
+    """One line on stderr, prefixed like the CLI's own lines, whatever bytes a path in it holds."""
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    prog = prog if prog in ("convert-gqa", "gqakit") else "gqakit"
+    line = f"{prog}: {text}".encode("utf-8", "backslashreplace").decode("utf-8", "replace")
+    sys.stderr.write(line.replace("\n", " ") + "\n")
+    sys.stderr.flush()
+
+
+def remove_stale_leftovers(out: Path) -> None:
+    """Remove what stopped runs left beside `out`, one stderr line each; leftovers of live runs stay."""
+    for path, pid in stale_leftovers(out):
+        try:
+            remove_path(path)
+        except OSError as e:
+            _notice(f"could not remove {path.name} left by a stopped run (pid {pid}): {e.strerror or e}; "
+                    "remove it by hand")
+        else:
+            _notice(f"removed {path.name} left by a stopped run (pid {pid})")
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _restore(signum: int, previous) -> None:
+    signal.signal(signum, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While inside, SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does, so that cleanup
+    runs; the previous handler is restored on the way out. A no-op off the main thread (Python only
+    runs signal handlers there) and where SIGTERM is ignored."""
+    if not _in_main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        _restore(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM are ignored for the few renames that publish a finished output: landing
+    between two of them would leave neither the old nor the new output in place."""
+    if not _in_main_thread():
+        yield
+        return
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in held}
+    try:
+        yield
+    finally:
+        for s in held:
+            _restore(s, previous[s])
+
+
+def _publish(tmp: Path, out: Path, force: bool) -> Path | None:
+    """Rename `tmp` to `out`; an existing `out` is moved aside first. Returns what was moved aside."""
+    if not os.path.lexists(out):
+        os.replace(tmp, out)
+        return None
+    if not force:  # it appeared while we worked
+        raise GqakitError(f"{out} already exists; pass --force to replace it or choose another -o")
+    old = sibling(out, "old")
+    os.replace(out, old)  # a symlink is moved as a link: the folder it points to is not touched
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old, out)  # put the previous output back
+        raise
+    return old
+
+
+@contextmanager
+def atomic_output(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary folder beside `out`; on success it replaces `out`, on any failure, Ctrl-C or
+    SIGTERM it vanishes. Leftovers of earlier runs that were killed are removed first."""
+    remove_stale_leftovers(out)
+    with sigterm_as_interrupt():
+        tmp = sibling(out, "tmp")
+        if os.path.lexists(tmp):  # this process's own, from an earlier failed call
+            remove_path(tmp)
+        tmp.mkdir(parents=True)
+        try:
+            yield tmp
+            with _interrupts_held():
+                old = _publish(tmp, out, force)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    if old is not None:
+        try:
+            remove_path(old)
+        except OSError as e:  # the new output is in place; a later run removes this one
+            _notice(f"could not remove the previous output, moved to {old.name}: {e.strerror or e}")

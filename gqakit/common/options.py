@@ -1,0 +1,184 @@
+"""YAML recipes that map one-to-one onto a command's frozen dataclass, and the field checks they share.
+
+A field's type comes from its annotation and its range from `option(...)`, declared once beside it:
+
+    lr: float = option(3e-4, above=0)
+    betas: tuple[float, ...] = option((0.9, 0.95), length=2, at_least=0, below=1)
+    attention: str = option("default", choices=("default", "tiled", "sliding", "sinks"))
+
+`check_fields(obj)` (call it from `__post_init__`) refuses, in one line, a value of the wrong type (a
+bool where a number belongs, a float where an int does, a string where a bool does), a non-finite
+number, a value out of range or not among the choices, and a tuple of the wrong length.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from gqakit.common.errors import GqakitError
+
+_BOUNDS = {"above": (">", float.__gt__), "at_least": (">=", float.__ge__),
+           "below": ("<", float.__lt__), "at_most": ("<=", float.__le__)}
+
+
+def option(default=dataclasses.MISSING, *, above=None, at_least=None, below=None, at_most=None, choices=None,
+           length=None):
+    """A dataclass field with its allowed values: numeric bounds (each element's, for a tuple), choices, length."""
+    bounds = {k: v for k, v in (("above", above), ("at_least", at_least), ("below", below), ("at_most", at_most))
+              if v is not None}
+    rule = {"bounds": bounds, "choices": tuple(choices) if choices else None, "length": length}
+    return dataclasses.field(default=default, metadata={"rule": rule})
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _kind(hint) -> tuple[bool, object]:
+    """(None allowed, the type underneath) of an annotation such as `int | None`."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return True, rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]
+    return False, hint
+
+
+def _type_problem(value, kind) -> str | None:
+    """Why `value` is not a `kind` (None when it is), in words a recipe's author reads."""
+    if kind is bool:
+        return None if isinstance(value, bool) else "must be true or false"
+    if kind is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "must be a number"
+        return None if math.isfinite(value) else "must be a finite number"
+    if kind is str:
+        return None if isinstance(value, str) else "must be a string"
+    if typing.get_origin(kind) is tuple:
+        if not isinstance(value, tuple):
+            return "must be a list"
+        inner = typing.get_args(kind)[0]
+        problems = [_type_problem(v, inner) for v in value]
+        return next((f"must hold items that each {p.removeprefix('must ')}" for p in problems if p), None)
+    if typing.get_origin(kind) is dict or kind is dict:
+        return None if isinstance(value, dict) else "must be a mapping of key: value"
+    return None  # an annotation this checker does not know: the field's own code checks it
+
+
+def _range_problem(value, rule: dict) -> str | None:
+    if rule["length"] is not None and len(value) != rule["length"]:
+        return f"must hold exactly {rule['length']} items"
+    if rule["choices"] and value not in rule["choices"]:
+        return f"is not one of {', '.join(map(str, rule['choices']))}"
+    for item in value if isinstance(value, tuple) else (value,):
+        for name, bound in rule["bounds"].items():
+            sign, holds = _BOUNDS[name]
+            if not holds(float(item), float(bound)):
+                return f"must be {sign} {bound:g}" + (" (each item)" if isinstance(value, tuple) else "")
+    return None
+
+
+def check_fields(obj) -> None:
+    """Refuse a field of `obj` whose value has the wrong type or lies outside its declared range."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        optional, kind = _kind(hints[f.name])
+        if value is None:
+            if optional:
+                continue
+            raise GqakitError(f"{f.name} must be given")
+        problem = _type_problem(value, kind) or (_range_problem(value, f.metadata["rule"]) if "rule" in f.metadata
+                                                 else None)
+        if problem:
+            shown = list(value) if isinstance(value, tuple) else value
+            raise GqakitError(f"{f.name}={shown!r} {problem}")
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
+
+
+def _coerce(key: str, value, hint, source: str):
+    """Numbers as the dataclass declares them: YAML 1.1 reads 3e-4 and 1e9 (no dot) as strings."""
+    kinds = (hint, *typing.get_args(hint))
+    if int in kinds and float not in kinds and not isinstance(value, bool) and isinstance(value, (str, float)):
+        try:
+            number = float(value)
+        except ValueError:
+            raise GqakitError(f"{source}: {key}={value!r} must be an integer") from None
+        if not math.isfinite(number) or number != int(number):
+            raise GqakitError(f"{source}: {key}={value!r} must be an integer")
+        return int(number)
+    if float in kinds and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise GqakitError(f"{source}: {key}={value!r} is not a number") from None
+    return value
+
+
+def from_dict(cls, data: dict, source: str = "recipe"):
+    """Build dataclass `cls` from a mapping; unknown keys are an error naming the closest key."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in known:
+            raise GqakitError(f"{source}: unknown key '{key}'{_suggest(key, known)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints.get(key)
+        if typing.get_origin(hint) is tuple:  # YAML lists (or one bare item) -> tuples
+            value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        value = _coerce(key, value, hint, source)
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required key is missing
+        raise GqakitError(f"{source}: {e}") from None
+    except GqakitError as e:  # a field's type or range (check_fields, from __post_init__)
+        raise GqakitError(f"{source}: {e}") from None
+
+
+def load_recipe(cls, path: str | Path, overrides: list[str] = ()):
+    """Read a YAML recipe into `cls`, applying `key=value` overrides on top."""
+    path = Path(path)
+    if not path.is_file():
+        raise GqakitError(f"recipe {path} does not exist; pass the path of a YAML file (see recipes/)")
+    data = _yaml(path.read_bytes(), f"recipe {path}") or {}
+    if not isinstance(data, dict):
+        raise GqakitError(f"recipe {path} must be a mapping of key: value, got {type(data).__name__}")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise GqakitError(f"override '{item}' is not key=value; write e.g. steps=100")
+        data[key] = _yaml(value.encode(errors="surrogateescape"), f"override {key}")  # ints, floats, bools, lists
+    return from_dict(cls, data, source=str(path))
+
+
+def _yaml(raw: bytes, what: str):
+    """YAML text -> data, or a one-line error that says where the text is broken."""
+    try:
+        return yaml.safe_load(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise GqakitError(f"{what} is not UTF-8 text (a binary file?); give a YAML text file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise GqakitError(f"{what} is not valid YAML{where} ({problem}); fix the syntax") from None
+
+
+def to_dict(obj) -> dict:
+    """A recipe dataclass as plain YAML/JSON-friendly data."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(obj).items()}

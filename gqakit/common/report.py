@@ -1,0 +1,127 @@
+"""Evaluation reports: reproducible artefacts written atomically, never over an old one by accident.
+
+Every `gqakit eval` run writes one folder:
+
+    results.json   the figures, the exact config (the command's dataclass), the command line, the time
+                   and the versions of gqakit / torch / transformers / Python
+    results.csv    the same rows as a flat table (one row per model, position bucket or passkey cell)
+    *.png          a plot where a person would rather look
+
+The default folder is `runs/eval-<kind>-<YYYYmmdd-HHMMSS>` under the current directory. An existing
+folder is refused unless `force=True`; the check runs before the (possibly long) evaluation and again
+at the end. Files go into a hidden temporary folder beside the target, renamed into place at the end:
+an error or Ctrl-C leaves no half-written report (and, with force, the old one intact until then).
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import platform
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from gqakit.common.errors import GqakitError
+
+RESULTS_JSON = "results.json"
+RESULTS_CSV = "results.csv"
+_EXISTS = "report folder {} already exists; pass --force to replace it or choose another --output"
+
+
+def default_output(kind: str, now: datetime.datetime | None = None) -> Path:
+    now = now or datetime.datetime.now()
+    return Path("runs") / f"eval-{kind}-{now:%Y%m%d-%H%M%S}"
+
+
+def prepare_output(output: str | Path | None, kind: str, force: bool) -> Path:
+    """The report folder for this run; refuses an existing one without `force` (before any work is done)."""
+    target = Path(output) if output else default_output(kind)
+    if target.exists() and not force:
+        raise GqakitError(_EXISTS.format(target))
+    if target.exists() and not target.is_dir():
+        raise GqakitError(f"--output {target} is a file, not a folder; choose another --output")
+    if force:
+        from gqakit.common.atomic import check_replaceable
+
+        check_replaceable(target, "--output")
+    return target
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    from gqakit import __version__
+
+    return {"gqakit": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def _jsonable(value):
+    """Plain JSON: tuples to lists, non-finite floats to null (strict JSON has no NaN/Infinity)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    fields: list[str] = []
+    for row in rows:
+        fields += [k for k in row if k not in fields]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_report(target: Path, *, kind: str, command: str, config: dict, results: dict, rows: list[dict],
+                 plots: dict[str, Callable[[Path], None]] | None = None, force: bool = False) -> Path:
+    """Write results.json, results.csv and the plots into `target`, atomically; returns `target`."""
+    target = Path(target)
+    if target.exists() and not force:  # it may have appeared while we evaluated
+        raise GqakitError(_EXISTS.format(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        record = {"kind": kind, "command": command,
+                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "versions": versions(), "config": config, "results": results}
+        (tmp / RESULTS_JSON).write_text(json.dumps(_jsonable(record), indent=2) + "\n", encoding="utf-8")
+        _write_csv(tmp / RESULTS_CSV, rows)
+        for name, draw in (plots or {}).items():
+            draw(tmp / name)
+        _swap_in(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _swap_in(tmp: Path, target: Path) -> None:
+    """Rename tmp to target; an old target (force) is moved aside first and deleted only afterwards."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{tmp.name.rsplit('.', 2)[-2]}")
+        target.rename(old)
+    try:
+        tmp.rename(target)
+    except BaseException:
+        if old is not None:
+            old.rename(target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_report(folder: str | Path) -> dict:
+    """The results.json of a report folder (for tests and for comparing runs)."""
+    return json.loads((Path(folder) / RESULTS_JSON).read_text(encoding="utf-8"))

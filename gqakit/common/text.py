@@ -1,0 +1,112 @@
+"""Evaluation text: a local .txt file, or JSON lines / JSON / parquet rows read with `datasets`.
+
+A .txt file is one document. JSON lines, JSON and parquet give one document per row (the `text`
+column unless told otherwise); documents are tokenized one by one, without special tokens, and
+joined with the tokenizer's EOS token id (joining ids, not strings, so that a literal "<|endoftext|>"
+in the text is never mistaken for the separator). BOS handling is the evaluator's business.
+
+Every problem a user can cause is a one-line `GqakitError` that names the fix.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gqakit.common.errors import GqakitError
+
+TEXT_SUFFIXES = (".txt",)
+ROW_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def _suffix(path: Path) -> str:
+    return path.suffix.lower()
+
+
+def _row_files(path: Path) -> tuple[str, list[str]]:
+    """(datasets builder name, data files) of a row file or of a folder of row files of one format."""
+    if path.is_file():
+        builder = ROW_SUFFIXES.get(_suffix(path))
+        if builder is None:
+            raise GqakitError(f"{path}: unknown data format {path.suffix or '(no suffix)'!r}; use .txt (--text), "
+                              f"or .jsonl / .json / .parquet (--dataset)")
+        return builder, [str(path)]
+    files = sorted(p for p in path.iterdir() if p.is_file() and _suffix(p) in ROW_SUFFIXES)
+    builders = {ROW_SUFFIXES[_suffix(p)] for p in files}
+    if not files:
+        raise GqakitError(f"dataset folder {path} holds no .jsonl, .json or .parquet file; "
+                          "point --dataset at such a file or folder")
+    if len(builders) > 1:
+        raise GqakitError(f"dataset folder {path} mixes JSON and parquet files; keep one format per folder")
+    return builders.pop(), [str(p) for p in files]
+
+
+def load_rows(path: str | Path, text_column: str = "text") -> list[str]:
+    """The `text_column` strings of a JSON lines / JSON / parquet file (or folder of them), in order."""
+    path = Path(path)
+    if not path.exists():
+        raise GqakitError(f"dataset {path} does not exist; pass a local .jsonl, .json or .parquet file or folder")
+    builder, files = _row_files(path)
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        table = datasets.load_dataset(builder, data_files=files, split="train")
+    except Exception as e:  # malformed JSON, a non-parquet file named .parquet, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GqakitError(f"cannot read {path} as {builder}: {first}; check the file") from None
+    if text_column not in table.column_names:
+        raise GqakitError(f"{path} has no column {text_column!r} (columns: {', '.join(table.column_names)}); "
+                          "pass --text-column NAME")
+    rows = [r for r in table[text_column] if isinstance(r, str) and r.strip()]
+    if not rows:
+        raise GqakitError(f"{path}: column {text_column!r} holds no non-empty text; check the file or --text-column")
+    return rows
+
+
+def load_text_file(path: str | Path) -> list[str]:
+    """A UTF-8 .txt file as one document (a one-element list)."""
+    path = Path(path)
+    if not path.is_file():
+        raise GqakitError(f"text file {path} does not exist; pass a UTF-8 .txt file with --text")
+    if _suffix(path) in ROW_SUFFIXES:
+        raise GqakitError(f"{path} is {path.suffix} rows, not plain text; pass it with --dataset instead of --text")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise GqakitError(f"{path} is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
+    if not text.strip():
+        raise GqakitError(f"text file {path} is empty; pass a file with some text")
+    return [text]
+
+
+def load_documents(text: str | None = None, dataset: str | None = None, text_column: str = "text") -> list[str]:
+    """Documents from exactly one of `text` (a .txt file) or `dataset` (JSON lines / JSON / parquet)."""
+    if (text is None) == (dataset is None):
+        raise GqakitError("give exactly one of --text FILE.txt or --dataset FILE.jsonl|FILE.parquet|FOLDER")
+    return load_text_file(text) if text is not None else load_rows(dataset, text_column)
+
+
+def eos_id(tokenizer) -> int:
+    """The tokenizer's EOS id (the document separator); a clear error when it has none."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise GqakitError(f"the tokenizer ({type(tokenizer).__name__}) has no EOS token to join documents with; "
+                          "use a single .txt document or a tokenizer with eos_token set")
+    return int(eos)
+
+
+def encode_documents(documents: list[str], tokenizer, max_tokens: int | None = None) -> torch.Tensor:
+    """1-D token ids of the documents joined with EOS (no special tokens added), cut to `max_tokens`."""
+    ids: list[int] = []
+    separator = eos_id(tokenizer) if len(documents) > 1 else None
+    for i, doc in enumerate(documents):
+        if i and separator is not None:
+            ids.append(separator)
+        ids.extend(tokenizer(doc, add_special_tokens=False, verbose=False).input_ids)
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
+    if not ids:
+        raise GqakitError("the evaluation text tokenizes to no tokens; pass a longer text")
+    out = torch.tensor(ids, dtype=torch.long)
+    return out if max_tokens is None else out[:max_tokens]

@@ -1,0 +1,97 @@
+"""Calibration text for `convert-gqa --calibration`: read with the evaluation loaders, tokenized with the
+model's own tokenizer, cut into disjoint windows, checked, and fingerprinted for the model card.
+
+Reading text reuses `gqakit.common.text` (a .txt document, or JSON lines / JSON / parquet rows), so
+calibration accepts exactly what `gqakit eval` accepts. This is the one place `convert` reaches into
+`evaluate`; it imports nothing else from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import torch
+
+from gqakit.common.errors import GqakitError
+from gqakit.convert.calibration.calibrate import heldout_count, make_windows
+
+DEFAULT_TOKENS = 16_384
+DEFAULT_WINDOW = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationData:
+    path: str
+    windows: torch.Tensor  # (N, T) token ids; the last `heldout` windows score the merge
+    heldout: int
+    sha256: str  # of the token ids used (int64, little-endian), which pins text, tokenizer and cut
+    file_sha256: str  # of the calibration file's bytes (a folder: of its files' bytes in name order)
+
+    @property
+    def window(self) -> int:
+        return self.windows.shape[1]
+
+    @property
+    def tokens(self) -> int:
+        return self.windows.numel()
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for f in files:
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def load_calibration(path: str, model_dir: Path, config: dict, tokens: int | None, window: int | None,
+                     text_column: str = "text") -> CalibrationData:
+    """Tokenize `path` with the tokenizer in `model_dir` into windows; one-line errors for every bad input."""
+    from gqakit.common.text import encode_documents, load_documents
+
+    tokens = DEFAULT_TOKENS if tokens is None else tokens
+    context = config.get("max_position_embeddings")
+    window = (min(DEFAULT_WINDOW, context) if isinstance(context, int) and context > 0 else DEFAULT_WINDOW) \
+        if window is None else window
+    if window < 2:
+        raise GqakitError(f"--calibration-window {window} is too short; use at least 2 tokens (default 512)")
+    if isinstance(context, int) and window > context:
+        raise GqakitError(f"--calibration-window {window} exceeds the model's {context}-token context "
+                          f"(max_position_embeddings); use at most {context}")
+    if tokens < 2 * window:
+        raise GqakitError(f"--calibration-tokens {tokens:,} is less than two {window}-token windows; calibration "
+                          f"fits on some windows and scores on others: use at least {2 * window:,}")
+    source = Path(path)
+    if not source.exists():
+        raise GqakitError(f"calibration data {path} does not exist; pass a local .txt file or a .jsonl / .json / "
+                          ".parquet file or folder")
+    is_text = source.is_file() and source.suffix.lower() == ".txt"
+    documents = load_documents(text=str(source) if is_text else None, dataset=None if is_text else str(source),
+                               text_column=text_column)
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # no tokenizer files, or broken ones
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GqakitError(f"--calibration needs the model's tokenizer, but {model_dir} has none that loads ({first}); "
+                          "copy the tokenizer files into the model folder") from None
+    try:
+        ids = encode_documents(documents, tokenizer, tokens)
+    except GqakitError as e:
+        raise GqakitError(f"calibration data {path}: {e}") from None
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and int(ids.max()) >= vocab:
+        raise GqakitError(f"calibration data {path} tokenizes to id {int(ids.max()):,}, outside the model's vocabulary "
+                          f"of {vocab:,} (vocab_size); the tokenizer in {model_dir} does not belong to these weights")
+    windows = make_windows(ids, window, tokens)
+    if windows.shape[0] < 2:
+        raise GqakitError(f"calibration data {path} gives {ids.numel():,} tokens, less than two {window}-token windows "
+                          f"({2 * window:,} tokens); pass more text or a smaller --calibration-window")
+    return CalibrationData(
+        path=str(path), windows=windows, heldout=heldout_count(windows.shape[0]),
+        sha256=hashlib.sha256(windows.to(torch.int64).numpy().tobytes()).hexdigest(), file_sha256=_file_hash(source),
+    )

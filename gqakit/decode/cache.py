@@ -1,0 +1,380 @@
+"""KV-cache policies for `generate()` and streaming: attention sinks + a recent window (StreamingLLM).
+
+`SinkCache(sinks=S, window=W)` keeps, per layer and per row, the first S real tokens (the attention
+sinks of Xiao et al. 2023) and the W most recent ones; `WindowCache(W)` is the S = 0 case. Memory is
+constant: the stored K/V never exceed S + W positions. During one forward the cache also returns the
+current chunk of q tokens (S + W + q keys are attended), as transformers' own sliding-window layer does.
+
+Positions. Llama-style models rotate K by RoPE *before* `past_key_values.update(...)`, and
+`generate()` hands the model absolute, ever-growing position ids. RoPE scores depend only on the
+distance between query and key positions, so the cache keeps every kept key at the place it would
+have in a contiguous sequence [sinks | window | chunk] that ends at the caller's positions:
+
+* window keys are the latest tokens, already contiguous with the new ones: they are never touched;
+* once e tokens have been evicted between the sinks and the window, the sink keys are rotated by
+  +e positions (R(a) R(b) = R(a + b)), so they sit just before the window's first token.
+
+The model therefore sees in-cache distances (< S + W + q) however long the stream: the scores are
+those of the kept keys placed at StreamingLLM's positions 0, 1, 2, ... The stored sink keys stay as
+first written; each forward rotates a copy by the current e (angles in float64, reduced mod 2 pi),
+so rounding never accumulates. Absolute positions still grow under `generate()` (fp32 RoPE angles
+lose precision as they grow: ~1e-3 rad at position 2e4); a decoding loop that owns its positions
+(`gqakit.decode.streaming`) calls `rebase()` now and then, which rotates the window back so that
+it starts at position S: positions then stay below about 2 (S + W) + chunk forever.
+
+Padding. Rows are left-padded. Pass the prompt's `attention_mask` so that each row's sinks are its
+first S *real* tokens. Per row, the stored keys are right-aligned: [pads | real tokens] until the row
+has more than S + W real tokens, then [S sinks | W recent] with no pads. Stored slot j is reported to
+the mask builder as absolute column `seen - stored + j` (`get_mask_sizes`), which is exactly where a
+left-padded 2D attention mask has its zeros, so `generate()`'s ever-growing mask stays consistent.
+`WindowCache` needs neither the mask nor the RoPE frequencies (except for `rebase()`).
+
+Scope: decoder-only models whose attention applies rotate-half RoPE to K before the cache update
+and whose layers are all full causal attention. Tested on Llama; Mistral (without `sliding_window`),
+Qwen2/3 and OLMo/OLMo2 follow the same contract, and partial rotary (Phi3) is handled, but they are
+not tested here. Not supported: interleaved (GPT-J style) RoPE, RoPE whose frequencies depend on the
+position (`dynamic`, `longrope`: refused), models with sliding-window or linear-attention layers,
+beam search and `crop()` (assisted decoding) (both raise). `num_return_sequences > 1` works without
+`attention_mask`; with one, build the cache for the expanded batch (a mismatch raises).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure RoPE maths
+# ---------------------------------------------------------------------------------------------
+
+def rope_inv_freq(rope: torch.nn.Module | torch.Tensor) -> torch.Tensor:
+    """The RoPE inverse frequencies (r/2,) of a model (its one rotary embedding) or of a tensor."""
+    if isinstance(rope, torch.Tensor):
+        return rope.detach().to("cpu", torch.float64).reshape(-1)
+    found = [m for m in rope.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if not found:
+        raise ValueError(f"{type(rope).__name__} has no rotary embedding (no `inv_freq` buffer); "
+                         "SinkCache re-rotates RoPE keys: use WindowCache (sinks=0) for this model")
+    freqs = [m.inv_freq.detach().to("cpu", torch.float64).reshape(-1) for m in found]
+    if any(f.shape != freqs[0].shape or not torch.equal(f, freqs[0]) for f in freqs[1:]):
+        raise ValueError(f"{type(rope).__name__} has {len(found)} different rotary embeddings; pass the "
+                         "inv_freq tensor of the layers you cache as rope=...")
+    rope_type = getattr(found[0], "rope_type", "default")
+    if rope_type in _POSITION_DEPENDENT_ROPE:
+        raise ValueError(f"rope_type {rope_type!r} changes its frequencies with the position; SinkCache "
+                         "needs fixed frequencies (default, linear, llama3, yarn)")
+    return freqs[0]
+
+
+def rope_rotation(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (B, r) of a rotation by `delta` (B,) positions, in the rotate-half layout.
+
+    Angles are formed in float64 and reduced mod 2 pi before the cast to float32, so a large delta
+    costs no precision; delta = 0 gives exactly cos = 1, sin = 0 (an exact identity).
+    """
+    angle = torch.remainder(delta.to(torch.float64)[:, None] * inv_freq[None, :], 2 * math.pi)  # (B, r/2)
+    angle = torch.cat([angle, angle], dim=-1)  # (B, r)
+    return angle.cos().float(), angle.sin().float()
+
+
+def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate keys (B, G, L, d) by per-row angles (B, r), r <= d (the first r dims are rotary)."""
+    r = cos.shape[-1]
+    k = keys[..., :r].float()
+    c, s = cos[:, None, None, :].to(k.device), sin[:, None, None, :].to(k.device)  # (B, 1, 1, r)
+    half = r // 2
+    k_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)  # rotate_half
+    out = (k * c + k_half * s).to(keys.dtype)
+    return out if r == keys.shape[-1] else torch.cat([out, keys[..., r:]], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bookkeeping shared by the layers of one cache
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one update of q tokens does, the same for every layer (computed once, on CPU)."""
+    keep: int                      # stored positions after the update, min(N, S + W)
+    kind: str                      # "suffix" (nothing evicted), "steady" (every row full), "gather"
+    cos: torch.Tensor | None       # (B, r) sink rotation for this forward, None: no row has evicted
+    sin: torch.Tensor | None
+    index: torch.Tensor | None     # (B, keep) slots of [stored | chunk] to keep ("gather" only)
+    stored_sinks: torch.Tensor | None  # (B,) rows whose sinks are re-read from storage ("gather")
+
+
+class _Policy:
+    """Sinks, window, per-row left padding and rebase shifts; plans each update for all layers."""
+
+    def __init__(self, sinks: int, window: int, inv_freq: torch.Tensor | None,
+                 padding: torch.Tensor | None):
+        self.sinks, self.window, self.inv_freq = sinks, window, inv_freq
+        self.padding = padding  # (B,) int64 on CPU, or None until the batch size is known
+        self.shift: torch.Tensor | None = None  # (B,) positions removed by rebase()
+        self._memo: tuple | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.sinks + self.window
+
+    def bind(self, batch: int, head_dim: int) -> None:
+        if self.padding is None:
+            self.padding = torch.zeros(batch, dtype=torch.long)
+        elif self.padding.shape[0] != batch:
+            raise ValueError(f"the cache was built for batch {self.padding.shape[0]} (attention_mask) but "
+                             f"the model fed batch {batch}; build one cache per batch")
+        if self.shift is None:
+            self.shift = torch.zeros(batch, dtype=torch.long)
+        if self.inv_freq is not None and 2 * self.inv_freq.numel() > head_dim:
+            raise ValueError(f"RoPE has {2 * self.inv_freq.numel()} rotary dims but head_dim is {head_dim}; "
+                             "pass the rope of the model whose keys are cached")
+
+    def real_tokens(self, seen: int) -> torch.Tensor:
+        """(B,) real (non-padding) tokens among the first `seen` columns."""
+        return (seen - self.padding).clamp(min=0)
+
+    def plan(self, seen: int, stored: int, q: int) -> _Plan:
+        key = (seen, stored, q)
+        if self._memo is not None and self._memo[0] == key:
+            return self._memo[1]
+        S, cap = self.sinks, self.capacity
+        n_cached, keep = stored + q, min(stored + q, cap)
+        p_min, p_max = int(self.padding.min()), int(self.padding.max())
+        if seen + q - p_min <= cap:  # no row holds more than S + W real tokens: keep a suffix
+            plan = _Plan(keep, "suffix", None, None, None, None)
+        else:
+            was_full = self.real_tokens(seen) > cap  # (B,)
+            cos = sin = None
+            if S > 0 and seen - p_min > cap:  # some row has evicted: its sinks move up to its window
+                evicted = (self.real_tokens(seen) - cap).clamp(min=0)
+                cos, sin = rope_rotation(evicted - self.shift, self.inv_freq)
+            if seen - p_max > cap:  # every row was already [S sinks | W recent], chunk all real
+                plan = _Plan(keep, "steady", cos, sin, None, None)
+            else:
+                real_now = self.real_tokens(seen + q)
+                in_cache = self.real_tokens(seen).clamp(max=cap) + (real_now - self.real_tokens(seen))
+                index = torch.arange(n_cached - keep, n_cached).expand(len(real_now), keep).clone()
+                first_real = n_cached - in_cache  # (B,) slot of each row's first real token
+                sink_slots = first_real[:, None] + torch.arange(S)[None, :]  # (B, S)
+                full_now = (real_now > cap)[:, None]
+                index[:, :S] = torch.where(full_now, sink_slots, index[:, :S])
+                plan = _Plan(keep, "gather", cos, sin, index, was_full)
+        self._memo = (key, plan)
+        return plan
+
+    def invalidate(self) -> None:
+        self._memo = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache layer and the caches
+# ---------------------------------------------------------------------------------------------
+
+class SinkLayer(CacheLayerMixin):
+    """One layer of a `SinkCache`: stores (B, G, <= S + W, d) keys and values."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, policy: _Policy):
+        super().__init__()
+        self.policy = policy
+        self.seen = 0  # columns fed so far, padding included (what get_seq_length reports)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[..., :0, :].clone()  # (B, G, 0, d)
+        self.values = value_states[..., :0, :].clone()
+        self.policy.bind(key_states.shape[0], key_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append q new (already rotated) K/V; return [sinks | window | chunk] and keep <= S + W."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        S, W = self.policy.sinks, self.policy.window
+        stored, q = self.keys.shape[-2], key_states.shape[-2]
+        plan = self.policy.plan(self.seen, stored, q)
+        n = stored + q
+        if plan.cos is not None:  # sinks rotated up to sit just before the window
+            sinks = rotate_keys(self.keys[..., :S, :], plan.cos, plan.sin)
+            keys = torch.cat([sinks, self.keys[..., S:, :], key_states], dim=-2)  # (B, G, n, d)
+        else:
+            keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+
+        if plan.kind == "suffix":
+            self.keys, self.values = keys[..., n - plan.keep:, :], values[..., n - plan.keep:, :]
+        elif plan.kind == "steady":  # stored sinks stay unrotated; the window is the last W
+            self.keys = torch.cat([self.keys[..., :S, :], keys[..., n - W:, :]], dim=-2)
+            self.values = torch.cat([values[..., :S, :], values[..., n - W:, :]], dim=-2)
+        else:
+            b, g, _, d = keys.shape
+            index = plan.index.to(keys.device)[:, None, :, None].expand(b, g, plan.keep, d)
+            new_keys = keys.gather(2, index)
+            if plan.cos is not None:  # rows that were already full re-read their unrotated sinks
+                was_full = plan.stored_sinks.to(keys.device)[:, None, None, None]
+                new_keys[..., :S, :] = torch.where(was_full, self.keys[..., :S, :], new_keys[..., :S, :])
+            self.keys, self.values = new_keys, values.gather(2, index)
+        self.seen += q
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset): stored slot j stands for absolute column seen - stored + j."""
+        stored = self.keys.shape[-2] if self.is_initialized else 0
+        return stored + query_length, self.seen - stored
+
+    def get_seq_length(self) -> int:
+        """Columns seen so far (padding included), as for a DynamicCache: the next query's offset."""
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return self.policy.capacity
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.seen = 0
+        self.policy.invalidate()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("SinkCache cannot be cropped (evicted tokens are gone); "
+                                  "do not use assisted decoding with it")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("SinkCache does not support beam search; use greedy or sampling")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("SinkCache does not support batch expansion; build it for the "
+                                  "expanded batch (num_return_sequences=1)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("SinkCache does not support batch selection")
+
+
+def _left_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(B,) count of leading zeros of a left-padded 2D mask (validated)."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.detach().to("cpu").bool()
+    if mask.dim() != 2:
+        raise ValueError(f"attention_mask must be 2D (batch, length), got shape {tuple(mask.shape)}")
+    if mask.shape[1] > 1 and (mask[:, 1:].int() < mask[:, :-1].int()).any():
+        raise ValueError("attention_mask is not left-padded; tokenize with padding_side='left'")
+    return (~mask).sum(dim=-1).long()
+
+
+class SinkCache(Cache):
+    """StreamingLLM cache: the first `sinks` real tokens plus the `window` most recent, per row.
+
+    Args:
+        sinks: S >= 0 attention-sink tokens kept forever (the first S real tokens of each row).
+        window: W >= 1 most recent tokens kept (the current token attends S + W + itself).
+        rope: the model (its rotary embedding is read) or its RoPE `inv_freq`; needed when S > 0
+            (to re-rotate the sinks) and for `rebase()`.
+        attention_mask: the prompt's left-padded 2D mask, if the batch is padded; tokens fed after
+            the prompt are taken as real.
+
+    Use it with `model(..., past_key_values=cache)` or `model.generate(..., past_key_values=cache)`
+    (one cache per call; `prefill_chunk_size` bounds memory for prompts longer than S + W).
+    """
+
+    def __init__(self, sinks: int, window: int, rope: torch.nn.Module | torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None):
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"sinks must be an int >= 0, got {sinks!r}; pass sinks=0 for a plain "
+                             "sliding window or e.g. sinks=4")
+        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+            raise ValueError(f"window must be an int >= 1, got {window!r}; pass the number of recent "
+                             "tokens to keep, e.g. window=1020")
+        if sinks > 0 and rope is None:
+            raise ValueError(f"SinkCache(sinks={sinks}) re-rotates the sink keys and needs the model's "
+                             "RoPE: pass rope=model (or use sinks=0)")
+        inv_freq = rope_inv_freq(rope) if rope is not None else None
+        self.policy = _Policy(sinks, window, inv_freq, _left_padding(attention_mask))
+        super().__init__(layer_class_to_replicate=partial(SinkLayer, self.policy))
+
+    @property
+    def sinks(self) -> int:
+        return self.policy.sinks
+
+    @property
+    def window(self) -> int:
+        return self.policy.window
+
+    def _seen(self) -> int:
+        return self.layers[0].seen if self.layers else 0
+
+    def position_ids(self, length: int) -> torch.Tensor:
+        """(B, length) positions for the next `length` columns: a row's first real token is 0, minus
+        what `rebase()` removed; padding columns get 0 (as `generate()` numbers them)."""
+        if self.policy.padding is None:
+            raise ValueError("position_ids() needs the batch size: feed the first chunk without it, "
+                             "or build the cache with attention_mask")
+        seen = self._seen()
+        real = seen + torch.arange(length)[None, :] - self.policy.padding[:, None]  # (B, length)
+        shift = self.policy.shift if self.policy.shift is not None else 0
+        return torch.where(real >= 0, real - torch.as_tensor(shift)[..., None], 0)
+
+    def padding_mask(self, length: int) -> torch.Tensor | None:
+        """A 2D mask (B, seen + length) for the next forward, or None when no padding can be in view."""
+        padding = self.policy.padding
+        if padding is None or int(padding.max()) == 0:
+            return None
+        seen = self._seen()
+        stored = self.layers[0].keys.shape[-2] if self.layers and self.layers[0].is_initialized else 0
+        if seen - stored >= int(padding.max()):  # every padding column is already out of view
+            return None
+        return torch.arange(seen + length)[None, :] >= padding[:, None]
+
+    def rebase(self) -> None:
+        """Rotate each full row's window back so that it starts at position S (sinks at 0..S-1).
+
+        After this, a row's next token takes position S + W: call it when positions grow large. The
+        caller must number later tokens from `position_ids()` (which accounts for the shift).
+        """
+        pol = self.policy
+        if not self.layers or pol.shift is None:
+            return
+        if pol.inv_freq is None:
+            raise ValueError("rebase() rotates keys and needs the model's RoPE: build the cache with rope=model")
+        evicted = (pol.real_tokens(self._seen()) - pol.capacity).clamp(min=0)
+        delta = evicted - pol.shift
+        if not bool((delta != 0).any()):
+            return
+        cos, sin = rope_rotation(-delta, pol.inv_freq)
+        S = pol.sinks
+        for layer in self.layers:  # rows with delta 0 (not full yet) are rotated by an exact identity
+            layer.keys = torch.cat([layer.keys[..., :S, :], rotate_keys(layer.keys[..., S:, :], cos, sin)], dim=-2)
+        pol.shift = evicted
+        pol.invalidate()
+
+    def reset(self) -> None:
+        super().reset()
+        if self.policy.shift is not None:
+            self.policy.shift.zero_()
+
+    def cache_bytes(self) -> int:
+        """Bytes held by the stored keys and values of all layers."""
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values))
+
+
+class WindowCache(SinkCache):
+    """The W most recent tokens only (a rolling window, constant memory): `SinkCache` with S = 0.
+
+    Needs no RoPE and no attention mask (padding never needs special handling with S = 0), except
+    that `rebase()` needs `rope`.
+    """
+
+    def __init__(self, window: int, rope: torch.nn.Module | torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None):
+        super().__init__(0, window, rope=rope, attention_mask=attention_mask)

@@ -1,0 +1,220 @@
+"""A chunk-exact sink/window cache: C tokens per forward, each scored exactly as if fed one at a time.
+
+Why not `gqakit.decode.cache.SinkCache` fed in chunks? Token-by-token, SinkCache shows token t the
+S sinks and the W tokens before it, plus itself, with the sinks rotated to sit just before that window.
+Fed a chunk of C tokens, it shows every token of the chunk the sinks and the W tokens before the
+*chunk* plus the chunk's earlier tokens (up to W + C - 1 recent tokens), with one sink placement for
+the whole chunk. That is a different (more generous) policy, so its perplexity is not the token-by-token
+number. Two things must be exact per token instead:
+
+* which keys: token t sees V(t) = {k <= t : k < S or k >= t - W} (sinks + the W tokens before it +
+  itself), never more: an explicit 4-D additive mask, one row per token of the chunk;
+* where the sinks sit: once t > S + W, token t sees sink j at distance S + W - j (just before its own
+  window), so different tokens of one chunk need the sinks at different RoPE positions. A single set of
+  keys cannot do that, so each forward appends one rotated copy of the S sink keys per distinct sink
+  placement (U <= C copies; U = 1 until the first eviction) and the mask lets token t see only its copy.
+  Sink keys are rotated from their stored positions with float64 angles (`cache.rope_rotation`).
+
+Keys handed to attention: [U copies of the sinks | the last <= W non-sink tokens | the chunk]
+(U*S + W + C keys at most; the sink tokens are seen only through the copies). Stored between forwards:
+S sinks + W recent tokens, as in SinkCache. Per token the maths is SinkCache's token-by-token maths:
+the same keys, the same relative positions, hence (multi-layer models included) the same hidden states.
+
+Positions: token t is fed at position t - offset. Every `rebase_every` tokens the stored window is
+rotated back by the growth (offset moves so the window starts at position S), so positions stay below
+S + W + rebase_every + C (2 (S + W) + C by default) whatever the stream length (fp32 RoPE stays precise).
+
+Batch 1 (one stream). The caller must call `prepare(C)` before each forward and pass the returned
+position ids and mask to the model (`model(ids, position_ids=..., attention_mask=..., past_key_values=
+cache)`); the model's attention must accept a 4-D additive mask (eager and sdpa do; gqakit's tiled
+kinds ignore it, so they are refused).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from gqakit.decode.cache import rope_inv_freq, rope_rotation, rotate_keys
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """The plan of one forward (the same for every layer)."""
+
+    start: int  # stream index of the chunk's first token
+    length: int  # C
+    sinks_before: int  # sink tokens stored before this chunk
+    sinks_after: int  # sink tokens once the chunk is in (the chunk's first sinks_after - sinks_before are sinks)
+    recent: int  # non-sink tokens stored before the chunk (the last ones, at most W)
+    cos: torch.Tensor | None  # (U, r) one rotation per sink copy; None: a single unrotated copy
+    sin: torch.Tensor | None
+
+
+class _Frame:
+    """Stream state shared by the layers: tokens fed, position offset, the current chunk's plan."""
+
+    def __init__(self, sinks: int, window: int, inv_freq: torch.Tensor | None, rebase_every: int):
+        self.sinks, self.window, self.inv_freq, self.rebase_every = sinks, window, inv_freq, rebase_every
+        self.seen = 0
+        self.offset = 0
+        self.chunk: _Chunk | None = None
+
+
+class ChunkLayer(CacheLayerMixin):
+    """One layer: stored sinks (1, G, <= S, d) and recent non-sink tokens (1, G, <= W, d)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, frame: _Frame):
+        super().__init__()
+        self.frame = frame
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.shape[0] != 1:
+            raise ValueError(f"ChunkedSinkCache streams one text (batch 1), got batch {key_states.shape[0]}")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys, self.values = key_states[..., :0, :].clone(), value_states[..., :0, :].clone()
+        self.sink_keys, self.sink_values = self.keys.clone(), self.values.clone()
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take the chunk's (rotated) K/V; return [sink copies | recent | chunk] and keep S + W."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        plan = self.frame.chunk
+        if plan is None or plan.length != key_states.shape[-2] or self.keys.shape[-2] != plan.recent:
+            raise RuntimeError("call ChunkedSinkCache.prepare(length) before each forward and pass its "
+                               "position_ids and attention_mask to the model")
+        take = plan.sinks_after - plan.sinks_before
+        sink_k = torch.cat([self.sink_keys, key_states[..., :take, :]], dim=-2)  # (1, G, s, d)
+        sink_v = torch.cat([self.sink_values, value_states[..., :take, :]], dim=-2)
+        _, g, s, d = sink_k.shape
+        if plan.cos is None or s == 0:
+            copies_k, copies_v = sink_k, sink_v
+        else:
+            u = plan.cos.shape[0]
+            rotated = rotate_keys(sink_k.expand(u, g, s, d), plan.cos, plan.sin)  # (U, G, s, d)
+            copies_k = rotated.transpose(0, 1).reshape(1, g, u * s, d)  # copy-major: slot u * s + j
+            copies_v = sink_v.expand(u, g, s, d).transpose(0, 1).reshape(1, g, u * s, d)
+        keys = torch.cat([copies_k, self.keys, key_states], dim=-2)  # (1, G, U*s + recent + C, d)
+        values = torch.cat([copies_v, self.values, value_states], dim=-2)
+        window = self.frame.window
+        self.sink_keys, self.sink_values = sink_k, sink_v
+        self.keys = torch.cat([self.keys, key_states[..., take:, :]], dim=-2)[..., -window:, :]
+        self.values = torch.cat([self.values, value_states[..., take:, :]], dim=-2)[..., -window:, :]
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        stored = self.keys.shape[-2] if self.is_initialized else 0
+        return stored + query_length, self.frame.seen - stored
+
+    def get_seq_length(self) -> int:
+        return self.frame.seen
+
+    def get_max_length(self) -> int:
+        return self.frame.sinks + self.frame.window
+
+    def reset(self) -> None:
+        self.keys = self.values = self.sink_keys = self.sink_values = None
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("ChunkedSinkCache cannot be cropped (evicted tokens are gone)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("ChunkedSinkCache streams one text; no beam search")
+
+
+class ChunkedSinkCache(Cache):
+    """StreamingLLM's S sinks + W recent tokens, fed C tokens per forward with token-by-token results.
+
+    Args:
+        sinks: S >= 0 (S = 0 is a plain rolling window of W tokens).
+        window: W >= 1 recent tokens before the current one.
+        rope: the model (its rotary embedding is read) or its RoPE `inv_freq`; required when S > 0;
+            without it (S = 0) positions are never rebased.
+        rebase_every: re-base positions once they have grown by this many (default S + W).
+    """
+
+    def __init__(self, sinks: int, window: int, rope: torch.nn.Module | torch.Tensor | None = None,
+                 rebase_every: int | None = None):
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        if sinks > 0 and rope is None:
+            raise ValueError(f"sinks={sinks} rotates the sink keys and needs the model's RoPE: pass rope=model")
+        rebase_every = sinks + window if rebase_every is None else rebase_every
+        if rebase_every < 1:
+            raise ValueError(f"rebase_every must be >= 1, got {rebase_every}")
+        inv_freq = rope_inv_freq(rope) if rope is not None else None
+        self.frame = _Frame(sinks, window, inv_freq, rebase_every)
+        super().__init__(layer_class_to_replicate=partial(ChunkLayer, self.frame))
+
+    def _rebase(self, start: int) -> None:
+        """Rotate the stored window back so that its first token sits at position S (sinks stay at 0..S-1)."""
+        f = self.frame
+        new_offset = start - f.window - f.sinks  # > f.offset when called
+        cos, sin = rope_rotation(torch.tensor([f.offset - new_offset]), f.inv_freq)
+        for layer in self.layers:
+            if layer.is_initialized and layer.keys.shape[-2]:
+                layer.keys = rotate_keys(layer.keys, cos, sin)
+        f.offset = new_offset
+
+    def prepare(self, length: int, dtype: torch.dtype = torch.float32, device=None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plan the next forward of `length` tokens: its position ids (1, C) and 4-D mask (1, 1, C, K)."""
+        f = self.frame
+        S, W, a = f.sinks, f.window, f.seen
+        if length < 1:
+            raise ValueError(f"a chunk needs at least one token, got {length}")
+        if f.inv_freq is not None and a - S - W - f.offset >= f.rebase_every:
+            self._rebase(a)
+        t = torch.arange(a, a + length)  # (C,) stream index of each query
+        sinks_before, sinks_after = min(S, a), min(S, a + length)
+        recent = max(0, min(a - S, W))
+        cos = sin = None
+        inverse = torch.zeros(length, dtype=torch.long)
+        copies = 1 if sinks_after else 0
+        if sinks_after:
+            # sink j must sit at position (t - offset) - min(t - j, S + W - j) = j + delta(t)
+            delta = (t - S - W).clamp(min=0) - f.offset  # (C,) >= 0
+            placements, inverse = torch.unique(delta, return_inverse=True)
+            if placements.numel() > 1 or int(placements[0]) != 0:
+                cos, sin = rope_rotation(placements, f.inv_freq)  # (U, r)
+                copies = placements.numel()
+        f.chunk = _Chunk(a, length, sinks_before, sinks_after, recent, cos, sin)
+        f.seen += length
+
+        # allowed[i, key]: token t_i sees sinks j <= t_i (its own copy only), recent / chunk tokens
+        # k with max(S, t_i - W) <= k <= t_i
+        q = t[:, None]
+        j = torch.arange(sinks_after)
+        own = inverse[:, None, None] == torch.arange(copies)[None, :, None]  # (C, U, 1)
+        sink_ok = (own & (j[None, None, :] <= t[:, None, None])).reshape(length, copies * sinks_after)
+        recent_pos = torch.arange(a - recent, a)[None, :]
+        chunk_pos = t[None, :]
+        recent_ok = recent_pos >= q - W
+        chunk_ok = (chunk_pos <= q) & (chunk_pos >= q - W) & (chunk_pos >= S)
+        allowed = torch.cat([sink_ok, recent_ok, chunk_ok], dim=1)  # (C, K)
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        return (t - f.offset)[None].to(device), mask[None, None].to(device)
+
+    @property
+    def sinks(self) -> int:
+        return self.frame.sinks
+
+    @property
+    def window(self) -> int:
+        return self.frame.window
+
+    def cache_bytes(self) -> int:
+        """Bytes of the stored K/V (sinks + window) of all layers; the per-forward sink copies not included."""
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values, layer.sink_keys, layer.sink_values))

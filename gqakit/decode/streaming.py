@@ -1,0 +1,147 @@
+"""Generate far past a model's trained context with constant memory: a small decoding loop over `SinkCache`.
+
+Why not `model.generate(past_key_values=SinkCache(...))`? That works and is tested, but `generate()`
+numbers tokens with absolute, ever-growing positions (fp32 RoPE loses precision far out) and keeps an
+ever-growing attention mask, and streaming its tokens needs a streamer thread. This loop owns the
+positions instead: it numbers tokens from `SinkCache.position_ids()` and calls `SinkCache.rebase()`
+every `rebase_every` tokens, so positions stay below 2 (S + W) + chunk however long the stream; it
+passes a 2D mask only while padding can still be in view; it prefills long prompts in chunks; and it
+yields each token as soon as it is chosen. Memory: S + W cached positions per layer, plus one chunk.
+
+    for piece in streaming_generate(model, tokenizer, ids, 20_000, sinks=4, window=1020):
+        print(piece, end="", flush=True)
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from gqakit.decode.cache import SinkCache
+
+
+def sample_next(logits: torch.Tensor, do_sample: bool = False, temperature: float = 1.0,
+                top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids (B,) from logits (B, V): argmax, or a temperature / nucleus (top-p) sample."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the more likely ones already reach top_p (the most likely always stays)
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def _check(max_new_tokens: int, chunk_size: int, temperature: float, top_p: float) -> None:
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}; e.g. chunk_size=256")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}; use do_sample=False for greedy")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def _forward(model, cache: SinkCache, ids: torch.Tensor, limit: int) -> torch.Tensor:
+    """Feed ids (B, q) at their cache positions; return the last column's logits (B, V)."""
+    q = ids.shape[1]
+    positions = cache.position_ids(q)
+    if int(positions.max()) >= limit:  # keep RoPE angles small: move the windows back to S
+        cache.rebase()
+        positions = cache.position_ids(q)
+    mask = cache.padding_mask(q)
+    out = model(input_ids=ids, attention_mask=None if mask is None else mask.to(ids.device),
+                position_ids=positions.to(ids.device), past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+@torch.no_grad()
+def stream_tokens(model, input_ids: torch.Tensor, max_new_tokens: int, *, sinks: int = 4,
+                  window: int = 1020, attention_mask: torch.Tensor | None = None, chunk_size: int = 256,
+                  do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+                  eos_token_id: int | None = None, rebase_every: int | None = None,
+                  cache: SinkCache | None = None) -> Iterator[torch.Tensor]:
+    """Yield the next token ids (B,) one step at a time, with a `SinkCache(sinks, window)`.
+
+    The prompt `input_ids` (B, T) may be left-padded (give `attention_mask`) and longer than
+    sinks + window: it is fed `chunk_size` columns at a time. A row that produced `eos_token_id`
+    keeps yielding it; the loop ends after `max_new_tokens` steps or when every row has ended.
+    Sampling is seeded by `seed` (a private generator; the global RNG is untouched). Pass `cache`
+    to inspect it (it must be fresh and built for this batch, with rope=model).
+    """
+    _check(max_new_tokens, chunk_size, temperature, top_p)
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be (batch, length>0), got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if cache is None:
+        cache = SinkCache(sinks, window, rope=model, attention_mask=attention_mask)
+    capacity = cache.sinks + cache.window
+    limit = capacity + (rebase_every if rebase_every is not None else capacity)
+    generator = torch.Generator().manual_seed(seed)
+
+    for start in range(0, input_ids.shape[1], chunk_size):
+        logits = _forward(model, cache, input_ids[:, start:start + chunk_size], limit)
+    ended = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    for step in range(max_new_tokens):
+        token = sample_next(logits, do_sample, temperature, top_p, generator)
+        if eos_token_id is not None:
+            token = torch.where(ended, eos_token_id, token)
+            ended |= token == eos_token_id
+        yield token
+        if bool(ended.all()) or step == max_new_tokens - 1:
+            return
+        logits = _forward(model, cache, token[:, None], limit)
+
+
+class _Detokenizer:
+    """Incremental decoding: text deltas that never split a multi-byte character or drop a space.
+
+    Decodes a short trailing context with and without the new tokens and emits the difference
+    (constant work per token, however long the stream).
+    """
+
+    def __init__(self, tokenizer, context: int = 8):
+        self.tokenizer, self.context = tokenizer, context
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._text(self.ids[self.prefix:self.read])
+        after = self._text(self.ids[self.prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # wait for the rest of a multi-byte character
+        self.prefix, self.read = max(self.read - self.context, 0), len(self.ids)
+        if self.prefix > 4 * self.context:  # forget what can no longer change
+            self.ids = self.ids[self.prefix:]
+            self.read -= self.prefix
+            self.prefix = 0
+        return after[len(before):]
+
+
+def streaming_generate(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int, sinks: int = 4,
+                       window: int = 1020, **kwargs) -> Iterator[str]:
+    """Yield text pieces of one stream (batch 1) as they are produced; see `stream_tokens` for kwargs.
+
+    Stops at the tokenizer's EOS token; pass `eos_token_id=None` to run all `max_new_tokens`.
+    """
+    if prompt_ids.dim() == 1:
+        prompt_ids = prompt_ids[None, :]
+    if prompt_ids.shape[0] != 1:
+        raise ValueError(f"streaming_generate streams one text; got batch {prompt_ids.shape[0]} "
+                         "(use stream_tokens for batches)")
+    kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
+    detok = _Detokenizer(tokenizer)
+    for token in stream_tokens(model, prompt_ids, max_new_tokens, sinks=sinks, window=window, **kwargs):
+        piece = detok.push(int(token[0]))
+        if piece:
+            yield piece

@@ -1,0 +1,202 @@
+"""The GQA paper's uptraining experiment on one MHA model, as one resumable grid.
+
+    python -m gqakit.experiments.grid recipes/gqa_paper.yaml [key=value ...]
+
+For every K/V group count G and merge method (mean, first, random, aligned, or fit, which needs
+`calibration`): convert the MHA model, score held-out perplexity at alpha = 0, uptrain with each alpha
+(cross-entropy only, as in the paper, and with distillation from the MHA model), and score again.
+Each finished cell is a JSON file under OUTPUT/cells/ named by G, method, alpha and distillation, so an
+interrupted grid picks up where it stopped and added methods add cells without touching finished ones;
+the table (results.md/.csv/.json) and the plot (gqa_paper.png) are rewritten from all cells at the end.
+Ainslie et al. (2023), Fig. 4-5, expect: mean > first > random before and after uptraining, GQA usable
+at alpha = 0 while MQA needs uptraining, and most of the gap recovered by alpha = 0.05.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gqakit.common.errors import GqakitError
+from gqakit.common.options import check_fields, from_dict, load_recipe, option, to_dict
+from gqakit.uptrain.config import UptrainConfig, check, pretraining_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class GridConfig:
+    """`recipes/gqa_paper.yaml`: the grid, plus the uptraining recipe every cell shares."""
+
+    model: str  # the MHA source (its folder must record pretraining_tokens for alpha)
+    output_dir: str
+    uptrain: dict  # UptrainConfig keys shared by every cell (data, seq_len, lr, ...)
+    groups: tuple[int, ...] = option((4, 2, 1), above=0)
+    methods: tuple[str, ...] = ("mean", "first", "random")  # any of convert-gqa's --method
+    alphas: tuple[float, ...] = option((0.05,), above=0)
+    mqa_alphas: tuple[float, ...] = option((0.05, 0.10), above=0)  # MQA (G = 1) gets a longer budget too
+    distill: tuple[bool, ...] = (False, True)
+    eval_text: str = "gqakit/assets/heldout_emma.txt"
+    eval_tokens: int = option(16384, at_least=0)  # 0 = the whole text
+    eval_window: int = option(512, above=0)
+    mha_control: bool = True  # also train the MHA model itself for each alpha (a baseline, not in the paper)
+    keep_models: bool = False  # keep every converted and uptrained model (about 16 MB each)
+    seed: int = option(0, at_least=0)
+    calibration: str | None = None  # method fit's calibration text or dataset (convert-gqa --calibration)
+    calibration_tokens: int | None = option(None, above=0)  # None = convert-gqa's default
+
+    def __post_init__(self):
+        check_fields(self)
+        from gqakit.convert.plan import ALL_METHODS
+
+        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        if unknown:
+            raise GqakitError(f"methods={list(self.methods)!r} holds {', '.join(unknown)}, not a convert-gqa method; "
+                              f"choose from {', '.join(ALL_METHODS)}")
+        if "fit" in self.methods and self.calibration is None:
+            raise GqakitError("method fit needs calibration data: set calibration: TEXT.txt (or a .jsonl / .parquet "
+                              "dataset) in the model's language, disjoint from eval_text")
+        if self.calibration is not None and "fit" not in self.methods:
+            raise GqakitError("calibration is used only by method fit; drop it, or add fit to methods")
+        if self.calibration_tokens is not None and self.calibration is None:
+            raise GqakitError("calibration_tokens needs calibration; set calibration, or drop calibration_tokens")
+
+
+def _cells(cfg: GridConfig) -> list[dict]:
+    heads = json.loads(Path(cfg.model, "config.json").read_text())["num_attention_heads"]
+    cells = [{"groups": heads, "method": "mha", "alpha": 0.0, "distill": False}]
+    if cfg.mha_control:  # the MHA model trained on for the same budgets: how much is conversion's gap?
+        for alpha in sorted({*cfg.alphas, *cfg.mqa_alphas}):
+            cells.append({"groups": heads, "method": "mha", "alpha": alpha, "distill": False})
+    for g in cfg.groups:
+        for method in cfg.methods:
+            cells.append({"groups": g, "method": method, "alpha": 0.0, "distill": False})
+            for alpha in (cfg.mqa_alphas if g == 1 else cfg.alphas):
+                for distill in cfg.distill:
+                    cells.append({"groups": g, "method": method, "alpha": alpha, "distill": distill})
+    return cells
+
+
+def _name(cell: dict) -> str:
+    if cell["method"] == "mha":
+        return "mha" + (f"-a{cell['alpha']:g}" if cell["alpha"] else "")
+    kind = "mqa" if cell["groups"] == 1 else f"gqa{cell['groups']}"
+    return f"{kind}-{cell['method']}-a{cell['alpha']:g}" + ("-kd" if cell["distill"] else "")
+
+
+def _eval_ids(cfg: GridConfig, tokenizer) -> torch.Tensor:
+    from gqakit.common.text import encode_documents, load_text_file
+
+    return encode_documents(load_text_file(cfg.eval_text), tokenizer, cfg.eval_tokens or None)
+
+
+def _perplexity(path: Path, ids: torch.Tensor, window: int) -> float:
+    from gqakit.evaluate.perplexity import perplexity
+    from gqakit.uptrain.modeling import load_causal_lm
+
+    return perplexity(load_causal_lm(str(path)).eval(), ids, window, progress=False)
+
+
+def _check(cfg: GridConfig) -> None:
+    if not Path(cfg.model, "config.json").is_file():
+        raise GqakitError(f"model {cfg.model} is not a Hugging Face checkpoint folder; fix `model`")
+    if pretraining_tokens(cfg.model) is None:
+        raise GqakitError(f"{cfg.model} records no pretraining_tokens (pretraining.json), so alpha has no meaning; "
+                          "use a model that records its pretraining budget")
+    probe = from_dict(UptrainConfig, {**cfg.uptrain, "model": cfg.model, "output_dir": cfg.output_dir,
+                                      "alpha": 0.05}, source="uptrain")
+    check(probe)
+    if not Path(cfg.eval_text).is_file():
+        raise GqakitError(f"eval_text {cfg.eval_text} does not exist; fix the path")
+    if cfg.calibration is not None and not Path(cfg.calibration).exists():
+        raise GqakitError(f"calibration {cfg.calibration} does not exist; fix the path")
+
+
+def run_cell(cfg: GridConfig, cell: dict, work: Path, ids: torch.Tensor, mha_ppl: float | None) -> dict:
+    """Convert (alpha 0) or uptrain one cell and score it; returns its result row."""
+    from gqakit.convert import ConvertConfig, convert
+    from gqakit.uptrain.loop import uptrain
+
+    t0 = time.perf_counter()
+    row = {**cell, "name": _name(cell)}
+    if cell["method"] == "mha" and not cell["alpha"]:
+        row["perplexity"] = _perplexity(Path(cfg.model), ids, cfg.eval_window)
+    else:
+        if cell["method"] == "mha":  # the control: the source model itself, trained on
+            converted = Path(cfg.model)
+        else:
+            converted = work / ("mqa" if cell["groups"] == 1 else f"gqa{cell['groups']}") / cell["method"]
+        if not (converted / "config.json").is_file():
+            # calibration data goes to fit only: aligned would use it too, but the grid keeps aligned weight-only
+            calibrated = ({"calibration": cfg.calibration, "calibration_tokens": cfg.calibration_tokens}
+                          if cell["method"] == "fit" else {})
+            convert(ConvertConfig(model_dir=cfg.model, groups=cell["groups"], output_dir=str(converted),
+                                  method=cell["method"], seed=cfg.seed, force=True, progress=False, **calibrated))
+        target = converted
+        if cell["alpha"] > 0:
+            target = work / "uptrained" / row["name"]
+            recipe = {**cfg.uptrain, "model": str(converted), "output_dir": str(target), "alpha": cell["alpha"],
+                      "force": True, "seed": cfg.seed}
+            if cell["distill"]:
+                recipe["teacher"] = cfg.model
+            record = uptrain(from_dict(UptrainConfig, recipe, source="uptrain"), command=f"grid cell {row['name']}")
+            row.update(steps=record["budget"]["steps"], tokens=record["budget"]["tokens"],
+                       train_seconds=record["train_seconds"])
+        row["perplexity"] = _perplexity(target, ids, cfg.eval_window)
+        if target != converted and not cfg.keep_models:
+            shutil.rmtree(target, ignore_errors=True)
+    if mha_ppl:
+        row["vs_mha"] = row["perplexity"] / mha_ppl
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def run_grid(cfg: GridConfig) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from gqakit.common.report import versions
+    from gqakit.experiments.grid_report import write_grid_report
+
+    _check(cfg)
+    out = Path(cfg.output_dir)
+    cells_dir, work = out / "cells", out / "models"
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    (out / "grid.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    ids = _eval_ids(cfg, AutoTokenizer.from_pretrained(cfg.model))
+    rows, mha_ppl = [], None
+    for cell in _cells(cfg):
+        path = cells_dir / f"{_name(cell)}.json"
+        if path.is_file():
+            row = json.loads(path.read_text())
+        else:
+            print(f"[grid] {_name(cell)} ...", flush=True)
+            row = run_cell(cfg, cell, work, ids, mha_ppl)
+            row["versions"] = versions()
+            path.write_text(json.dumps(row, indent=2) + "\n")
+        print(f"[grid] {row['name']}: perplexity {row['perplexity']:.2f} ({row['seconds']:.0f} s)", flush=True)
+        mha_ppl = mha_ppl or row["perplexity"]
+        rows.append(row)
+    if not cfg.keep_models:
+        shutil.rmtree(work, ignore_errors=True)
+    write_grid_report(out, rows, cfg, eval_tokens=int(ids.numel()))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: python -m gqakit.experiments.grid RECIPE.yaml [key=value ...]", file=sys.stderr)
+        return 2
+    try:
+        run_grid(load_recipe(GridConfig, argv[0], argv[1:]))
+    except GqakitError as e:
+        print(f"gqakit grid: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""The supported families. Tensor names were read off transformers' own modules (see the tests)."""
+from __future__ import annotations
+
+from gqakit.hf.architectures.spec import ArchSpec, KNorm
+
+FAMILIES: tuple[ArchSpec, ...] = (
+    ArchSpec("llama", ("LlamaForCausalLM",)),
+    ArchSpec("mistral", ("MistralForCausalLM",)),
+    ArchSpec("qwen2", ("Qwen2ForCausalLM",), notes="k/v biases are pooled with their heads"),
+    ArchSpec(
+        "qwen3", ("Qwen3ForCausalLM",),
+        k_norm=KNorm.SHARED_PER_HEAD, k_norm_weight="model.layers.{i}.self_attn.k_norm.weight",
+    ),
+    ArchSpec("gemma", ("GemmaForCausalLM",)),
+    ArchSpec("gemma2", ("Gemma2ForCausalLM",)),
+    ArchSpec(
+        "gemma3", ("Gemma3ForCausalLM",),
+        k_norm=KNorm.SHARED_PER_HEAD, k_norm_weight="model.layers.{i}.self_attn.k_norm.weight",
+    ),
+    ArchSpec(
+        "phi3", ("Phi3ForCausalLM",),
+        k_proj=None, v_proj=None, qkv_proj="model.layers.{i}.self_attn.qkv_proj",
+    ),
+    ArchSpec("olmo", ("OlmoForCausalLM",)),
+    ArchSpec(
+        "olmo2", ("Olmo2ForCausalLM",),
+        k_norm=KNorm.SPANS_HEADS, k_norm_weight="model.layers.{i}.self_attn.k_norm.weight",
+    ),
+    ArchSpec(
+        "stablelm", ("StableLmForCausalLM",),
+        k_norm=KNorm.ONE_PER_HEAD,
+        k_norm_weight="model.layers.{i}.self_attn.k_layernorm.norms.{h}.weight",
+        k_norm_extra=("model.layers.{i}.self_attn.k_layernorm.norms.{h}.bias",),
+    ),
+)

@@ -1,0 +1,96 @@
+"""The config.json fields a conversion reads, validated once, here: nothing else reads them raw.
+
+JSON has one number type, so `8.0`, `"8"` and `true` all reach Python as something other than the
+int transformers needs; each is refused with a line that names the field, the value and the fix.
+`null` means "the default", as it does for transformers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+from gqakit.common.errors import GqakitError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFields:
+    architecture: str  # architectures[0]
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    initializer_range: float
+
+
+def _shown(value) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _as_int(value) -> int | None:
+    """The positive integer a user most likely meant (8.0 or "8" -> 8), or None."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def positive_int(config: dict, key: str, default: int | None = None) -> int:
+    """config[key] as a positive int (not bool, float or str); null or absent -> `default` if given."""
+    value = config.get(key)
+    if value is None:
+        if default is not None:
+            return default
+        raise GqakitError(f"config.json has no '{key}'; add it (a positive integer), or point at the folder of a "
+                          "supported decoder's checkpoint")
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    meant = _as_int(value)
+    fix = f"write {meant}" if meant else "write a positive integer"
+    raise GqakitError(f"config.json has {key} {_shown(value)}, which is not a positive integer; {fix} "
+                      f"(no quotes, no decimal point) for {key} in config.json")
+
+
+def _architecture(config: dict) -> str:
+    archs = config.get("architectures")
+    if archs is None or archs == []:
+        raise GqakitError(
+            "config.json names no 'architectures'; add the model class, e.g. \"architectures\": "
+            "[\"LlamaForCausalLM\"] (save_pretrained writes it)"
+        )
+    if isinstance(archs, str):
+        raise GqakitError(f"config.json has architectures {_shown(archs)}, a string, where a list is needed; "
+                          f"write \"architectures\": [{_shown(archs)}] in config.json")
+    if not isinstance(archs, list) or not all(isinstance(a, str) and a for a in archs):
+        raise GqakitError(f"config.json has architectures {_shown(archs)}, which is not a list of class names; "
+                          "write e.g. \"architectures\": [\"LlamaForCausalLM\"] in config.json")
+    return archs[0]
+
+
+def _initializer_range(config: dict) -> float:
+    value = config.get("initializer_range")
+    if value is None:
+        return 0.02  # transformers' default for every supported family
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    raise GqakitError(f"config.json has initializer_range {_shown(value)}, which is not a non-negative number; "
+                      "write e.g. 0.02 for initializer_range in config.json")
+
+
+def read_fields(config: dict) -> ModelFields:
+    """Every field a conversion reads from config.json, type-checked; raises GqakitError naming the fix."""
+    architecture = _architecture(config)
+    heads = positive_int(config, "num_attention_heads")
+    kv_heads = positive_int(config, "num_key_value_heads", default=heads)
+    layers = positive_int(config, "num_hidden_layers")
+    if config.get("head_dim") is not None:
+        head_dim = positive_int(config, "head_dim")
+    else:  # as transformers derives it
+        hidden = positive_int(config, "hidden_size")
+        head_dim = hidden // heads
+        if head_dim == 0:
+            raise GqakitError(f"config.json has hidden_size {hidden} < num_attention_heads {heads} and no head_dim; "
+                              "fix them in config.json (head_dim = hidden_size / num_attention_heads)")
+    return ModelFields(architecture, layers, heads, kv_heads, head_dim, _initializer_range(config))

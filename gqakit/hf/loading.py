@@ -1,0 +1,194 @@
+"""Loading the models under evaluation: checkpoint folder, tokenizer, compute dtype, attention kind.
+
+Shared by the three evaluations, `gqakit generate` and `gqakit demo`, so that every report describes its
+model the same way (K/V heads, KV-cache bytes per token at the dtype the cache is held in, the attention
+options in force). A local folder is checked before transformers touches it (config.json, safetensors
+headers, then every weight present with the shape config.json implies), so a broken checkpoint is one
+line, never a traceback or a silently half-random model.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from gqakit.common.errors import GqakitError
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_KINDS = ("default", "tiled", "sliding", "sinks")
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """'auto' is CUDA when available, else CPU; anything else is checked by torch."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise GqakitError(f"unknown --device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise GqakitError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    return resolved
+
+
+def is_local(path: str) -> bool:
+    """A folder on this machine (or meant to be one), rather than an `org/name` on the Hugging Face hub."""
+    return Path(path).is_dir() or "/" not in path or path.startswith((".", "/", "~"))
+
+
+def check_model_folder(path: str) -> dict | None:
+    """The config.json of a local checkpoint folder, once its safetensors headers are read and valid
+    (cheap at any model size; pickled-only folders are refused); None for a hub name."""
+    if not is_local(path):
+        return None
+    from gqakit.hf.checkpoint import scan_checkpoint
+    from gqakit.convert.run import read_config
+
+    config = read_config(Path(path))
+    scan_checkpoint(Path(path))
+    return config
+
+
+def context_length(config: dict) -> int | None:
+    """max_position_embeddings of a config.json dict (a multimodal one's text_config too); None if unknown."""
+    return config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+
+
+def check_loading(path: str, info: dict) -> None:
+    """Refuse weights that do not fit config.json: absent tensors would be random, resized ones wrong."""
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        name, stored, expected = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise GqakitError(f"{path}: {name} is {list(stored)} in the weights but config.json implies {list(expected)}"
+                          f"{more}; config.json does not belong to these weights: restore the matching pair")
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise GqakitError(f"{path}: the weights lack {missing[0]}{more}, which would be left random; "
+                          "the checkpoint is incomplete: re-download or re-save it")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' loading report is many lines; check_loading says what matters in one."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, device: str = "auto"):
+    """(model in eval mode on `device`, tokenizer) of a local Hugging Face folder (or, online, a hub name)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if dtype not in DTYPES:
+        raise GqakitError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    check_model_folder(path)
+    target = resolve_device(device)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except ValueError as e:  # e.g. no model_type, an architecture this transformers does not know
+        raise GqakitError(f"transformers cannot read the config of {path} ({_first_line(e)}); "
+                          "repair config.json or upgrade transformers") from None
+    except OSError as e:  # only a hub name gets here: local folders were checked above
+        raise GqakitError(f"cannot fetch {path} from the Hugging Face hub ({_first_line(e)}); "
+                          "pass a local checkpoint folder") from None
+    with _quiet_transformers():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=getattr(torch, dtype), ignore_mismatched_sizes=True, output_loading_info=True)
+    check_loading(path, info)
+    model = model.to(target).eval()
+    source = tokenizer or path
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError) as e:
+        raise GqakitError(f"cannot load a tokenizer from {source} ({type(e).__name__}); "
+                          "pass --tokenizer FOLDER holding tokenizer files") from None
+    if len(tok) > model.config.vocab_size and tokenizer is not None:
+        raise GqakitError(f"tokenizer {source} has {len(tok)} tokens but {path} only {model.config.vocab_size}; "
+                          "pass the tokenizer that belongs to the model")
+    return model, tok
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype | str) -> int:
+    """Bytes that one token adds to a full KV cache: K and V, every layer, G heads of head_dim, at `dtype`.
+
+    The one definition for every table (demo, eval ppl / stream / passkey): pass the dtype the cache is
+    held in at run time, which is the compute dtype (transformers caches K and V as attention computes
+    them), not the dtype stored on disk; `kv_heading` names it in the column heading.
+    """
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * itemsize
+
+
+def kv_heading(dtype: torch.dtype | str) -> str:
+    """The table heading of `kv_bytes_per_token`'s column, naming the dtype it counts."""
+    return f"KV-cache bytes/token ({str(dtype).removeprefix('torch.')})"
+
+
+def model_dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def describe(model) -> dict:
+    """What a report records about a model: heads, K/V heads, layers, context, bytes per cached token."""
+    cfg = model.config
+    return {
+        "architecture": (getattr(cfg, "architectures", None) or [type(model).__name__])[0],
+        "layers": cfg.num_hidden_layers,
+        "heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": head_dim(cfg),
+        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+        "dtype": str(model_dtype(model)).removeprefix("torch."),
+        "device": str(next(model.parameters()).device),
+        "kv_bytes_per_token": kv_bytes_per_token(cfg, model_dtype(model)),
+    }
+
+
+def attention_options(kind: str | None, window: int | None, sinks: int | None) -> dict:
+    """The `gqakit.attention.use` options of --attention/--window/--sinks; {} for the model's default."""
+    if kind in (None, "default"):
+        if window is not None or sinks is not None:
+            raise GqakitError("--window/--sinks only apply with --attention sliding or sinks; add one of them")
+        return {}
+    if kind not in ATTENTION_KINDS:
+        raise GqakitError(f"unknown --attention {kind!r}; choose one of {', '.join(ATTENTION_KINDS)}")
+    options: dict = {}
+    if window is not None:
+        if kind == "tiled":
+            raise GqakitError("--attention tiled is full attention and takes no --window; use sliding or sinks")
+        options["window"] = window
+    if sinks is not None:
+        if kind != "sinks":
+            raise GqakitError(f"--sinks only applies with --attention sinks (got --attention {kind})")
+        options["sinks"] = sinks
+    return options
+
+
+def apply_attention(model, kind: str | None, options: dict) -> dict:
+    """Switch `model` to gqakit attention `kind` in place; returns the options in force ({} for default)."""
+    if kind in (None, "default"):
+        return {}
+    from gqakit.attention import use
+    from gqakit.attention.registry import CONFIG_KEY
+
+    use(model, kind, **options)  # AttentionOptionError is a GqakitError: one line, exit 2
+    return dict(getattr(model.config, CONFIG_KEY))

@@ -1,0 +1,121 @@
+"""The finished run: a stock Hugging Face folder whose card extends the conversion's card."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from gqakit import __version__
+from gqakit.uptrain.run.folder import FINISHED, MARKER
+
+RUN_FILES = (FINISHED, MARKER, "metrics.csv", "loss.png", "tensorboard", "checkpoints")
+
+_SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def source_dtype(model_dir: str) -> str:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return dtype if dtype in _SAVE_DTYPES else "float32"
+
+
+def _card(source: Path, record: dict) -> str:
+    text = (source / "README.md").read_text() if (source / "README.md").is_file() else (
+        f"---\nlibrary_name: transformers\ntags: [gqakit]\n---\n# {source.name}\n")
+    cfg = record["recipe"]
+    budget = record["budget"]
+    lines = [
+        "", "## Uptraining", "",
+        f"Uptrained by gqakit {__version__} from `{cfg['model']}`"
+        + (f" with `{record['command']}`" if record.get("command") else "") + ".", "",
+        "| | |", "|---|---|",
+        f"| budget | {budget['steps']} steps x {budget['tokens_per_step']:,} tokens = {budget['tokens']:,} tokens "
+        f"({budget['source']}) |",
+        f"| data | {', '.join(cfg['data'])} |",
+        "| loss | " + (f"(1 - w) x cross-entropy + w x T^2 x KL(teacher &#124;&#124; student), w={cfg['distill_weight']}, "
+                       f"T={cfg['distill_temperature']}, teacher `{cfg['teacher']}`" if cfg.get("teacher")
+                       else "cross-entropy") + " |",
+        f"| optimiser | AdamW lr {cfg['lr']}, warmup {record['warmup_steps']} steps, cosine to "
+        f"{cfg['min_lr_ratio']} x lr, weight decay {cfg['weight_decay']} |",
+        f"| trained parameters | {cfg['trainable']} ({record['trainable_parameters']:,} of "
+        f"{record['parameters']:,}) |",
+        f"| sequence | {cfg['seq_len']} tokens, global batch {record['global_batch']} sequences |",
+        f"| attention | {cfg['attention']}" + (f" {record['attention_options']}" if record['attention_options'] else "")
+        + (f", context parallel {cfg['context_parallel']}" if cfg['context_parallel'] > 1 else "") + " |",
+        f"| processes | {record['processes']} (sharding {record.get('sharding', 'ddp')}"
+        + (f", {cfg['mixed_precision']} mixed precision" if cfg.get("mixed_precision", "no") != "no" else "") + ") |",
+    ]
+    if record.get("final_eval_ppl") is not None and record.get("initial_eval_ppl") is not None:
+        lines.append(f"| held-out perplexity | {record['initial_eval_ppl']:.2f} before, "
+                     f"{record['final_eval_ppl']:.2f} after |")
+    if record['attention_options']:
+        lines += ["", f"Trained with gqakit attention `{cfg['attention']}`: load it with "
+                      f"`attn_implementation=\"gqakit_{cfg['attention']}\"` after `import gqakit.attention` to "
+                      "evaluate it as trained (the options are in config.json under `gqakit_attention`)."]
+    return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
+
+
+def final_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a stock checkpoint of `model` holds: its state dict with tied weights once (under
+    the first name, as `save_pretrained` keeps it); FSDP parameters stay sharded DTensors."""
+    seen: set[int] = set()
+    out = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((name, t))
+    return out
+
+
+def save_final(model, tokenizer, output_dir: Path, record: dict, *, is_main: bool, barrier,
+               max_shard_bytes: int = 5 * 10**9) -> None:
+    """Every rank: stream the final weights into a stock Hugging Face folder in the run folder. A sharded
+    tensor is gathered whole, one tensor at a time, and written by the main process as it arrives (a
+    safetensors header is planned up front), so no rank ever holds more than one full tensor.
+    `uptraining.json`, written last, marks the run finished."""
+    from gqakit.hf.checkpoint import DTYPE_NAMES, ShardWriter
+    from gqakit.convert.run import copy_side_files
+    from gqakit.uptrain.fsdp import full_tensor
+
+    out = Path(output_dir)
+    source = Path(record["recipe"]["model"])
+    tmp = out / ".final.tmp"
+    dtype = _SAVE_DTYPES[record["save_dtype"]]
+    tensors = final_tensors(model)
+    writer = None
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        entries = [(name, DTYPE_NAMES[dtype if t.is_floating_point() else t.dtype], tuple(t.shape))
+                   for name, t in tensors]
+        writer = ShardWriter(tmp, entries, max_shard_bytes)
+    for name, t in tensors:
+        whole = full_tensor(t.detach())  # a collective for DTensors: every rank takes part
+        if writer is not None:
+            writer.write_tensor(name, whole.to(dtype) if whole.is_floating_point() else whole)
+        del whole
+    if is_main:
+        writer.finish()
+        model.config.save_pretrained(tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config["dtype"] = record["save_dtype"]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        copy_side_files(source, tmp)
+        for name in RUN_FILES:  # when the source is itself an uptraining run folder
+            if (tmp / name).exists():
+                shutil.rmtree(tmp / name) if (tmp / name).is_dir() else (tmp / name).unlink()
+        if not (tmp / "tokenizer_config.json").exists():
+            tokenizer.save_pretrained(tmp)
+        if not (tmp / "generation_config.json").exists() and getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        (tmp / "README.md").write_text(_card(source, record))
+        files = sorted(path.name for path in tmp.iterdir())
+        for name in files:
+            os.replace(tmp / name, out / name)
+        tmp.rmdir()
+        finished = {**record, "files": files}  # what --force may later replace (run_folder.own_entries)
+        (out / FINISHED).write_text(json.dumps(finished, indent=2, default=str) + "\n")
+    barrier()
