@@ -49,7 +49,7 @@ from convert_speed import PRESETS, converter_command, llama_config, llama_entrie
 from gqakit.convert.calibration.calibrate import MLP_TOKENS  # noqa: E402
 from gqakit.hf.checkpoint import ShardWriter  # noqa: E402
 from gqakit.convert.grams import BLOCK  # noqa: E402
-from gqakit.convert.run import parse_size  # noqa: E402
+from gqakit.convert.run import max_shard_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "gqakit" / "assets" / "austen-mha-8h"
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         src = work / "llama-mha"
         log(f"synthesising a {shape.label(shape.heads)} bf16 checkpoint in {src} ...")
         start = time.perf_counter()
-        synthesise(src, shape, parse_size(args.max_shard_size))
+        synthesise(src, shape, max_shard_bytes(args.max_shard_size))
         log(f"written in {time.perf_counter() - start:.0f} s")
         runs: dict[str, list[tuple[float, float]]] = {m: [] for m in args.methods}
         for _ in range(args.repeats):  # interleaved, so that the machine's drift is shared by every method

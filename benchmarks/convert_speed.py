@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 
 from gqakit.hf.checkpoint import INDEX, SINGLE, ShardWriter
-from gqakit.convert.run import parse_size
+from gqakit.convert.run import max_shard_bytes
 from gqakit.common.errors import GqakitError
 
 RATIO_TARGET = 1.5  # convert may take at most 1.5x the time of cp -r
@@ -378,7 +378,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Shape]:
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     try:
-        parse_size(args.max_shard_size)
+        max_shard_bytes(args.max_shard_size)
     except GqakitError as e:
         p.error(str(e))
     if args.source:
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             src = work / "llama-mha"
             log(f"synthesising a {shape.label(shape.heads)} bf16 checkpoint in {src} ...")
             start = time.perf_counter()
-            synthesise(src, shape, parse_size(args.max_shard_size))
+            synthesise(src, shape, max_shard_bytes(args.max_shard_size))
             synth_s = time.perf_counter() - start
         files = weight_files(src)
         src_bytes = tree_bytes(src)

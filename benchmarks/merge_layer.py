@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from gqakit.convert.calibration.calibrate import save_layer
-from gqakit.convert.run import _read_stats, merge_layer, return_freed_memory_eagerly
+from gqakit.common.memory import return_freed_memory_eagerly
+from gqakit.convert.run import _read_stats, merge_layer
 
 
 def resident_mib() -> float:

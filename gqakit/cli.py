@@ -58,7 +58,7 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
     from gqakit.convert import ConvertConfig, convert
     from gqakit.convert.card import describe_plan, kv_summary
     from gqakit.convert.plan import LAYER_METHODS
-    from gqakit.convert.run import return_freed_memory_eagerly
+    from gqakit.common.memory import return_freed_memory_eagerly
 
     cfg = ConvertConfig(
         model_dir=args.model_dir, groups=args.groups, output_dir=args.output_dir, method=args.method,

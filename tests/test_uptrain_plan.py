@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from gqakit.cli import main
 from gqakit.common.errors import GqakitError
 from gqakit.uptrain.config import UptrainConfig
-from gqakit.uptrain.memory_plan import check_fits, parse_size, plan_memory
+from gqakit.uptrain.memory_plan import check_fits, parse_device_memory, plan_memory
 
 GB = 10**9
 N7 = 6_738_415_616  # Llama-2-7B
@@ -196,13 +196,13 @@ def test_device_memory_from_the_recipe_or_this_machine(models, monkeypatch):
                                           ("512MB", 512 * 10**6), ("1.5TB", 15 * 10**11), ("1e9", 10**9),
                                           (4096, 4096)])
 def test_parse_size(text, nbytes):
-    assert parse_size(text) == nbytes
+    assert parse_device_memory(text) == nbytes
 
 
 @pytest.mark.parametrize("text", ["80XB", "-1GB", "GB", "0", "", "80 G B", True])
 def test_parse_size_refuses(text):
     with pytest.raises(GqakitError, match="write e.g. 80GB"):
-        parse_size(text)
+        parse_device_memory(text)
 
 
 def _recipe(tmp_path, model: str) -> str:

@@ -1,7 +1,6 @@
 """Carry out a conversion: validate, plan, stream tensors through the pooling maths, publish atomically."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import json
@@ -22,11 +21,14 @@ from gqakit.convert.align import GROUPINGS, check_merge_options, coordinates, me
 from gqakit.convert.calibration.calibrate import StoredMoment, calibrate, load_layer, logit_error
 from gqakit.convert.calibration.data import CalibrationData, load_calibration
 from gqakit.convert.card import write_card
-from gqakit.hf.checkpoint import DTYPES, INDEX, SINGLE, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
+from gqakit.hf.checkpoint import DTYPES, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
 from gqakit.convert.grams import IndefiniteMetric, Metric, key_side, moment_metric, value_side
 from gqakit.convert.plan import LAYER_METHODS, Plan, TensorOp, make_plan
 from gqakit.convert.pooling import random_heads, regroup, relative_error
 from gqakit.common.atomic import check_replaceable
+from gqakit.common.memory import release_freed_memory
+from gqakit.common.sizes import parse_size
+from gqakit.hf.folder import copy_side_files, read_config
 
 LOOKAHEAD = 2  # regrouped tensors computed ahead of the writer
 # align_and_merge_layer's options per --method (grouping comes from --grouping, default similarity):
@@ -38,12 +40,6 @@ MERGES = {
     "aligned": {"align": True, "key_scale": "none", "reference": "mean", "merge": "mean", "restore": "refit"},
     "fit": {"align": True, "merge": "pca", "restore": "refit"},
 }
-
-# Files that the conversion rewrites or must not carry over; everything else (tokenizer, generation
-# config, chat template, the pretraining record) is copied.
-_NOT_COPIED = {"config.json", "README.md", INDEX, SINGLE}
-_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
-
 
 @dataclasses.dataclass(frozen=True)
 class ConvertConfig:
@@ -67,39 +63,14 @@ class ConvertConfig:
     calibration_device: str | None = None  # where calibration runs one layer at a time (default cpu)
 
 
-def parse_size(text: str) -> int:
-    """'5GB' -> 5e9, '500MiB' -> 500 * 2**20, '1000' -> 1000 bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    s = str(text).strip().upper()
-    number = s.rstrip("KMGTIB")
-    try:
-        value = int(float(number) * units[s[len(number):].strip()])
-    except (KeyError, ValueError):
-        value = 0
-    if value <= 0:
-        raise GqakitError(f"--max-shard-size {text!r} is not a size; write e.g. 5GB, 500MB or 2GiB")
-    return value
+def max_shard_bytes(text: str) -> int:
+    """--max-shard-size in bytes."""
+    return parse_size(text, "--max-shard-size", "5GB, 500MB or 2GiB")
 
 
 def default_output(model_dir: Path, groups: int) -> Path:
     suffix = "mqa" if groups == 1 else f"gqa{groups}"
     return model_dir.with_name(f"{model_dir.name}-{suffix}")
-
-
-def read_config(model_dir: Path) -> dict:
-    if not model_dir.is_dir():
-        raise GqakitError(f"model folder {model_dir} does not exist; pass the path of a Hugging Face checkpoint folder")
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise GqakitError(f"{model_dir} has no config.json; point at a Hugging Face checkpoint folder")
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as e:
-        raise GqakitError(f"{path} is not valid JSON ({e}); repair or re-save the config") from None
-    if not isinstance(config, dict):
-        raise GqakitError(f"{path} is not a JSON object; repair or re-save the config")
-    return config
 
 
 def output_path(model_dir: Path, output_dir: str | None, groups: int) -> Path:
@@ -126,27 +97,6 @@ def check_output(model_dir: Path, out: Path, force: bool) -> None:
                           "or choose another -o")
     if force:
         check_replaceable(out)
-
-
-def release_freed_memory() -> None:
-    """Ask glibc to return freed heap pages to the OS (no-op elsewhere): large freed blocks otherwise keep
-    counting against the process's resident memory while the next phase allocates its own."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def return_freed_memory_eagerly(threshold: int = 1 << 20) -> None:
-    """Make glibc serve allocations of `threshold` bytes and more from their own mappings, which go back to the
-    OS when freed (no-op elsewhere). By default glibc raises that threshold as large blocks are freed and
-    then keeps freed blocks of up to 32 MiB on its heap, where a layer merge's many temporaries count against
-    resident memory long after they are gone. Process-wide, so the console script sets it for its own
-    process (a library caller that goes on to train keeps its allocator as it was)."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD (malloc.h); also stops its adaptation
-    except (OSError, AttributeError):
-        pass
 
 
 def check_method_options(cfg: ConvertConfig) -> None:
@@ -183,7 +133,7 @@ def prepare(cfg: ConvertConfig) -> tuple[Plan, dict, dict[str, TensorInfo], Path
     if cfg.dtype != "auto" and cfg.dtype not in ("float32", "bfloat16", "float16"):
         raise GqakitError(f"unknown --dtype {cfg.dtype!r}; choose auto, float32, bfloat16 or float16")
     check_method_options(cfg)
-    max_shard = parse_size(cfg.max_shard_size)
+    max_shard = max_shard_bytes(cfg.max_shard_size)
     tensors = scan_checkpoint(model_dir)
     plan = make_plan(config, tensors, cfg.groups, cfg.method, cfg.dtype, max_shard)
     if not cfg.dry_run:
@@ -411,19 +361,6 @@ def new_config(config: dict, plan: Plan, dtype: str) -> dict:
         config["dtype"] = dtype
         config.pop("torch_dtype", None)
     return config
-
-
-def copy_side_files(model_dir: Path, dest: Path) -> list[str]:
-    """Copy tokenizer, generation config, chat template and other small files; not weights or card."""
-    copied = []
-    for path in sorted(model_dir.iterdir()):
-        if path.name.startswith(".") or path.name in _NOT_COPIED or path.name.endswith(_NOT_COPIED_SUFFIXES):
-            continue
-        if path.name.startswith("pytorch_model") or not path.is_file():  # folders, pipes, sockets
-            continue
-        shutil.copy2(path, dest / path.name)
-        copied.append(path.name)
-    return copied
 
 
 def convert(cfg: ConvertConfig, command: str = "") -> dict:

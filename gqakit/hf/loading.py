@@ -43,7 +43,7 @@ def check_model_folder(path: str) -> dict | None:
     if not is_local(path):
         return None
     from gqakit.hf.checkpoint import scan_checkpoint
-    from gqakit.convert.run import read_config
+    from gqakit.hf.folder import read_config
 
     config = read_config(Path(path))
     scan_checkpoint(Path(path))

@@ -140,7 +140,7 @@ def _inside(path: Path, folder: Path) -> bool:
 
 def _check_paths(cfg: UptrainConfig) -> None:
     from gqakit.hf.checkpoint import scan_checkpoint
-    from gqakit.convert.run import read_config
+    from gqakit.hf.folder import read_config
     from gqakit.uptrain.data.sources import resolve_source
 
     for path in (*cfg.data, *cfg.eval_data):
@@ -187,7 +187,7 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
             raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} {why}; use "
                               "trainable=attention or trainable=all")
     if cfg.teacher is not None:
-        from gqakit.convert.run import read_config
+        from gqakit.hf.folder import read_config
 
         teacher = read_config(Path(cfg.teacher))
         if teacher.get("vocab_size") != model_config.get("vocab_size"):
@@ -197,7 +197,7 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
 
 def check(cfg: UptrainConfig) -> dict:
     """Validate a recipe before any work starts; returns the model's config.json."""
-    from gqakit.convert.run import read_config
+    from gqakit.hf.folder import read_config
 
     model_config = read_config(Path(cfg.model))  # field types and ranges were checked when cfg was built
     if not cfg.data:

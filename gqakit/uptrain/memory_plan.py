@@ -81,25 +81,18 @@ from pathlib import Path
 import torch
 
 from gqakit.common.errors import GqakitError
+from gqakit.common.sizes import parse_size
 from gqakit.uptrain.config import MIXED_PRECISION, SHARDING, TRAINABLE, UptrainConfig
 
 GB = 10**9
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 # What trains under each `trainable`, per Llama-style layer: (norm weights, of q/k/v, of gate/up, down, lm_head)
 _TRAINS = {"all": (True, 3, 2, True, True), "attention": (False, 3, 0, False, False),
            "kv": (False, 2, 0, False, False)}
 
 
-def parse_size(value) -> int:
-    """Bytes from '80GB' (80 * 10^9), '24GiB' (24 * 2^30), '512MB', or a plain number of bytes."""
-    match = re.fullmatch(r"(\d+\.?\d*(?:e\d+)?|\.\d+)\s*([kmgt]?i?b)?", str(value).strip(), re.IGNORECASE)
-    number = float(match.group(1)) if match and not isinstance(value, bool) else 0.0
-    unit = (match.group(2) or "").lower() if match else ""
-    if number <= 0 or unit not in _UNITS:
-        raise GqakitError(f"device memory {value!r} is not a size; write e.g. 80GB (80 x 10^9 bytes) or 24GiB "
-                          "(24 x 2^30 bytes)")
-    return int(number * _UNITS[unit])
+def parse_device_memory(value) -> int:
+    """--device-memory / device_memory in bytes."""
+    return parse_size(value, "device memory", "80GB (80 x 10^9 bytes) or 24GiB (24 x 2^30 bytes)")
 
 
 def _gb(nbytes: int) -> str:
@@ -142,7 +135,7 @@ class ModelCount:
 
 def count_model(path: str | Path) -> ModelCount:
     """Count the parameters of the checkpoint folder's model from its config.json alone."""
-    from gqakit.convert.run import read_config
+    from gqakit.hf.folder import read_config
 
     config = read_config(Path(path))  # one-line errors for a missing folder or config.json
     return _count(str(Path(path).resolve()), json.dumps(config, sort_keys=True))
@@ -463,9 +456,9 @@ def detect_device_memory() -> tuple[int | None, str]:
 def resolve_device_memory(given: int | str | None, cfg: UptrainConfig) -> tuple[int | None, str]:
     """(bytes, where from): `given`, else the recipe's device_memory, else this machine's device."""
     if given is not None:
-        return parse_size(given), f"{given:,} bytes given" if isinstance(given, int) else f"device memory {given}"
+        return parse_device_memory(given), f"{given:,} bytes given" if isinstance(given, int) else f"device memory {given}"
     if cfg.device_memory is not None:
-        return parse_size(cfg.device_memory), f"device_memory={cfg.device_memory}"
+        return parse_device_memory(cfg.device_memory), f"device_memory={cfg.device_memory}"
     return detect_device_memory()
 
 

@@ -77,7 +77,7 @@ def save_final(model, tokenizer, output_dir: Path, record: dict, *, is_main: boo
     safetensors header is planned up front), so no rank ever holds more than one full tensor.
     `uptraining.json`, written last, marks the run finished."""
     from gqakit.hf.checkpoint import DTYPE_NAMES, ShardWriter
-    from gqakit.convert.run import copy_side_files
+    from gqakit.hf.folder import copy_side_files
     from gqakit.uptrain.fsdp import full_tensor
 
     out = Path(output_dir)
