@@ -18,6 +18,7 @@ import shlex
 import sys
 
 from gqakit import __version__
+from gqakit.common import dtypes
 from gqakit.common.errors import GqakitError
 from gqakit.evaluate.cli import add_eval_parser
 
@@ -45,7 +46,7 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-column", default=None, help="dataset column holding the calibration text (default: text)")
     p.add_argument("--calibration-device", default=None,
                    help="device that runs calibration, one layer at a time (default: cpu; e.g. cuda)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="auto", choices=dtypes.WITH_AUTO,
                    help="dtype of the output weights (default: keep each tensor's dtype)")
     p.add_argument("--seed", type=int, default=0, help="seed for --method random (default: 0)")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: 5GB)")
@@ -116,7 +117,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None,
                    help="with --sample: nucleus probability mass kept, in (0, 1] (default: 1.0 = every token)")
     p.add_argument("--seed", type=int, default=None, help="with --sample: seed of the sampler (default: 0)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="float32", choices=dtypes.NAMES,
                    help="compute dtype (default: float32)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
 

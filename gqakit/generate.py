@@ -7,10 +7,10 @@ import sys
 import time
 from pathlib import Path
 
+from gqakit.common.dtypes import NAMES as DTYPES
 from gqakit.common.errors import GqakitError
 
 ATTENTION = ("sinks", "sliding", "tiled", "default")
-DTYPES = ("float32", "bfloat16", "float16")
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -122,7 +122,8 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> str:
     prompt = _prompt(cfg)  # before the heavy imports: a bad prompt file is refused at once
 
     from gqakit.decode import streaming
-    from gqakit.hf.loading import apply_attention, load_model
+    from gqakit.attention.registration import apply_attention
+    from gqakit.hf.loading import load_model
 
     model, tok = load_model(cfg.model, cfg.dtype, device="cpu")  # the prompt's ids stay on the CPU
     kernel = cfg.attention == "tiled"

@@ -103,7 +103,7 @@ def attention_cases(rank: int, world: int, cases: dict) -> dict:
 
 def error_checks(rank: int, world: int, payload) -> dict:
     """Mismatched layouts are refused with one-line messages on every rank (nothing hangs)."""
-    from gqakit.attention.registry import AttentionOptionError
+    from gqakit.attention.masks import AttentionOptionError
     from gqakit.attention.ring import RingLayout, ring_attention, ring_context
 
     msgs = {}

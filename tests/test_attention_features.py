@@ -27,7 +27,8 @@ from transformers.masking_utils import (
 import gqakit.attention as attention
 from gqakit.attention.masks import MaskSpec
 from gqakit.attention.reference import eager_reference, repeat_kv
-from gqakit.attention.registry import TiledMask, _make_attention, gqakit_mask
+from gqakit.attention.hf_masks import TiledMask, gqakit_mask
+from gqakit.attention.registration import _make_attention
 from gqakit.attention.tiled import _make_tiles, tiled_attention, tiled_attention_backward
 
 NEG_INF = float("-inf")
@@ -179,7 +180,7 @@ def test_attention_function_runs_bidirectionally_when_asked():
     torch.testing.assert_close(out.transpose(1, 2), ref, atol=1e-5, rtol=1e-5)
     # a sliding kind without causality is a symmetric window |q - k| < W (Longformer style)
     module = _Attn(is_causal=False)
-    module.config.gqakit_attention = attention.registry.normalise_options("sliding", {"window": 3, "block_q": 4,
+    module.config.gqakit_attention = attention.options.normalise_options("sliding", {"window": 3, "block_q": 4,
                                                                                      "block_k": 4})
     out, _ = _make_attention("sliding")(module, q, k, v, None, scaling=0.25)
     ref, _ = eager_reference(q, k, v, 0.25, spec_mask(MaskSpec(causal=False, window=3), 2, 13, 13))

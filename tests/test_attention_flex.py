@@ -345,7 +345,7 @@ def test_registry_attention_runs_on_flex_and_sdpa_in_a_tiny_llama(kind, options,
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import gqakit.attention as ga
-    from gqakit.attention import registry
+    from gqakit.attention import registration as registry
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0)
@@ -361,7 +361,7 @@ def test_registry_attention_runs_on_flex_and_sdpa_in_a_tiny_llama(kind, options,
     def via_flex(q, k, v, *, block_q=None, block_k=None, **kw):  # the eager kernel: no compile time on CPU
         return fx.flex_attention_forward(q, k, v, compiled=False, **kw)
 
-    name = "attention_forward" if hasattr(registry, "attention_forward") else "tiled_attention"  # after / before
+    name = "attention_forward"
     with torch.no_grad():
         monkeypatch.setattr(registry, name, via_flex)
         close(model(ids, attention_mask=padding).logits[padding.bool()], want[padding.bool()])

@@ -12,7 +12,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
 from transformers.masking_utils import AttentionMaskInterface, and_masks, sdpa_mask, sliding_window_overlay
 
 import gqakit.attention as attention
-from gqakit.attention import patterns, registry
+from gqakit.attention import hf_masks, options as attention_options, patterns, registration
 from gqakit.attention.masks import AttentionOptionError, MaskSpec
 from gqakit.attention.reference import eager_reference
 from gqakit.attention.tiled import block_plan, tiled_attention, work
@@ -349,8 +349,8 @@ def _check_against_reference(model, options, kind, ids, mask, real):
     """use(model, kind, **options) equals the reference attention with the per-layer dense masks."""
     L, nh = model.config.num_hidden_layers, model.config.num_attention_heads
     causal = isinstance(model.config, LlamaConfig)
-    stored = registry.normalise_options(kind, options, model.config)
-    specs = {i: registry.mask_spec(kind, stored, causal, layer=i, num_heads=nh) for i in range(L)}
+    stored = attention_options.normalise_options(kind, options, model.config)
+    specs = {i: attention_options.mask_spec(kind, stored, causal, layer=i, num_heads=nh) for i in range(L)}
     name = f"patterns_reference_{id(specs)}"
     AttentionInterface.register(name, _reference_attention(specs))
     AttentionMaskInterface.register(name, sdpa_mask)
@@ -423,9 +423,9 @@ def test_layered_options_survive_save_and_load(tmp_path):
 
 
 def test_ring_refuses_per_layer_patterns():
-    stored = registry.normalise_options("sliding", {"window": [2, 3, 4]}, LlamaConfig(**LLAMA))
+    stored = attention_options.normalise_options("sliding", {"window": [2, 3, 4]}, LlamaConfig(**LLAMA))
     with pytest.raises(AttentionOptionError, match="one pattern for the whole model") as info:
-        registry.mask_spec("sliding", stored)
+        attention_options.mask_spec("sliding", stored)
     assert "\n" not in str(info.value)
 
 
@@ -434,13 +434,13 @@ def test_ring_refuses_per_layer_patterns():
 def _spy(monkeypatch):
     """Records each layer call's (spec, elementwise model mask), whichever kernel the registry then calls."""
     calls = []
-    real = registry.layer_spec
+    real = registration.layer_spec
 
     def spy(*args, **kwargs):
         calls.append(real(*args, **kwargs))
         return calls[-1]
 
-    monkeypatch.setattr(registry, "layer_spec", spy)
+    monkeypatch.setattr(registration, "layer_spec", spy)
     return calls
 
 
@@ -482,17 +482,17 @@ def test_model_sliding_window_becomes_a_windowed_spec(monkeypatch, family):
 def test_window_bounds_read_from_mask_functions():
     from transformers.masking_utils import (causal_mask_function, or_masks, sliding_window_bidirectional_mask_function,
                                             sliding_window_causal_mask_function)
-    m = registry.gqakit_mask(1, 10, 10, mask_function=sliding_window_causal_mask_function(7))
+    m = hf_masks.gqakit_mask(1, 10, 10, mask_function=sliding_window_causal_mask_function(7))
     assert (m.causal, m.window, m.window_only) == (True, 7, True)
-    m = registry.gqakit_mask(1, 10, 10, mask_function=sliding_window_bidirectional_mask_function(3))
+    m = hf_masks.gqakit_mask(1, 10, 10, mask_function=sliding_window_bidirectional_mask_function(3))
     assert (m.causal, m.window, m.window_only) == (False, 4, True)  # |q - k| <= 3
     extra = and_masks(sliding_window_causal_mask_function(7), lambda b, h, q, k: q >= 0)
-    m = registry.gqakit_mask(1, 10, 10, mask_function=extra)
+    m = hf_masks.gqakit_mask(1, 10, 10, mask_function=extra)
     assert (m.window, m.window_only) == (7, False)  # bounded, but the function is more than a window: kept
-    m = registry.gqakit_mask(1, 10, 10, mask_function=or_masks(sliding_window_causal_mask_function(7),
+    m = hf_masks.gqakit_mask(1, 10, 10, mask_function=or_masks(sliding_window_causal_mask_function(7),
                                                                lambda b, h, q, k: q == 9))
     assert m.window is None  # an or-overlay may reach past the window
-    m = registry.gqakit_mask(1, 10, 10, mask_function=and_masks(sliding_window_overlay(4), causal_mask_function))
+    m = hf_masks.gqakit_mask(1, 10, 10, mask_function=and_masks(sliding_window_overlay(4), causal_mask_function))
     assert (m.window, m.window_only) == (4, True)
 
 
@@ -582,10 +582,10 @@ def test_a_bare_call_applies_the_layers_sliding_window():
     pos = torch.arange(19)
     for kind, options, want in (
             ("tiled", None, MaskSpec(window=4).mask(pos, pos)),
-            ("sliding", registry.normalise_options("sliding", {"window": 6, "global_tokens": [0], "block_q": 4,
+            ("sliding", attention_options.normalise_options("sliding", {"window": 6, "global_tokens": [0], "block_q": 4,
                                                                "block_k": 4}),
              MaskSpec(window=6, global_tokens=(0,)).mask(pos, pos) & MaskSpec(window=4).mask(pos, pos))):
-        out, _ = registry._make_attention(kind)(_Attn(options), q, k, v, None, scaling=0.3, sliding_window=4)
+        out, _ = registration._make_attention(kind)(_Attn(options), q, k, v, None, scaling=0.3, sliding_window=4)
         ref, _ = eager_reference(q, k, v, 0.3, want[None, None])
         torch.testing.assert_close(out.transpose(1, 2), ref, atol=1e-5, rtol=1e-5)
 

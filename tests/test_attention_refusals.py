@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from gqakit.attention import use
-from gqakit.attention.registry import UNSUPPORTED, _make_attention
+from gqakit.attention.registration import UNSUPPORTED, _make_attention
 from gqakit.common.errors import GqakitError
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -128,7 +128,7 @@ def test_generate_after_use_sinks_keeps_a_bounded_sink_cache():
 ])
 def test_alibi_models_loaded_with_gqakit_attention_are_refused_at_the_first_forward(tmp_path, make):
     """from_pretrained(attn_implementation="gqakit_tiled") never calls use(): the mask interface refuses."""
-    from gqakit.attention.registry import register_all
+    from gqakit.attention.registration import register_all
 
     register_all()
     transformers.AutoModelForCausalLM.from_config(make()).save_pretrained(tmp_path)

@@ -11,7 +11,7 @@ import torch
 
 from gqakit.attention.masks import MaskSpec
 from gqakit.attention.reference import eager_reference
-from gqakit.attention.registry import AttentionOptionError
+from gqakit.attention.masks import AttentionOptionError
 from gqakit.attention.ring import (
     RingLayout, check_ring_size, ring_attention, ring_attention_function, ring_batch, ring_context, ring_mask,
 )

@@ -187,7 +187,7 @@ def _cli_error(capsys, argv) -> str:
     ({"steps": 3, "alpha": 0.05}, "give exactly one budget"),
     ({}, "give exactly one budget"),
     ({"steps": 3, "trainable": "mlp"}, "trainable='mlp' is not one of all, attention, kv"),
-    ({"steps": 3, "window": 16}, "window/sinks only apply with attention=sliding or sinks"),
+    ({"steps": 3, "window": 16}, "window only applies with attention=sliding or sinks"),
     ({"steps": 3, "lr": "fast"}, "lr='fast' is not a number"),
     ({"steps": 3, "num_processes": 2}, "expects num_processes=2 but this run has 1"),
     ({"steps": 3, "context_parallel": 2}, "context_parallel=2 does not divide the 1 processes"),

@@ -8,7 +8,9 @@ Importing this package registers `gqakit_tiled`, `gqakit_sliding` and `gqakit_si
 `gqakit_ring` (context-parallel ring attention; run it inside `ring.ring_context`, see ring.py).
 """
 from gqakit.attention import ring  # registers gqakit_ring
-from gqakit.attention.registry import KINDS, AttentionOptionError, register_all, use
+from gqakit.attention.options import KINDS
+from gqakit.attention.masks import AttentionOptionError
+from gqakit.attention.registration import register_all, use
 
 register_all()
 

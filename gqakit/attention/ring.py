@@ -28,7 +28,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from gqakit.attention.masks import MaskSpec
-from gqakit.attention.registry import AttentionOptionError, check_model
+from gqakit.attention.masks import AttentionOptionError
+from gqakit.attention.registration import check_model
 from gqakit.attention.ring_layout import RingGroups, RingLayout, check_ring_size, ring_batch, ring_groups  # noqa: F401 (re-exported)
 from gqakit.attention.tiled import tiled_attention, tiled_attention_backward
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gqakit.attention.masks import MaskSpec
-from gqakit.attention.registry import AttentionOptionError
+from gqakit.attention.masks import AttentionOptionError
 
 KINDS = ("zigzag", "contiguous")
 

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from gqakit.common import dtypes
 from gqakit.common.errors import GqakitError
 from gqakit.convert.align import GROUPINGS, check_merge_options, coordinates, merge_coordinates, permute_kv_heads
 from gqakit.convert.calibration.calibrate import StoredMoment, calibrate, load_layer, logit_error
@@ -130,7 +131,7 @@ def prepare(cfg: ConvertConfig) -> tuple[Plan, dict, dict[str, TensorInfo], Path
     model_dir = Path(cfg.model_dir)
     config = read_config(model_dir)
     out = output_path(model_dir, cfg.output_dir, cfg.groups)
-    if cfg.dtype != "auto" and cfg.dtype not in ("float32", "bfloat16", "float16"):
+    if cfg.dtype not in dtypes.WITH_AUTO:
         raise GqakitError(f"unknown --dtype {cfg.dtype!r}; choose auto, float32, bfloat16 or float16")
     check_method_options(cfg)
     max_shard = max_shard_bytes(cfg.max_shard_size)

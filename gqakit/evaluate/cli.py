@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 
-ATTENTION_CHOICES = ("default", "tiled", "sliding", "sinks")
-DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+from gqakit.common import attention_kinds, dtypes
+
+ATTENTION_CHOICES = attention_kinds.CHOICES
+DTYPE_CHOICES = dtypes.NAMES
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -37,6 +39,9 @@ def _add_attention(p: argparse.ArgumentParser) -> None:
                    help="gqakit attention kind via gqakit.attention.use (default: the model's own)")
     p.add_argument("--window", type=int, default=None, help="window of --attention sliding/sinks")
     p.add_argument("--sinks", type=int, default=None, help="sink tokens of --attention sinks (default 4)")
+    p.add_argument("--attention-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="any other option of the kind, e.g. stride=128 for --attention sparse (repeatable; see "
+                        "docs/attention.md)")
 
 
 def _run_ppl(args: argparse.Namespace, command: str) -> None:
@@ -45,8 +50,9 @@ def _run_ppl(args: argparse.Namespace, command: str) -> None:
     run_ppl(PplConfig(
         models=tuple(args.models), text=args.text, dataset=args.dataset, text_column=args.text_column,
         max_tokens=args.max_tokens, max_length=args.max_length, stride=args.stride, bos=args.bos,
-        attention=args.attention, window=args.window, sinks=args.sinks, dtype=args.dtype, device=args.device,
-        tokenizer=args.tokenizer, output=args.output, force=args.force, progress=not args.quiet), command=command)
+        attention=args.attention, window=args.window, sinks=args.sinks, attention_option=tuple(args.attention_option),
+        dtype=args.dtype, device=args.device, tokenizer=args.tokenizer, output=args.output, force=args.force,
+        progress=not args.quiet), command=command)
 
 
 def _run_stream(args: argparse.Namespace, command: str) -> None:
@@ -67,8 +73,8 @@ def _run_passkey(args: argparse.Namespace, command: str) -> None:
     run_passkey(PasskeyConfig(
         model=args.model, lengths=tuple(parse_lengths(args.lengths)), depths=tuple(parse_depths(args.depths)),
         trials=args.trials, seed=args.seed, new_tokens=args.new_tokens, attention=args.attention,
-        window=args.window, sinks=args.sinks, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer,
-        output=args.output, force=args.force, progress=not args.quiet), command=command)
+        window=args.window, sinks=args.sinks, attention_option=tuple(args.attention_option), dtype=args.dtype,
+        device=args.device, tokenizer=args.tokenizer, output=args.output, force=args.force, progress=not args.quiet), command=command)
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
+from gqakit.common.attention_kinds import command_attention_options
 from gqakit.common.errors import GqakitError
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -205,6 +206,7 @@ class PasskeyConfig:
     attention: str | None = None
     window: int | None = None
     sinks: int | None = None
+    attention_option: tuple[str, ...] = ()  # --attention-option NAME=VALUE: any other option of the kind
     dtype: str = "float32"
     device: str = "auto"  # CUDA when available
     tokenizer: str | None = None
@@ -253,7 +255,8 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
     """Build the cases, decode, score, print the table, write the report; `generate` overrides the model's.
     A warning (on `err`, stderr) comes first when a length is past the model's context or its window."""
     from gqakit.common import plots, report
-    from gqakit.hf.loading import apply_attention, attention_options, describe, load_model
+    from gqakit.attention.registration import apply_attention
+    from gqakit.hf.loading import describe, load_model
 
     out, err = out or sys.stdout, err or sys.stderr
     if cfg.new_tokens < 1:
@@ -261,7 +264,7 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
     if cfg.trials < 1:
         raise GqakitError(f"--trials must be >= 1, got {cfg.trials}")
     lengths, depths = list(cfg.lengths), [float(d) for d in cfg.depths]
-    options = attention_options(cfg.attention, cfg.window, cfg.sinks)
+    options = command_attention_options(cfg.attention, cfg.window, cfg.sinks, cfg.attention_option)
     target = report.prepare_output(cfg.output, "passkey", cfg.force)
     model, tok = load_model(cfg.model, cfg.dtype, cfg.tokenizer, cfg.device)
     in_force = apply_attention(model, cfg.attention, options)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from gqakit.common.attention_kinds import command_attention_options
 from gqakit.common.errors import GqakitError
 
 
@@ -94,6 +95,7 @@ class PplConfig:
     attention: str | None = None  # None/default, tiled, sliding, sinks
     window: int | None = None
     sinks: int | None = None
+    attention_option: tuple[str, ...] = ()  # --attention-option NAME=VALUE: any other option of the kind
     dtype: str = "float32"
     device: str = "auto"  # CUDA when available
     tokenizer: str | None = None
@@ -158,11 +160,12 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     """Evaluate every model, print the table, write the report (JSON, CSV, plot); returns the report dict."""
     from gqakit.common import plots, report
     from gqakit.common.text import encode_documents, load_documents
-    from gqakit.hf.loading import apply_attention, attention_options, describe, load_model
+    from gqakit.attention.registration import apply_attention
+    from gqakit.hf.loading import describe, load_model
 
     out = out or sys.stdout
     _check(cfg)
-    options = attention_options(cfg.attention, cfg.window, cfg.sinks)
+    options = command_attention_options(cfg.attention, cfg.window, cfg.sinks, cfg.attention_option)
     target = report.prepare_output(cfg.output, "ppl", cfg.force)
     documents = load_documents(cfg.text, cfg.dataset, cfg.text_column)
     max_length, stride = resolve_window(cfg, [_context(path) for path in cfg.models])  # same windows for all

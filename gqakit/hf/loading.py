@@ -13,10 +13,9 @@ from pathlib import Path
 
 import torch
 
+from gqakit.common.dtypes import NAMES as DTYPES
 from gqakit.common.errors import GqakitError
 
-DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_KINDS = ("default", "tiled", "sliding", "sinks")
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -161,34 +160,3 @@ def describe(model) -> dict:
         "device": str(next(model.parameters()).device),
         "kv_bytes_per_token": kv_bytes_per_token(cfg, model_dtype(model)),
     }
-
-
-def attention_options(kind: str | None, window: int | None, sinks: int | None) -> dict:
-    """The `gqakit.attention.use` options of --attention/--window/--sinks; {} for the model's default."""
-    if kind in (None, "default"):
-        if window is not None or sinks is not None:
-            raise GqakitError("--window/--sinks only apply with --attention sliding or sinks; add one of them")
-        return {}
-    if kind not in ATTENTION_KINDS:
-        raise GqakitError(f"unknown --attention {kind!r}; choose one of {', '.join(ATTENTION_KINDS)}")
-    options: dict = {}
-    if window is not None:
-        if kind == "tiled":
-            raise GqakitError("--attention tiled is full attention and takes no --window; use sliding or sinks")
-        options["window"] = window
-    if sinks is not None:
-        if kind != "sinks":
-            raise GqakitError(f"--sinks only applies with --attention sinks (got --attention {kind})")
-        options["sinks"] = sinks
-    return options
-
-
-def apply_attention(model, kind: str | None, options: dict) -> dict:
-    """Switch `model` to gqakit attention `kind` in place; returns the options in force ({} for default)."""
-    if kind in (None, "default"):
-        return {}
-    from gqakit.attention import use
-    from gqakit.attention.registry import CONFIG_KEY
-
-    use(model, kind, **options)  # AttentionOptionError is a GqakitError: one line, exit 2
-    return dict(getattr(model.config, CONFIG_KEY))

@@ -14,15 +14,16 @@ import json
 import math
 from pathlib import Path
 
+from gqakit.common import attention_kinds, dtypes
 from gqakit.common.errors import GqakitError
 from gqakit.common.options import check_fields, option, to_dict
 
 TRAINABLE = ("all", "attention", "kv")
-ATTENTION = ("default", "tiled", "sliding", "sinks")
-LONG_CONTEXT = ("sliding", "sinks")  # attention kinds that make positions past the model's limit sensible
+ATTENTION = attention_kinds.CHOICES
+LONG_CONTEXT = attention_kinds.LONG_CONTEXT
 MIXED_PRECISION = ("no", "bf16", "fp16")
 SHARDING = ("ddp", "fsdp")
-SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SAVE_DTYPES = dtypes.WITH_AUTO
 BUDGET_RECORD = "pretraining.json"
 
 
@@ -64,6 +65,7 @@ class UptrainConfig:
     attention: str = option("default", choices=ATTENTION)  # see gqakit.attention; the ring applies it too
     window: int | None = option(None, above=0)
     sinks: int | None = option(None, at_least=0)
+    attention_options: dict | None = None  # any other option of the kind, e.g. {stride: 128} for attention=sparse
     context_parallel: int = option(1, above=0)  # ranks sharing one sequence (ring attention); the rest: data parallel
     sharding: str = option("ddp", choices=SHARDING)  # ddp: every process holds all; fsdp: FSDP2, state sharded
     device_memory: str | None = None  # per-rank memory the fit check plans for, e.g. 80GB or 24GiB; None: detect
@@ -89,9 +91,19 @@ class UptrainConfig:
     def to_dict(self) -> dict:
         return to_dict(self)
 
-    def attention_options(self) -> dict:
-        """The `gqakit.attention.use` options the recipe gives (window, sinks)."""
-        return {k: v for k, v in (("window", self.window), ("sinks", self.sinks)) if v is not None}
+    def use_options(self) -> dict:
+        """The `gqakit.attention.use` options the recipe gives (window, sinks, attention_options)."""
+        return use_options(self.attention, self.window, self.sinks, self.attention_options)
+
+
+def use_options(attention: str, window: int | None, sinks: int | None, extra: dict | None) -> dict:
+    """The `gqakit.attention.use` options of a recipe's attention keys; one the kind does not take is refused."""
+    given = {"window": window, "sinks": sinks}
+    for name, value in (extra or {}).items():
+        if name in given:
+            raise GqakitError(f"give {name} as its own key ({name}: ...), not inside attention_options")
+        given[name] = value
+    return attention_kinds.attention_options(attention, given, flag=str, kind_flag="attention=")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,12 +183,14 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
     """Attention options, the trainable subset and the teacher, from config.json alone."""
     from types import SimpleNamespace
 
-    from gqakit.attention.registry import AttentionOptionError, normalise_options
+    from gqakit.attention.masks import AttentionOptionError
+
+    from gqakit.attention.options import normalise_options
     from gqakit.hf.architectures import find_family
 
     if cfg.attention != "default":
         try:
-            normalise_options(cfg.attention, cfg.attention_options(), SimpleNamespace(**model_config))
+            normalise_options(cfg.attention, cfg.use_options(), SimpleNamespace(**model_config))
         except AttentionOptionError as e:
             raise GqakitError(f"attention={cfg.attention}: {e}") from None
     arch = (model_config.get("architectures") or ["?"])[0]
@@ -222,8 +236,7 @@ def check(cfg: UptrainConfig) -> dict:
     if limit and cfg.seq_len > limit and cfg.attention not in LONG_CONTEXT:
         raise GqakitError(f"seq_len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions; lower seq_len "
                           "or train a long-context attention (attention=sliding window=N, or attention=sinks)")
-    if cfg.attention in ("default", "tiled") and (cfg.window is not None or cfg.sinks is not None):
-        raise GqakitError(f"window/sinks only apply with attention=sliding or sinks (got attention={cfg.attention})")
+    cfg.use_options()  # an option the kind does not take is refused, never dropped
     if cfg.context_parallel > 1 and cfg.teacher is not None and cfg.attention in LONG_CONTEXT:
         raise GqakitError(f"distillation with context_parallel runs the teacher inside the student's ring, which "
                           f"would give it the student's attention={cfg.attention}; drop the teacher or use "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from gqakit.attention.masks import MaskSpec
-from gqakit.attention.registry import mask_spec
+from gqakit.attention.options import mask_spec
 from gqakit.attention.ring import ring_context, use_ring
 from gqakit.attention.ring_layout import RingLayout, ring_groups
 from gqakit.uptrain.config import UptrainConfig
@@ -23,7 +23,7 @@ from gqakit.uptrain.parallel import SequenceParallel
 def ring_spec(model) -> MaskSpec:
     """The MaskSpec of the attention the model was switched to: the recipe's sliding window / sinks,
     else the model's own `sliding_window` (Mistral), else full causal attention."""
-    from gqakit.attention.registry import CONFIG_KEY
+    from gqakit.attention.options import CONFIG_KEY
 
     options = dict(getattr(model.config, CONFIG_KEY, None) or {})
     kind = options.pop("kind", "tiled")

@@ -21,9 +21,9 @@ def load_causal_lm(path: str):
 
 def set_attention(model, cfg: UptrainConfig) -> dict:
     """Switch to the recipe's gqakit attention kind; returns the options in force ({} for default)."""
-    from gqakit.hf.loading import apply_attention
+    from gqakit.attention.registration import apply_attention
 
-    return apply_attention(model, cfg.attention, cfg.attention_options())
+    return apply_attention(model, cfg.attention, cfg.use_options())
 
 
 def _kv_names(model) -> list[str]:

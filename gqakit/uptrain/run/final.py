@@ -8,18 +8,18 @@ from pathlib import Path
 
 import torch
 
+from gqakit.common import dtypes
 from gqakit import __version__
 from gqakit.uptrain.run.folder import FINISHED, MARKER
 
 RUN_FILES = (FINISHED, MARKER, "metrics.csv", "loss.png", "tensorboard", "checkpoints")
 
-_SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def source_dtype(model_dir: str) -> str:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return dtype if dtype in _SAVE_DTYPES else "float32"
+    return dtype if dtype in dtypes.NAMES else "float32"
 
 
 def _card(source: Path, record: dict) -> str:
@@ -83,7 +83,7 @@ def save_final(model, tokenizer, output_dir: Path, record: dict, *, is_main: boo
     out = Path(output_dir)
     source = Path(record["recipe"]["model"])
     tmp = out / ".final.tmp"
-    dtype = _SAVE_DTYPES[record["save_dtype"]]
+    dtype = dtypes.torch_dtype(record["save_dtype"])
     tensors = final_tensors(model)
     writer = None
     if is_main:
