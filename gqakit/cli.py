@@ -19,6 +19,7 @@ import sys
 
 from gqakit import __version__
 from gqakit.common import dtypes
+from gqakit.convert import methods
 from gqakit.common.errors import GqakitError
 from gqakit.evaluate.cli import add_eval_parser
 
@@ -29,10 +30,10 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
                    help="number of K/V heads after conversion (1 = MQA)")
     p.add_argument("-o", "--output-dir", default=None,
                    help="output folder (default: MODEL_DIR-gqaG, or MODEL_DIR-mqa for G=1)")
-    p.add_argument("--method", default="mean", choices=["mean", "first", "random", "aligned", "fit"],
-                   help="how to merge each group's K/V heads: mean (the GQA paper's), first, random, aligned "
-                        "(rotate heads into a common frame first, exactly), or fit (least squares on calibration "
-                        "activations; needs --calibration); see README (default: mean)")
+    p.add_argument("--method", default="mean", choices=methods.NAMES,
+                   help="how to merge each group's K/V heads: " + "; ".join(f"{m.name}: {m.help}" for m in
+                                                                           methods.METHODS.values())
+                        + "; see docs/convert.md (default: mean)")
     p.add_argument("--grouping", default=None, choices=["contiguous", "similarity"],
                    help="aligned/fit: which K/V heads share a group: neighbours, or the most similar heads "
                         "(q_proj/o_proj permuted to match) (default: similarity)")
@@ -58,7 +59,6 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
 def _run_convert(args: argparse.Namespace, command: str) -> None:
     from gqakit.convert import ConvertConfig, convert
     from gqakit.convert.card import describe_plan, kv_summary
-    from gqakit.convert.plan import LAYER_METHODS
     from gqakit.common.memory import return_freed_memory_eagerly
 
     cfg = ConvertConfig(
@@ -68,7 +68,7 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
         calibration_tokens=args.calibration_tokens, calibration_window=args.calibration_window,
         text_column=args.text_column, calibration_device=args.calibration_device,
     )
-    if cfg.method in LAYER_METHODS:  # the layer merges and calibration allocate many large temporaries
+    if cfg.method in methods.LAYERWISE:  # the layer merges and calibration allocate many large temporaries
         return_freed_memory_eagerly()
     result = convert(cfg, command=command)
     plan = result["plan"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from gqakit import __version__
-from gqakit.convert import ConvertConfig, convert
+from gqakit.convert import ConvertConfig, convert, methods
 from gqakit.common.errors import GqakitError
 from gqakit.hf.loading import kv_bytes_per_token, kv_heading, model_dtype
 from gqakit.evaluate.perplexity import perplexity
@@ -19,7 +19,7 @@ from gqakit.common.report import prepare_output, write_report
 from gqakit.reference import HELDOUT_TEXT, reference_model_path
 
 GROUPS = (4, 2, 1)
-METHODS = ("mean", "first", "random")
+METHODS = methods.HEADWISE  # the weights-only merges of the GQA paper's table: no calibration
 
 
 COMPUTE_DTYPE = torch.float32  # perplexity is computed, and so the KV cache held, in fp32

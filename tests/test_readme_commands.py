@@ -1,7 +1,12 @@
-"""Every command in a ```bash block of README.md runs, in order, on a copy of the clone (tiny budgets
-appended), so the README cannot drift from the code. Synopses with placeholders live in plain ```
-blocks instead. Commands that need `../shared` run only where it exists; the few that are not run
-here are listed in NOT_RUN with the reason."""
+"""Every command in a ```bash block of README.md and of the pages under docs/ runs, in order (PAGES: the
+README first, then the pages in an order where each command's inputs exist before it runs), on a copy of
+the clone (tiny budgets appended), so the documentation cannot drift from the code. Synopses with
+placeholders live in plain ``` blocks instead. Commands that need `../shared` run only where it exists;
+the few that are not run here are listed in NOT_RUN with the reason.
+
+Each command that writes an uptraining run names its own output_dir, so the commands also work when a
+reader follows them literally in order (a folder that holds a finished run is refused): no `force=true`
+is appended to hide a clash."""
 from __future__ import annotations
 
 import os
@@ -16,6 +21,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+# The pages whose ```bash blocks run, in this order: docs/uptrain.md trains the model that the README's
+# convert-gqa writes, docs/evaluate.md reads it, and docs/results.md rebuilds the embedded model last.
+PAGES = ("README.md", "docs/convert.md", "docs/attention.md", "docs/uptrain.md", "docs/evaluate.md",
+         "docs/results.md", "docs/architecture.md")
 
 # Appended to a command (argparse and key=value overrides: the last value wins) so it runs in seconds.
 TINY = [
@@ -25,7 +34,7 @@ TINY = [
     (r"gqakit(\.cli)? uptrain recipes/uptrain_smollm2", "steps=1 seq_len=32 batch_size=1 eval_sequences=1 "
                                                        "gradient_accumulation_steps=1"),
     (r"gqakit(\.cli)? uptrain", "steps=2 seq_len=64 batch_size=1 eval_sequences=2 eval_every=0 "
-                                "gradient_accumulation_steps=1 force=true"),
+                                "gradient_accumulation_steps=1"),
     (r"^gqakit generate", "--max-new-tokens 8"),
     (r"^gqakit eval ppl", "--max-tokens 256 --max-length 128"),
     (r"^gqakit eval stream", "--tokens 512 --chunk 128"),
@@ -52,6 +61,11 @@ def readme_commands(text: str) -> list[str]:
     return commands
 
 
+def page_commands() -> list[tuple[str, str]]:
+    """(page, command) for every ```bash command of every page in PAGES, in order."""
+    return [(page, command) for page in PAGES for command in readme_commands((REPO / page).read_text())]
+
+
 def tiny(command: str) -> str:
     for pattern, extra in TINY:
         if re.search(pattern, command):
@@ -59,9 +73,48 @@ def tiny(command: str) -> str:
     return command
 
 
+def test_every_docs_page_is_run():
+    """A new page under docs/ joins PAGES (in an order where its commands' inputs exist), or its commands
+    would never run."""
+    pages = {f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")}
+    listed = set(PAGES) - {"README.md"}
+    assert pages == listed, f"docs pages missing from PAGES, or PAGES naming no page: {sorted(pages ^ listed)}"
+
+
+def _output_folder(command: str) -> str | None:
+    """The folder a documented command writes: convert-gqa's -o, or an uptraining run's output_dir (the
+    recipe's unless overridden)."""
+    if re.match(r"(gqakit convert|convert-gqa) ", command) and "--dry-run" not in command:
+        found = re.search(r"(?:-o|--output)\s+(\S+)", command)
+        return found.group(1) if found else None
+    if re.search(r"gqakit(\.cli)? uptrain ", command) and "--plan" not in command:
+        found = re.search(r"\boutput_dir=(\S+)", command)
+        if found:
+            return found.group(1)
+        recipe = re.search(r"(recipes/\S+\.yaml)", command)
+        text = (REPO / recipe.group(1)).read_text() if recipe else ""
+        found = re.search(r"^output_dir:\s*(\S+)", text, re.M)
+        return found.group(1) if found else None
+    return None
+
+
+def test_no_two_commands_write_one_folder():
+    """Followed literally and in order, the documented commands must not collide: a second convert-gqa
+    into one folder is refused without --force, and so is an uptraining run into a folder that holds a
+    finished run."""
+    seen: dict[str, str] = {}
+    for page, command in page_commands():
+        folder = _output_folder(command)
+        if folder is None:
+            continue
+        assert folder not in seen, f"{page}: {command}\n  writes {folder}, as does {seen[folder]}"
+        seen[folder] = f"{page}: {command}"
+
+
 def test_readme_has_no_placeholders_in_bash_blocks():
-    for command in readme_commands((REPO / "README.md").read_text()):
-        assert not re.search(r"\b(MODEL|RECIPE|FILE|DIR)\b|\[--", command), f"a synopsis in a bash block: {command}"
+    for page, command in page_commands():
+        assert not re.search(r"\b(MODEL|RECIPE|FILE|DIR)\b|\[--", command), \
+            f"a synopsis in a bash block of {page}: {command}"
 
 
 @pytest.mark.slow
@@ -76,24 +129,24 @@ def test_every_readme_command_runs(tmp_path):
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "GQAKIT_CACHE_DIR": str(tmp_path / "token-caches"), "HF_HUB_OFFLINE": "1"}
     failed, ran, skipped = [], [], []
-    for command in readme_commands((REPO / "README.md").read_text()):
+    for page, command in page_commands():
         reason = next((why for prefix, why in NOT_RUN.items() if command.startswith(prefix)), None)
         if reason is None and "../shared" in command + _recipe_text(clone, command) and not SHARED.is_dir():
             reason = "needs ../shared"
         if reason is None and "smollm2" in command and not SHARED.is_dir():
             reason = "uses the SmolLM2 checkpoint made from ../shared"
         if reason:
-            skipped.append(f"{command}  [{reason}]")
+            skipped.append(f"{page}: {command}  [{reason}]")
             continue
         run = tiny(command).replace("python ", f"{sys.executable} ", 1) if command.startswith("python ") \
             else tiny(command)
         start = time.perf_counter()
         done = subprocess.run(run, shell=True, cwd=clone, env=env, capture_output=True, text=True, timeout=900)
-        ran.append(f"{time.perf_counter() - start:5.1f} s  {command}")
+        ran.append(f"{time.perf_counter() - start:5.1f} s  {page}: {command}")
         if done.returncode:
-            failed.append(f"{run}\n  exit {done.returncode}: {done.stderr.strip()[-1500:]}")
+            failed.append(f"{page}: {run}\n  exit {done.returncode}: {done.stderr.strip()[-1500:]}")
     print("ran:", *ran, "not run:", *skipped, sep="\n  ")
-    assert not failed, "README commands that fail:\n" + "\n".join(failed)
+    assert not failed, "documented commands that fail:\n" + "\n".join(failed)
     assert len(ran) >= 15  # the embedded-model commands at least
 
 

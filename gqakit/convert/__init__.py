@@ -1,5 +1,17 @@
-"""MHA -> GQA/MQA checkpoint surgery with torch and safetensors only."""
-from gqakit.convert.plan import Plan, make_plan
-from gqakit.convert.run import ConvertConfig, convert
+"""MHA -> GQA/MQA checkpoint surgery with torch and safetensors only.
 
+`methods` (the merge-method registry) imports without torch; the rest is imported on first use, so the
+command line can read the method choices before loading torch."""
 __all__ = ["ConvertConfig", "Plan", "convert", "make_plan"]
+
+
+def __getattr__(name: str):
+    if name in ("ConvertConfig", "convert"):
+        from gqakit.convert import run
+
+        return getattr(run, name)
+    if name in ("Plan", "make_plan"):
+        from gqakit.convert import plan
+
+        return getattr(plan, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

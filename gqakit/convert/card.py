@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gqakit import __version__
 from gqakit.hf.checkpoint import DTYPES
+from gqakit.convert import methods
 from gqakit.convert.plan import Plan, total_bytes
 
 
@@ -52,23 +53,15 @@ def describe_plan(plan: Plan) -> str:
 
 
 def exactness_note(plan: Plan) -> str:
-    if plan.method == "random":
+    if methods.get(plan.method).pooling == "random":
         return "K/V projections are re-initialised at random: the model needs uptraining before use."
     return ("this family normalises keys after the projection (per head, or across heads for OLMo2), so a pooled "
             "head computes the norm of the mean key rather than the mean of the normalised keys: pooling is "
             "exact only for identical heads.")
 
 
-METHOD_NOTES = {
-    "aligned": "each group's heads rotated into a common frame (per-RoPE-pair rotations of keys, orthogonal maps of "
-               "values, exact reparametrisations), averaged, then each head's map refitted by least squares",
-    "fit": "the shared K/V head that minimises each head's attention-logit and value error on calibration "
-           "activations (closed-form least squares per RoPE pair and value subspace), each head's map refitted",
-}
-
-
 def _error_heading(plan: Plan, calibrated: bool) -> str:
-    if plan.method in METHOD_NOTES:
+    if methods.get(plan.method).layerwise:
         logits = """ The held-out column is the relative error of every query head's attention logits
 (q.k after RoPE, before scaling) on the held-out calibration windows, which the statistics never saw:
 sqrt(sum ||S' - S||^2 / sum ||S||^2) over the positions each query may attend to.""" if calibrated else ""
@@ -84,9 +77,10 @@ positions, weights only, biases aside) and the same for values with O_j V_h (0: 
 
 
 def _method_rows(cfg, plan: Plan, calibration) -> str:
-    if plan.method not in METHOD_NOTES:
+    method = methods.get(plan.method)
+    if not method.layerwise:
         return ""
-    rows = [f"| merge | {METHOD_NOTES[plan.method]} |",
+    rows = [f"| merge | {method.card_note} |",
             f"| grouping | {cfg.grouping or 'similarity'} (K/V heads that share a group; q_proj rows and o_proj columns "
             "permuted with them, so contiguous `repeat_kv` holds) |"]
     if calibration is None:
@@ -122,7 +116,7 @@ Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if comm
 | architecture | {plan.architecture} |
 | attention heads | {plan.num_attention_heads} |
 | K/V heads | {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}) |
-| method | {plan.method}{f" (seed {cfg.seed})" if plan.method == "random" else ""} |
+| method | {plan.method}{f" (seed {cfg.seed})" if methods.get(plan.method).seeded else ""} |
 | head_dim | {plan.head_dim} |
 | KV-cache bytes per token (at the stored dtype of k_proj; `gqakit eval` counts its compute dtype) | {before:,} -> {after:,} |
 | dtype | {cfg.dtype} |

@@ -16,13 +16,10 @@ from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures import ArchSpec, KNorm, find_family, supported_architectures
 from gqakit.hf.checkpoint import DTYPE_NAMES, DTYPES, TensorInfo, assign_shards, shard_names
 from gqakit.hf.fields import ModelFields, read_fields
-from gqakit.convert.pooling import METHODS, valid_groups
+from gqakit.convert import methods
+from gqakit.convert.pooling import valid_groups
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-# methods that rewrite a layer's Q, K, V and O together (gqakit.convert.align): aligned (weights only, or
-# in a calibrated metric) and fit (activation-aware least squares; needs calibration)
-LAYER_METHODS = ("aligned", "fit")
-ALL_METHODS = (*METHODS, *LAYER_METHODS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,12 +286,11 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         raise GqakitError(
             f"architecture {arch} is not supported; gqakit converts {', '.join(supported_architectures())}"
         )
-    if method not in ALL_METHODS:
-        raise GqakitError(f"unknown --method {method!r}; choose one of {', '.join(ALL_METHODS)}")
+    layerwise = methods.get(method).layerwise
     heads, kv_heads, layers = fields.num_attention_heads, fields.num_key_value_heads, fields.num_hidden_layers
     head_dim = fields.head_dim
     check_groups(groups, heads, kv_heads)
-    if method in LAYER_METHODS:
+    if layerwise:
         check_alignable(spec, arch, config, groups, kv_heads, head_dim, method)
     check_layers(spec, tensors, layers)
     out_dtype = None if dtype in (None, "auto") else DTYPE_NAMES[getattr(torch, dtype)]
@@ -306,7 +302,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
     # Source tensor name -> the output ops that replace it (an empty list drops it).
     special: dict[str, list[TensorOp]] = {}
     for i in range(layers):
-        if method in LAYER_METHODS:
+        if layerwise:
             special.update(_attention_ops(spec, tensors, i, shape, target))
         else:
             special.update(_projection_ops(spec, tensors, i, shape, target))

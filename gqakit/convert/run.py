@@ -24,7 +24,8 @@ from gqakit.convert.calibration.data import CalibrationData, load_calibration
 from gqakit.convert.card import write_card
 from gqakit.hf.checkpoint import DTYPES, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
 from gqakit.convert.grams import IndefiniteMetric, Metric, key_side, moment_metric, value_side
-from gqakit.convert.plan import LAYER_METHODS, Plan, TensorOp, make_plan
+from gqakit.convert import methods
+from gqakit.convert.plan import Plan, TensorOp, make_plan
 from gqakit.convert.pooling import random_heads, regroup, relative_error
 from gqakit.common.atomic import check_replaceable
 from gqakit.common.memory import release_freed_memory
@@ -32,15 +33,6 @@ from gqakit.common.sizes import parse_size
 from gqakit.hf.folder import copy_side_files, read_config
 
 LOOKAHEAD = 2  # regrouped tensors computed ahead of the writer
-# align_and_merge_layer's options per --method (grouping comes from --grouping, default similarity):
-# aligned: per-pair key rotations and orthogonal value maps to the group mean (generalised Procrustes),
-#   mean, then each head's map refitted by least squares (in the calibrated metric when given one);
-# fit: the shared head that minimises the query-weighted logit error and the o_proj-weighted value error
-#   in the calibrated metrics (a closed-form rank fit per RoPE pair / value subspace), maps refitted.
-MERGES = {
-    "aligned": {"align": True, "key_scale": "none", "reference": "mean", "merge": "mean", "restore": "refit"},
-    "fit": {"align": True, "merge": "pca", "restore": "refit"},
-}
 
 @dataclasses.dataclass(frozen=True)
 class ConvertConfig:
@@ -104,15 +96,16 @@ def check_method_options(cfg: ConvertConfig) -> None:
     """Refuse options the chosen method would ignore, and a fit without its calibration data."""
     if cfg.grouping is not None and cfg.grouping not in GROUPINGS:
         raise GqakitError(f"unknown --grouping {cfg.grouping!r}; choose contiguous or similarity")
-    if cfg.grouping is not None and cfg.method not in LAYER_METHODS:
-        raise GqakitError(f"--grouping is used only by --method {' or '.join(LAYER_METHODS)}; drop it for "
+    method = methods.get(cfg.method)
+    if cfg.grouping is not None and not method.layerwise:
+        raise GqakitError(f"--grouping is used only by --method {' or '.join(methods.LAYERWISE)}; drop it for "
                           f"--method {cfg.method} (which keeps contiguous groups)")
-    if cfg.method == "fit" and cfg.calibration is None:
-        raise GqakitError("--method fit needs calibration data: pass --calibration TEXT.txt (or a .jsonl / .parquet "
-                          "dataset) in the model's language, e.g. a few hundred windows of its training text")
-    if cfg.calibration is not None and cfg.method not in LAYER_METHODS:  # the layer merges take calibration
-        raise GqakitError(f"--calibration is used only by --method {' or '.join(LAYER_METHODS)}; drop it, or choose "
-                          "--method fit")
+    if method.calibration == "required" and cfg.calibration is None:
+        raise GqakitError(f"--method {cfg.method} needs calibration data: pass --calibration TEXT.txt (or a .jsonl / "
+                          ".parquet dataset) in the model's language, e.g. a few hundred windows of its training text")
+    if cfg.calibration is not None and method.calibration == "no":
+        raise GqakitError(f"--calibration is used only by --method {' or '.join(methods.TAKE_CALIBRATION)}; drop it, "
+                          f"or choose --method {' or '.join(methods.NEED_CALIBRATION)}")
     if cfg.calibration is None:
         given = [flag for flag, value in (("--calibration-tokens", cfg.calibration_tokens),
                                           ("--calibration-window", cfg.calibration_window),
@@ -205,7 +198,7 @@ def merge_layer(plan: Plan, weights: dict[str, torch.Tensor], grouping: str = "s
     once its Grams exist; from the calibration folder an n x n statistic is read in row blocks as the metric
     is applied, never whole."""
     H, K, G, d = plan.num_attention_heads, plan.num_key_value_heads, plan.groups, plan.head_dim
-    check_merge_options(H, K, G, grouping=grouping, **MERGES[plan.method])
+    check_merge_options(H, K, G, grouping=grouping, **methods.get(plan.method).merge)
     q_w, k_w, v_w, o_w = (weights[key] for key in ("q_w", "k_w", "v_w", "o_w"))
     q_b, k_b, v_b = (weights.get(key) for key in ("q_b", "k_b", "v_b"))
     n = k_w.shape[1]
@@ -228,7 +221,7 @@ def merge_layer(plan: Plan, weights: dict[str, torch.Tensor], grouping: str = "s
                                   "its mean diagonal; recalibrate (--calibration-tokens) or use --method aligned "
                                   "without --calibration") from None
     del keys, values
-    merged = merge_coordinates(q_w, k_w, v_w, o_w, q_b, k_b, v_b, coords, H, K, G, d, **MERGES[plan.method])
+    merged = merge_coordinates(q_w, k_w, v_w, o_w, q_b, k_b, v_b, coords, H, K, G, d, **methods.get(plan.method).merge)
     del coords
     out = {key: getattr(merged, key) for key in weights}
     # query head j of the merged layer is the original head order[j] (grouping by similarity permutes whole

@@ -24,6 +24,7 @@ import torch
 
 from gqakit.common.errors import GqakitError
 from gqakit.common.options import check_fields, from_dict, load_recipe, option, to_dict
+from gqakit.convert import methods
 from gqakit.uptrain.config import UptrainConfig, check, pretraining_tokens
 
 
@@ -50,17 +51,17 @@ class GridConfig:
 
     def __post_init__(self):
         check_fields(self)
-        from gqakit.convert.plan import ALL_METHODS
-
-        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        unknown = [m for m in self.methods if m not in methods.NAMES]
         if unknown:
             raise GqakitError(f"methods={list(self.methods)!r} holds {', '.join(unknown)}, not a convert-gqa method; "
-                              f"choose from {', '.join(ALL_METHODS)}")
-        if "fit" in self.methods and self.calibration is None:
-            raise GqakitError("method fit needs calibration data: set calibration: TEXT.txt (or a .jsonl / .parquet "
+                              f"choose from {', '.join(methods.NAMES)}")
+        needing = [m for m in self.methods if m in methods.NEED_CALIBRATION]
+        if needing and self.calibration is None:
+            raise GqakitError(f"method {needing[0]} needs calibration data: set calibration: TEXT.txt (or a .jsonl / .parquet "
                               "dataset) in the model's language, disjoint from eval_text")
-        if self.calibration is not None and "fit" not in self.methods:
-            raise GqakitError("calibration is used only by method fit; drop it, or add fit to methods")
+        if self.calibration is not None and not needing:
+            need = " or ".join(methods.NEED_CALIBRATION)
+            raise GqakitError(f"calibration is used only by method {need}; drop it, or add {need} to methods")
         if self.calibration_tokens is not None and self.calibration is None:
             raise GqakitError("calibration_tokens needs calibration; set calibration, or drop calibration_tokens")
 
@@ -132,7 +133,7 @@ def run_cell(cfg: GridConfig, cell: dict, work: Path, ids: torch.Tensor, mha_ppl
         if not (converted / "config.json").is_file():
             # calibration data goes to fit only: aligned would use it too, but the grid keeps aligned weight-only
             calibrated = ({"calibration": cfg.calibration, "calibration_tokens": cfg.calibration_tokens}
-                          if cell["method"] == "fit" else {})
+                          if cell["method"] in methods.NEED_CALIBRATION else {})
             convert(ConvertConfig(model_dir=cfg.model, groups=cell["groups"], output_dir=str(converted),
                                   method=cell["method"], seed=cfg.seed, force=True, progress=False, **calibrated))
         target = converted

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from gqakit.common.options import to_dict
+from gqakit.convert import methods
 
 FIELDS = ("name", "groups", "method", "alpha", "distill", "perplexity", "vs_mha", "steps", "tokens",
           "train_seconds", "seconds")
@@ -50,8 +51,7 @@ def plot(rows: list[dict], path: Path) -> None:
     groups = sorted({r["groups"] for r in rows if r["method"] != "mha"}, reverse=True)
     fig = new_figure(4.2 * len(groups), 4)
     axes = fig.subplots(1, len(groups), sharey=True, squeeze=False)
-    colors = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:green", "aligned": "tab:red",
-              "fit": "tab:purple"}
+    colors = {m: f"C{i}" for i, m in enumerate(methods.NAMES)}  # matplotlib's cycle: mean blue, first orange, ...
     for ax, g in zip(axes[0], groups):
         for method in dict.fromkeys(r["method"] for r in rows if r["groups"] == g):
             for kd, style in ((False, "o-"), (True, "s--")):

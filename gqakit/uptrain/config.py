@@ -237,6 +237,9 @@ def check(cfg: UptrainConfig) -> dict:
         raise GqakitError(f"seq_len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions; lower seq_len "
                           "or train a long-context attention (attention=sliding window=N, or attention=sinks)")
     cfg.use_options()  # an option the kind does not take is refused, never dropped
+    if cfg.context_parallel > 1 and cfg.attention not in ("default", "tiled", *LONG_CONTEXT):
+        raise GqakitError(f"context_parallel runs ring attention with full, sliding-window or sink patterns, not "
+                          f"attention={cfg.attention}; use context_parallel=1 for it")
     if cfg.context_parallel > 1 and cfg.teacher is not None and cfg.attention in LONG_CONTEXT:
         raise GqakitError(f"distillation with context_parallel runs the teacher inside the student's ring, which "
                           f"would give it the student's attention={cfg.attention}; drop the teacher or use "

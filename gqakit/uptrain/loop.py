@@ -27,7 +27,7 @@ from gqakit.uptrain.data.batches import BatchOrder, load_training_data
 from gqakit.uptrain.loss import cross_entropy_sum, distillation_sum
 from gqakit.uptrain.memory_plan import check_fits
 from gqakit.uptrain.run.metrics import MetricsLog, plot
-from gqakit.uptrain.parallel import SequenceParallel
+from gqakit.uptrain.parallel import SequenceParallel, sequence_parallel
 from gqakit.uptrain.run.final import save_final, source_dtype
 from gqakit.uptrain.run.folder import check_processes, plan_run, start_run
 from gqakit.uptrain.run.lock import run_lock
@@ -186,7 +186,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     fsdp = cfg.sharding == "fsdp"
     is_main = accelerator.is_main_process
     out = Path(cfg.output_dir)
-    sp = SequenceParallel.create(cfg, accelerator)
+    sp = sequence_parallel(cfg.context_parallel, cfg.seq_len, accelerator)
     set_seed(cfg.seed)
 
     tokenizer = load_tokenizer(cfg.model)

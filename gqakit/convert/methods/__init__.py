@@ -1,0 +1,71 @@
+"""The merge methods of `convert-gqa --method`: ONE table, read by the command line, the plan, the run, the model
+card, the demo and the GQA-paper grid. Pure data (no torch), so the command line parses without loading torch.
+
+Two families of method:
+- head-wise (`pooling`): each K/V head of a group is a block of rows of k_proj / v_proj (and their biases and
+  key norms); the group's block becomes one by `convert.pooling` (mean, first) or is re-initialised (random).
+  Nothing else in the layer changes.
+- layer-wise (`merge`): a layer's q/k/v/o are merged together by `convert.align.align_and_merge_layer` with the
+  options in `merge` (exact reparametrisations that rotate each head into a common frame, then a mean or a
+  least-squares fit), optionally in a metric measured on calibration text; q_proj and o_proj change too.
+
+Adding a method: docs/architecture.md ("Add a merge method").
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from gqakit.common.errors import GqakitError
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """What a merge method is, needs and does."""
+
+    name: str
+    help: str  # one clause for --help
+    pooling: str | None = None  # head-wise: "mean" | "first" | "random" (convert.pooling)
+    merge: dict | None = None  # layer-wise: the options of align.align_and_merge_layer
+    calibration: str = "no"  # "no" | "optional" | "required": --calibration DATA
+    card_note: str | None = None  # what the model card says the merge did (layer-wise methods)
+
+    @property
+    def layerwise(self) -> bool:
+        """Rewrites a layer's q/k/v/o together (takes --grouping; scored by each query head's maps)."""
+        return self.merge is not None
+
+    @property
+    def seeded(self) -> bool:
+        """Uses --seed (the card records it)."""
+        return self.pooling == "random"
+
+
+METHODS = {m.name: m for m in (
+    Method("mean", "the GQA paper's mean-pooling of each group's K/V heads", pooling="mean"),
+    Method("first", "keep each group's first K/V head", pooling="first"),
+    Method("random", "re-initialise K/V with the model's initializer_range, seeded by --seed", pooling="random"),
+    Method("aligned", "rotate heads into a common frame first, exactly, then average",
+           merge={"align": True, "key_scale": "none", "reference": "mean", "merge": "mean", "restore": "refit"},
+           calibration="optional",
+           card_note="each group's heads rotated into a common frame (per-RoPE-pair rotations of keys, orthogonal "
+                     "maps of values, exact reparametrisations), averaged, then each head's map refitted by least "
+                     "squares"),
+    Method("fit", "least squares on calibration activations; needs --calibration",
+           merge={"align": True, "merge": "pca", "restore": "refit"},
+           calibration="required",
+           card_note="the shared K/V head that minimises each head's attention-logit and value error on calibration "
+                     "activations (closed-form least squares per RoPE pair and value subspace), each head's map "
+                     "refitted"),
+)}
+NAMES = tuple(METHODS)
+HEADWISE = tuple(name for name, m in METHODS.items() if not m.layerwise)
+LAYERWISE = tuple(name for name, m in METHODS.items() if m.layerwise)
+TAKE_CALIBRATION = tuple(name for name, m in METHODS.items() if m.calibration != "no")
+NEED_CALIBRATION = tuple(name for name, m in METHODS.items() if m.calibration == "required")
+
+
+def get(name: str, flag: str = "--method") -> Method:
+    """The method called `name`, or a one-line error listing the choices."""
+    if name not in METHODS:
+        raise GqakitError(f"unknown {flag} {name!r}; choose one of {', '.join(NAMES)}")
+    return METHODS[name]
