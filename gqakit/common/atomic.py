@@ -181,6 +181,23 @@ def _publish(tmp: Path, out: Path, force: bool) -> Path | None:
     return old
 
 
+def publish(tmp: Path, out: Path, force: bool) -> None:
+    """Rename the finished folder `tmp` to `out` with Ctrl-C and SIGTERM held off; with `force` an existing `out`
+    is moved aside first and removed once the new one is in place. For writers whose temporary folder is shared
+    by several processes (a distributed checkpoint); a single process uses `atomic_output`."""
+    with _interrupts_held():
+        old = _publish(tmp, out, force)
+    if old is not None:
+        _remove_old(old)
+
+
+def _remove_old(old: Path) -> None:
+    try:
+        remove_path(old)
+    except OSError as e:  # the new output is in place; a later run removes this one
+        _notice(f"could not remove the previous output, moved to {old.name}: {e.strerror or e}")
+
+
 @contextmanager
 def atomic_output(out: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; on success it replaces `out`, on any failure, Ctrl-C or
@@ -199,7 +216,4 @@ def atomic_output(out: Path, force: bool) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     if old is not None:
-        try:
-            remove_path(old)
-        except OSError as e:  # the new output is in place; a later run removes this one
-            _notice(f"could not remove the previous output, moved to {old.name}: {e.strerror or e}")
+        _remove_old(old)

@@ -19,11 +19,10 @@ import datetime
 import json
 import math
 import platform
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from gqakit.common.atomic import atomic_output, check_replaceable
 from gqakit.common.errors import GqakitError
 
 RESULTS_JSON = "results.json"
@@ -44,8 +43,6 @@ def prepare_output(output: str | Path | None, kind: str, force: bool) -> Path:
     if target.exists() and not target.is_dir():
         raise GqakitError(f"--output {target} is a file, not a folder; choose another --output")
     if force:
-        from gqakit.common.atomic import check_replaceable
-
         check_replaceable(target, "--output")
     return target
 
@@ -89,9 +86,7 @@ def write_report(target: Path, *, kind: str, command: str, config: dict, results
     target = Path(target)
     if target.exists() and not force:  # it may have appeared while we evaluated
         raise GqakitError(_EXISTS.format(target))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
+    with atomic_output(target, force) as tmp:
         record = {"kind": kind, "command": command,
                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "versions": versions(), "config": config, "results": results}
@@ -99,27 +94,7 @@ def write_report(target: Path, *, kind: str, command: str, config: dict, results
         _write_csv(tmp / RESULTS_CSV, rows)
         for name, draw in (plots or {}).items():
             draw(tmp / name)
-        _swap_in(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target
-
-
-def _swap_in(tmp: Path, target: Path) -> None:
-    """Rename tmp to target; an old target (force) is moved aside first and deleted only afterwards."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{tmp.name.rsplit('.', 2)[-2]}")
-        target.rename(old)
-    try:
-        tmp.rename(target)
-    except BaseException:
-        if old is not None:
-            old.rename(target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def read_report(folder: str | Path) -> dict:

@@ -22,7 +22,8 @@ from gqakit.convert.align import GROUPINGS, check_merge_options, coordinates, me
 from gqakit.convert.calibration.calibrate import StoredMoment, calibrate, load_layer, logit_error
 from gqakit.convert.calibration.data import CalibrationData, load_calibration
 from gqakit.convert.card import write_card
-from gqakit.hf.checkpoint import DTYPES, ShardWriter, TensorInfo, atomic_output, load_tensor, scan_checkpoint
+from gqakit.common.atomic import atomic_output
+from gqakit.hf.checkpoint import DTYPES, ShardWriter, TensorInfo, load_tensor, scan_checkpoint
 from gqakit.convert.grams import IndefiniteMetric, Metric, key_side, moment_metric, value_side
 from gqakit.convert import methods
 from gqakit.convert.plan import Plan, TensorOp, make_plan

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from gqakit.common.errors import GqakitError
-from gqakit.common.atomic import atomic_output  # noqa: F401  (re-exported: gqakit.uptrain uses it from here)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from collections import Counter
@@ -20,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from gqakit.common.atomic import atomic_output
 from gqakit.common.options import check_fields, load_recipe, option, to_dict
 from gqakit.uptrain.modeling import lr_factor
 from gqakit.reference.tokenizer import EOS, train_bpe
@@ -171,15 +170,11 @@ def train(cfg: PretrainConfig) -> dict:
         "recipe": to_dict(cfg),
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
     }
-    out = Path(cfg.output_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.to(torch.bfloat16).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
-    (tmp / "pretraining.json").write_text(json.dumps(record, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    with atomic_output(Path(cfg.output_dir), force=True) as tmp:  # the recipe's own folder: rebuilt in place
+        model.to(torch.bfloat16).save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
+        (tmp / "pretraining.json").write_text(json.dumps(record, indent=2) + "\n")
     Path(cfg.heldout_output).write_text(heldout, encoding="utf-8")
     print(json.dumps({k: record[k] for k in ("pretraining_tokens", "pretraining_steps", "heldout")}, indent=2))
     print("\n".join(samples))

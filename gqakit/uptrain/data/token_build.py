@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from gqakit import __version__
-from gqakit.hf.checkpoint import atomic_output
+from gqakit.common.atomic import atomic_output
 from gqakit.common.errors import GqakitError
 from gqakit.common.text import eos_id
 from gqakit.uptrain.config import _inside

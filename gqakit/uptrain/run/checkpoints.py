@@ -19,7 +19,6 @@ writing (even SIGKILL) leaves the previous checkpoint intact: a run loses at mos
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import random
 import shutil
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gqakit.common.atomic import publish
 from gqakit.common.errors import GqakitError
 
 CHECKPOINTS = "checkpoints"
@@ -138,8 +138,7 @@ def save_checkpoint(output_dir: Path, step: int, *, model, optimizer, trainer_st
     barrier()
     if is_main:
         (tmp / "recipe.json").write_text(json.dumps(recipe, indent=2))  # last: marks the folder complete
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        publish(tmp, final, force=True)  # an older folder of this step (a rerun) is swapped out
         for old in checkpoint_dirs(output_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
