@@ -20,40 +20,16 @@ import sys
 from gqakit import __version__
 from gqakit.common import dtypes
 from gqakit.convert import methods
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, spelled
+from gqakit.common.options import add_arguments, flags, from_args
 from gqakit.evaluate.cli import add_eval_parser
 
 
 def _add_convert_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_dir", help="Hugging Face checkpoint folder (config.json + safetensors)")
-    p.add_argument("-g", "--groups", type=int, required=True,
-                   help="number of K/V heads after conversion (1 = MQA)")
-    p.add_argument("-o", "--output-dir", default=None,
-                   help="output folder (default: MODEL_DIR-gqaG, or MODEL_DIR-mqa for G=1)")
-    p.add_argument("--method", default="mean", choices=methods.NAMES,
-                   help="how to merge each group's K/V heads: " + "; ".join(f"{m.name}: {m.help}" for m in
-                                                                           methods.METHODS.values())
-                        + "; see docs/convert.md (default: mean)")
-    p.add_argument("--grouping", default=None, choices=["contiguous", "similarity"],
-                   help="aligned/fit: which K/V heads share a group: neighbours, or the most similar heads "
-                        "(q_proj/o_proj permuted to match) (default: similarity)")
-    p.add_argument("--calibration", default=None, metavar="DATA",
-                   help="aligned/fit: text (.txt) or dataset (.jsonl/.json/.parquet file or folder) whose activations "
-                        "weight the merge, streamed layer by layer (required by fit)")
-    p.add_argument("--calibration-tokens", type=int, default=None,
-                   help="calibration tokens to read (default: 16384; 1 in 8 windows is held out to score the merge)")
-    p.add_argument("--calibration-window", type=int, default=None,
-                   help="tokens per calibration window (default: min(512, the model's context))")
-    p.add_argument("--text-column", default=None, help="dataset column holding the calibration text (default: text)")
-    p.add_argument("--calibration-device", default=None,
-                   help="device that runs calibration, one layer at a time (default: cpu; e.g. cuda)")
-    p.add_argument("--dtype", default="auto", choices=dtypes.WITH_AUTO,
-                   help="dtype of the output weights (default: keep each tensor's dtype)")
-    p.add_argument("--seed", type=int, default=0, help="seed for --method random (default: 0)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: 5GB)")
-    p.add_argument("--force", action="store_true", help="replace an existing output folder")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    from gqakit.convert.options import ConvertConfig
+
+    add_arguments(p, ConvertConfig)
+    p.set_defaults(func=_run_convert, options=ConvertConfig)
 
 
 def _run_convert(args: argparse.Namespace, command: str) -> None:
@@ -61,13 +37,7 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
     from gqakit.convert.card import describe_plan, kv_summary
     from gqakit.common.memory import return_freed_memory_eagerly
 
-    cfg = ConvertConfig(
-        model_dir=args.model_dir, groups=args.groups, output_dir=args.output_dir, method=args.method,
-        dtype=args.dtype, seed=args.seed, max_shard_size=args.max_shard_size, force=args.force,
-        dry_run=args.dry_run, progress=not args.quiet, grouping=args.grouping, calibration=args.calibration,
-        calibration_tokens=args.calibration_tokens, calibration_window=args.calibration_window,
-        text_column=args.text_column, calibration_device=args.calibration_device,
-    )
+    cfg = from_args(ConvertConfig, args)
     if cfg.method in methods.LAYERWISE:  # the layer merges and calibration allocate many large temporaries
         return_freed_memory_eagerly()
     result = convert(cfg, command=command)
@@ -141,9 +111,9 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
     if args.device_memory is not None:
         cfg = dataclasses.replace(cfg, device_memory=args.device_memory)
     if args.plan:  # arithmetic from config.json alone: no data, tokenizer or output folder needed
-        from gqakit.uptrain.memory_plan import describe_plan
+        from gqakit.uptrain.memory_plan import describe_memory_plan
 
-        print(describe_plan(cfg, args.processes))
+        print(describe_memory_plan(cfg, args.processes))
         return
     if args.processes is not None:
         raise GqakitError("--processes only applies with --plan; a run's world size is the launcher's "
@@ -189,7 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     conv = sub.add_parser("convert", help="MHA -> GQA/MQA checkpoint conversion (same as convert-gqa)")
     _add_convert_args(conv)
-    conv.set_defaults(func=_run_convert)
     demo = sub.add_parser("demo", help="convert the embedded model to G=4,2,1 and compare perplexity")
     demo.add_argument("-o", "--output-dir", "--output", default=None,
                       help="write the report (and, with --keep, the converted models) here")
@@ -233,7 +202,8 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> in
     command = " ".join([prog, *map(shlex.quote, argv)])
     note = getattr(args, "interrupted", "nothing was written")
     try:
-        args.func(args, command)
+        with spelled(flags(args.options) if getattr(args, "options", None) else {}):  # errors name the flags typed
+            args.func(args, command)
     except GqakitError as e:
         _say(f"{parser.prog}: error: {e}")
         return 2
@@ -284,7 +254,6 @@ def convert_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="convert-gqa", description="MHA -> GQA/MQA checkpoint conversion")
     _add_convert_args(parser)
-    parser.set_defaults(func=_run_convert)
     return _dispatch(parser, argv, "convert-gqa")
 
 

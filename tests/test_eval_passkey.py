@@ -10,7 +10,8 @@ import torch
 from eval_tiny import checkpoint, one_line_error, run_eval, tokenizer
 from gqakit.common import report
 from gqakit.evaluate.passkey import (INTRO, NEEDLE, QUESTION, PasskeyConfig, accuracy, answer_digits, build_cases,
-                                     greedy_generator, make_key, parse_depths, parse_lengths, run_passkey, score)
+                                     greedy_generator, make_key, run_passkey, score)
+from gqakit.evaluate.options import parse_depths, parse_lengths
 
 LENGTHS, DEPTHS = [256, 400], [0.0, 0.5, 1.0]
 

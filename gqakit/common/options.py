@@ -9,6 +9,12 @@ A field's type comes from its annotation and its range from `option(...)`, decla
 `check_fields(obj)` (call it from `__post_init__`) refuses, in one line, a value of the wrong type (a
 bool where a number belongs, a float where an int does, a string where a bool does), a non-finite
 number, a value out of range or not among the choices, and a tuple of the wrong length.
+
+A command's flag is declared on its field too, once: `option(..., help="...")` makes `--field-name` (or the
+`flag` given: "-o/--output-dir", a positional "MODEL_DIR", "-q/--quiet" with `invert=True` for a bool the flag
+clears); `add_arguments(parser, cls)` adds every such flag to an argparse parser, `from_args(cls, args)` builds
+the dataclass from the parsed flags, and `flags(cls)` says how the command line spells each field (for
+`errors.spelled`, so that errors name the flag the user typed).
 """
 from __future__ import annotations
 
@@ -29,12 +35,85 @@ _BOUNDS = {"above": (">", float.__gt__), "at_least": (">=", float.__ge__),
 
 
 def option(default=dataclasses.MISSING, *, above=None, at_least=None, below=None, at_most=None, choices=None,
-           length=None):
-    """A dataclass field with its allowed values: numeric bounds (each element's, for a tuple), choices, length."""
+           length=None, help=None, flag=None, metavar=None, parse=None, invert=False, repeat=None):
+    """A dataclass field with its allowed values: numeric bounds (each element's, for a tuple), choices, length;
+    and, with `help`, its command-line flag (see the module docstring; `parse` turns the flag's text into the
+    field's value, as argparse's `type`; a tuple field's flag may be repeated, `repeat`, by default when it has
+    no `parse`)."""
     bounds = {k: v for k, v in (("above", above), ("at_least", at_least), ("below", below), ("at_most", at_most))
               if v is not None}
     rule = {"bounds": bounds, "choices": tuple(choices) if choices else None, "length": length}
-    return dataclasses.field(default=default, metadata={"rule": rule})
+    metadata = {"rule": rule}
+    if help is not None:
+        metadata["cli"] = {"help": help, "flag": flag, "metavar": metavar, "parse": parse, "invert": invert,
+                           "repeat": parse is None if repeat is None else repeat}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _cli_fields(cls) -> list[tuple[dataclasses.Field, dict]]:
+    return [(f, f.metadata["cli"]) for f in dataclasses.fields(cls) if "cli" in f.metadata]
+
+
+def _spellings(f: dataclasses.Field, cli: dict) -> list[str]:
+    return (cli["flag"] or f"--{f.name.replace('_', '-')}").split("/")
+
+
+def flags(cls) -> dict[str, str]:
+    """field name -> how the command line spells it (its long flag, or a positional's metavar)."""
+    return {f.name: max(_spellings(f, cli), key=len) for f, cli in _cli_fields(cls)}
+
+
+def add_arguments(parser, cls) -> None:
+    """Add the flag of every field of `cls` declared with `option(help=...)` to an argparse parser."""
+    hints = _hints(cls)
+    for f, cli in _cli_fields(cls):
+        names = _spellings(f, cli)
+        _, kind = _kind(hints[f.name])
+        default = None if f.default is dataclasses.MISSING else f.default
+        kwargs = {"help": cli["help"]}
+        if kind is bool:
+            kwargs.update(action="store_false" if cli["invert"] else "store_true", dest=f.name)
+        else:
+            item = typing.get_args(kind)[0] if typing.get_origin(kind) is tuple else kind
+            # a `parse` runs in from_args, inside the command's error handling: argparse would print usage instead
+            kwargs["type"] = item if item in (int, float) and cli["parse"] is None else str
+            if f.metadata["rule"]["choices"]:
+                kwargs["choices"] = f.metadata["rule"]["choices"]
+            if cli["metavar"]:
+                kwargs["metavar"] = cli["metavar"]
+            if typing.get_origin(kind) is tuple and not names[0].startswith("-"):
+                kwargs["nargs"] = "+"
+            elif typing.get_origin(kind) is tuple and cli["repeat"]:
+                kwargs.update(action="append", default=None)
+        if names[0].startswith("-"):
+            kwargs.setdefault("default", None if cli["parse"] else default)
+            if kind is not bool:
+                kwargs["dest"] = f.name
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                kwargs["required"] = True
+            parser.add_argument(*names, **kwargs)
+        else:
+            kwargs.setdefault("metavar", names[0])
+            parser.add_argument(f.name, **kwargs)
+
+
+def from_args(cls, args, **given):
+    """`cls` from parsed flags (`add_arguments`), with `given` fields set by the caller."""
+    values = {f.name: getattr(args, f.name) for f, _ in _cli_fields(cls)}
+    for f, cli in _cli_fields(cls):
+        value = values[f.name]
+        if value is not None and cli["parse"] is not None:  # the flag's text, parsed here (GqakitError: one line)
+            value = [cli["parse"](v) for v in value] if isinstance(value, list) else cli["parse"](value)
+            if cli["repeat"]:  # each use parsed to several values
+                value = [item for part in value for item in part]
+        if isinstance(value, list):
+            value = tuple(value)
+        elif value is None and typing.get_origin(_kind(_hints(cls)[f.name])[1]) is tuple:
+            value = f.default if f.default is not dataclasses.MISSING else ()  # a repeatable flag not given
+        elif value is None and cli["parse"] is not None:
+            value = f.default  # a parsed flag not given
+        values[f.name] = value
+    return cls(**{**values, **given})
 
 
 @functools.cache

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 
 TEXT_SUFFIXES = (".txt",)
 ROW_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -28,14 +28,14 @@ def _row_files(path: Path) -> tuple[str, list[str]]:
     if path.is_file():
         builder = ROW_SUFFIXES.get(_suffix(path))
         if builder is None:
-            raise GqakitError(f"{path}: unknown data format {path.suffix or '(no suffix)'!r}; use .txt (--text), "
-                              f"or .jsonl / .json / .parquet (--dataset)")
+            raise GqakitError(f"{path}: unknown data format {path.suffix or '(no suffix)'!r}; use .txt ({opt('text')}), "
+                              f"or .jsonl / .json / .parquet ({opt('dataset')})")
         return builder, [str(path)]
     files = sorted(p for p in path.iterdir() if p.is_file() and _suffix(p) in ROW_SUFFIXES)
     builders = {ROW_SUFFIXES[_suffix(p)] for p in files}
     if not files:
         raise GqakitError(f"dataset folder {path} holds no .jsonl, .json or .parquet file; "
-                          "point --dataset at such a file or folder")
+                          f"point {opt('dataset')} at such a file or folder")
     if len(builders) > 1:
         raise GqakitError(f"dataset folder {path} mixes JSON and parquet files; keep one format per folder")
     return builders.pop(), [str(p) for p in files]
@@ -57,10 +57,11 @@ def load_rows(path: str | Path, text_column: str = "text") -> list[str]:
         raise GqakitError(f"cannot read {path} as {builder}: {first}; check the file") from None
     if text_column not in table.column_names:
         raise GqakitError(f"{path} has no column {text_column!r} (columns: {', '.join(table.column_names)}); "
-                          "pass --text-column NAME")
+                          f"pass {opt('text_column', 'NAME')}")
     rows = [r for r in table[text_column] if isinstance(r, str) and r.strip()]
     if not rows:
-        raise GqakitError(f"{path}: column {text_column!r} holds no non-empty text; check the file or --text-column")
+        raise GqakitError(f"{path}: column {text_column!r} holds no non-empty text; check the file or "
+                          f"{opt('text_column')}")
     return rows
 
 
@@ -68,9 +69,10 @@ def load_text_file(path: str | Path) -> list[str]:
     """A UTF-8 .txt file as one document (a one-element list)."""
     path = Path(path)
     if not path.is_file():
-        raise GqakitError(f"text file {path} does not exist; pass a UTF-8 .txt file with --text")
+        raise GqakitError(f"text file {path} does not exist; pass a UTF-8 .txt file with {opt('text')}")
     if _suffix(path) in ROW_SUFFIXES:
-        raise GqakitError(f"{path} is {path.suffix} rows, not plain text; pass it with --dataset instead of --text")
+        raise GqakitError(f"{path} is {path.suffix} rows, not plain text; pass it with {opt('dataset')} instead of "
+                          f"{opt('text')}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -83,7 +85,7 @@ def load_text_file(path: str | Path) -> list[str]:
 def load_documents(text: str | None = None, dataset: str | None = None, text_column: str = "text") -> list[str]:
     """Documents from exactly one of `text` (a .txt file) or `dataset` (JSON lines / JSON / parquet)."""
     if (text is None) == (dataset is None):
-        raise GqakitError("give exactly one of --text FILE.txt or --dataset FILE.jsonl|FILE.parquet|FOLDER")
+        raise GqakitError(f"give exactly one of {opt('text', 'FILE.txt')} or {opt('dataset', 'FILE.jsonl|FILE.parquet|FOLDER')}")
     return load_text_file(text) if text is not None else load_rows(dataset, text_column)
 
 

@@ -6,10 +6,14 @@ __all__ = ["ConvertConfig", "Plan", "convert", "make_plan"]
 
 
 def __getattr__(name: str):
-    if name in ("ConvertConfig", "convert"):
-        from gqakit.convert import run
+    if name == "ConvertConfig":
+        from gqakit.convert.options import ConvertConfig
 
-        return getattr(run, name)
+        return ConvertConfig
+    if name == "convert":
+        from gqakit.convert.run import convert
+
+        return convert
     if name in ("Plan", "make_plan"):
         from gqakit.convert import plan
 

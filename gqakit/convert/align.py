@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from gqakit.convert.methods import GROUPINGS
 from gqakit.convert.grams import KeySide, ValueSide, factor, key_side, metric_from_matrix, value_side
 
 F64 = torch.float64
@@ -40,7 +41,6 @@ KEY_SCALES = ("none", "balance", "match")
 REFERENCES = ("first", "mean")
 MERGES = ("mean", "pca")
 RESTORES = ("none", "norm", "refit")
-GROUPINGS = ("contiguous", "similarity")
 
 
 class MergedAttention(NamedTuple):

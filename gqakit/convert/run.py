@@ -26,6 +26,7 @@ from gqakit.common.atomic import atomic_output
 from gqakit.hf.checkpoint import DTYPES, ShardWriter, TensorInfo, load_tensor, scan_checkpoint
 from gqakit.convert.grams import IndefiniteMetric, Metric, key_side, moment_metric, value_side
 from gqakit.convert import methods
+from gqakit.convert.options import ConvertConfig
 from gqakit.convert.plan import Plan, TensorOp, make_plan
 from gqakit.convert.pooling import random_heads, regroup, relative_error
 from gqakit.common.atomic import check_replaceable
@@ -34,28 +35,6 @@ from gqakit.common.sizes import parse_size
 from gqakit.hf.folder import copy_side_files, read_config
 
 LOOKAHEAD = 2  # regrouped tensors computed ahead of the writer
-
-@dataclasses.dataclass(frozen=True)
-class ConvertConfig:
-    """Options of `convert-gqa`; the CLI flags map onto these fields one to one."""
-
-    model_dir: str
-    groups: int
-    output_dir: str | None = None
-    method: str = "mean"
-    dtype: str = "auto"
-    seed: int = 0
-    max_shard_size: str = "5GB"
-    force: bool = False
-    dry_run: bool = False
-    progress: bool = True
-    grouping: str | None = None  # aligned / fit: which K/V heads share a group (default similarity)
-    calibration: str | None = None  # text or dataset for activation statistics (aligned, fit)
-    calibration_tokens: int | None = None  # default calibration_data.DEFAULT_TOKENS
-    calibration_window: int | None = None  # default min(512, the model's context)
-    text_column: str | None = None  # dataset column of the calibration text (default "text")
-    calibration_device: str | None = None  # where calibration runs one layer at a time (default cpu)
-
 
 def max_shard_bytes(text: str) -> int:
     """--max-shard-size in bytes."""

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from gqakit.common.attention_kinds import command_attention_options
 from gqakit.common.errors import GqakitError
+from gqakit.evaluate.options import PasskeyConfig
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.\n")
@@ -42,33 +43,6 @@ class Case:
     key: str
     prompt: str
     prompt_tokens: int  # actual length
-
-
-def parse_lengths(spec: str) -> list[int]:
-    """'1k,2k,4096' -> [1024, 2048, 4096] (k = 1024 tokens)."""
-    out = []
-    for part in (p.strip().lower() for p in spec.split(",") if p.strip()):
-        match = re.fullmatch(r"(\d+(?:\.\d+)?)(k?)", part)
-        if not match:
-            raise GqakitError(f"--lengths: cannot read {part!r}; give token counts like 1k,2k,4096")
-        value = float(match.group(1)) * (1024 if match.group(2) else 1)
-        if value != int(value) or value < 1:
-            raise GqakitError(f"--lengths: {part!r} is not a whole positive number of tokens")
-        out.append(int(value))
-    if not out:
-        raise GqakitError("--lengths is empty; give token counts like 1k,2k,4k")
-    return list(dict.fromkeys(out))
-
-
-def parse_depths(spec: str) -> list[float]:
-    """'0,0.5,1' -> [0.0, 0.5, 1.0], each in [0, 1]."""
-    try:
-        out = [float(p) for p in spec.split(",") if p.strip()]
-    except ValueError:
-        raise GqakitError(f"--depths: cannot read {spec!r}; give fractions like 0,0.25,0.5,0.75,1") from None
-    if not out or any(not 0.0 <= d <= 1.0 for d in out):
-        raise GqakitError(f"--depths {spec!r}: give fractions in [0, 1], e.g. 0,0.25,0.5,0.75,1")
-    return list(dict.fromkeys(out))
 
 
 def make_key(seed: int, length: int, depth: float, trial: int) -> str:
@@ -192,28 +166,6 @@ def greedy_generator(model, tokenizer, new_tokens: int = 10) -> Callable[[str], 
 # ---------------------------------------------------------------------------------------------
 # `gqakit eval passkey MODEL --lengths 1k,2k --depths 0,0.5,1 --trials N --seed S`
 # ---------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class PasskeyConfig:
-    """`gqakit eval passkey`: accuracy per (prompt length, depth), as a table and a heatmap."""
-
-    model: str
-    lengths: tuple[int, ...] = (1024, 2048, 4096)
-    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-    trials: int = 5
-    seed: int = 0
-    new_tokens: int = 10
-    attention: str | None = None
-    window: int | None = None
-    sinks: int | None = None
-    attention_option: tuple[str, ...] = ()  # --attention-option NAME=VALUE: any other option of the kind
-    dtype: str = "float32"
-    device: str = "auto"  # CUDA when available
-    tokenizer: str | None = None
-    output: str | None = None
-    force: bool = False
-    progress: bool = True
-
 
 def format_table(lengths: list[int], depths: list[float], acc: dict[tuple[int, float], float]) -> str:
     """Depth rows x length columns, accuracy in percent, plus a mean row."""

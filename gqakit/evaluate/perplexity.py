@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from gqakit.common.attention_kinds import command_attention_options
 from gqakit.common.errors import GqakitError
+from gqakit.evaluate.options import PplConfig
 
 
 @torch.no_grad()
@@ -79,30 +80,6 @@ def perplexity(model, input_ids: torch.Tensor, max_length: int, stride: int | No
 # ---------------------------------------------------------------------------------------------
 # `gqakit eval ppl MODEL [MODEL ...]`
 # ---------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class PplConfig:
-    """`gqakit eval ppl`: one or more models on the same text, one comparison table."""
-
-    models: tuple[str, ...]
-    text: str | None = None
-    dataset: str | None = None
-    text_column: str = "text"
-    max_tokens: int | None = None  # score only the first N tokens of the text
-    max_length: int | None = None  # window (model positions); default min(1024, smallest model context)
-    stride: int | None = None  # default: disjoint windows
-    bos: bool = False
-    attention: str | None = None  # None/default, tiled, sliding, sinks
-    window: int | None = None
-    sinks: int | None = None
-    attention_option: tuple[str, ...] = ()  # --attention-option NAME=VALUE: any other option of the kind
-    dtype: str = "float32"
-    device: str = "auto"  # CUDA when available
-    tokenizer: str | None = None
-    output: str | None = None
-    force: bool = False
-    progress: bool = True
-
 
 def _check(cfg: PplConfig) -> None:
     if not cfg.models:

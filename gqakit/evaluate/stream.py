@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gqakit.common.errors import GqakitError
+from gqakit.evaluate.options import StreamConfig
 from gqakit.decode.stream_cache import ChunkedSinkCache
 
 POLICIES = ("dense", "window", "sinks", "recompute")
@@ -188,31 +189,6 @@ def fluency(buckets: list[dict], reference: list[dict], within: float) -> dict:
 # ---------------------------------------------------------------------------------------------
 # `gqakit eval stream MODEL --text FILE --tokens N --policy P [--policy P ...]`
 # ---------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class StreamConfig:
-    """`gqakit eval stream`: one model, one text, one or more cache policies compared position by position."""
-
-    model: str
-    text: str | None = None
-    dataset: str | None = None
-    text_column: str = "text"
-    tokens: int = 4096  # text tokens streamed (BOS, if asked for, comes on top)
-    policies: tuple[str, ...] = ("sinks",)
-    window: int = 1020
-    sinks: int = 4
-    chunk: int = 256
-    recompute_every: int | None = None  # default: chunk
-    bucket: int | None = None  # positions per bucket; default ceil(tokens / 32)
-    bos: bool = False
-    fluent_within: float = 0.10
-    dtype: str = "float32"
-    device: str = "auto"  # CUDA when available
-    tokenizer: str | None = None
-    output: str | None = None
-    force: bool = False
-    progress: bool = True
-
 
 def _check(cfg: StreamConfig) -> tuple[str, ...]:
     policies = tuple(dict.fromkeys(check_policy(p) for p in cfg.policies))  # unique, in order

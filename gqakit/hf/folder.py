@@ -1,14 +1,24 @@
-"""A Hugging Face model folder's small files: its config.json, and the side files a derived checkpoint carries
-over (tokenizer, generation config, chat template, the pretraining record)."""
+"""A Hugging Face model folder, read once: its config.json, its safetensors headers, its side files (tokenizer,
+generation config, chat template, the pretraining record that a derived checkpoint carries over).
+
+`model_folder(path)` returns the same `ModelFolder` for a folder whose config.json and weight index (or single
+weights file) have not changed, so a command that looks at a model from several places (recipe checks, the
+memory plan, the loaders) reads and validates it once.
+"""
 from __future__ import annotations
 
+import copy
+import functools
 import json
+import os
 import shutil
 from pathlib import Path
 
 from gqakit.common.errors import GqakitError
-from gqakit.hf.checkpoint import INDEX, SINGLE
+from gqakit.hf.checkpoint import INDEX, SINGLE, TensorInfo, scan_checkpoint
 
+PRETRAINING_RECORD = "pretraining.json"  # what the model was trained on: the GQA paper's uptraining budget
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Files that a derived checkpoint rewrites or must not carry over; everything else is copied.
 _NOT_COPIED = {"config.json", "README.md", INDEX, SINGLE}
 _NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
@@ -41,3 +51,54 @@ def copy_side_files(model_dir: Path, dest: Path) -> list[str]:
         shutil.copy2(path, dest / path.name)
         copied.append(path.name)
     return copied
+
+
+class ModelFolder:
+    """A checkpoint folder's config (read and checked at once) and, on first use, its tensors (headers only)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._config = read_config(path)
+
+    @property
+    def config(self) -> dict:
+        """config.json as a dict (a copy: the folder's own stays as read)."""
+        return copy.deepcopy(self._config)
+
+    @functools.cached_property
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every tensor's dtype, shape and place in the safetensors files, all checked present and in bounds."""
+        return scan_checkpoint(self.path)
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return any((self.path / name).is_file() for name in TOKENIZER_FILES)
+
+    @functools.cached_property
+    def pretraining_tokens(self) -> int | None:
+        """The pretraining token count the folder records (`pretraining.json`), if any."""
+        record = self.path / PRETRAINING_RECORD
+        if not record.is_file():
+            return None
+        tokens = json.loads(record.read_text()).get("pretraining_tokens")
+        return int(tokens) if tokens else None
+
+
+def model_folder(path: str | Path) -> ModelFolder:
+    """The folder at `path`, read once per process while its config.json and weight index stay the same."""
+    path = Path(path)
+    stamp = []
+    for name in ("config.json", INDEX, SINGLE):
+        try:
+            stat = os.stat(path / name)
+        except OSError:
+            stat = None
+        stamp.append(None if stat is None else (stat.st_mtime_ns, stat.st_size, stat.st_ino))
+    if stamp[0] is None:
+        return ModelFolder(path)  # missing or unreadable: read_config raises the one-line error
+    return _cached(path, path.resolve(), tuple(stamp))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached(path: Path, resolved: Path, stamp: tuple) -> ModelFolder:
+    return ModelFolder(path)  # keyed by the resolved path too: the same name elsewhere is another folder

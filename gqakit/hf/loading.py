@@ -41,12 +41,11 @@ def check_model_folder(path: str) -> dict | None:
     (cheap at any model size; pickled-only folders are refused); None for a hub name."""
     if not is_local(path):
         return None
-    from gqakit.hf.checkpoint import scan_checkpoint
-    from gqakit.hf.folder import read_config
+    from gqakit.hf.folder import model_folder
 
-    config = read_config(Path(path))
-    scan_checkpoint(Path(path))
-    return config
+    folder = model_folder(path)
+    folder.tensors  # every header read and checked
+    return folder.config
 
 
 def context_length(config: dict) -> int | None:

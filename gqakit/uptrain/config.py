@@ -10,21 +10,21 @@ sequences of `seq_len` tokens (the global batch), whatever the number of process
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 
 from gqakit.common import attention_kinds, dtypes
 from gqakit.common.errors import GqakitError
 from gqakit.common.options import check_fields, option, to_dict
+from gqakit.uptrain import sharding
 
 TRAINABLE = ("all", "attention", "kv")
 ATTENTION = attention_kinds.CHOICES
 LONG_CONTEXT = attention_kinds.LONG_CONTEXT
 MIXED_PRECISION = ("no", "bf16", "fp16")
-SHARDING = ("ddp", "fsdp")
+SHARDING = sharding.NAMES
 SAVE_DTYPES = dtypes.WITH_AUTO
-BUDGET_RECORD = "pretraining.json"
+BUDGET_RECORD = "pretraining.json"  # hf.folder.PRETRAINING_RECORD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,11 +119,9 @@ class Budget:
 
 def pretraining_tokens(model: str) -> int | None:
     """The source model's pretraining token count, when its folder records it."""
-    record = Path(model) / BUDGET_RECORD
-    if not record.is_file():
-        return None
-    tokens = json.loads(record.read_text()).get("pretraining_tokens")
-    return int(tokens) if tokens else None
+    from gqakit.hf.folder import model_folder
+
+    return model_folder(model).pretraining_tokens
 
 
 def resolve_budget(cfg: UptrainConfig, data_parallel: int) -> Budget:
@@ -151,8 +149,7 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def _check_paths(cfg: UptrainConfig) -> None:
-    from gqakit.hf.checkpoint import scan_checkpoint
-    from gqakit.hf.folder import read_config
+    from gqakit.hf.folder import model_folder
     from gqakit.uptrain.data.sources import resolve_source
 
     for path in (*cfg.data, *cfg.eval_data):
@@ -172,10 +169,8 @@ def _check_paths(cfg: UptrainConfig) -> None:
             raise GqakitError(f"output_dir {out} overlaps the {name} path {path}; choose an output_dir outside it")
     for path in (cfg.model, cfg.teacher):
         if path is not None:
-            read_config(Path(path))
-            scan_checkpoint(Path(path))  # safetensors weights that are all there (headers only)
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((Path(cfg.model) / f).is_file() for f in tokenizer_files):
+            model_folder(path).tensors  # config.json, and safetensors weights that are all there (headers only)
+    if not model_folder(cfg.model).has_tokenizer:
         raise GqakitError(f"{cfg.model} holds no tokenizer files; copy the tokenizer of the source model into it")
 
 
@@ -201,9 +196,9 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
             raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} {why}; use "
                               "trainable=attention or trainable=all")
     if cfg.teacher is not None:
-        from gqakit.hf.folder import read_config
+        from gqakit.hf.folder import model_folder
 
-        teacher = read_config(Path(cfg.teacher))
+        teacher = model_folder(cfg.teacher).config
         if teacher.get("vocab_size") != model_config.get("vocab_size"):
             raise GqakitError(f"teacher {cfg.teacher} has vocab_size {teacher.get('vocab_size')} but the model "
                               f"{model_config.get('vocab_size')}; distil from the model the student was converted from")
@@ -211,9 +206,9 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
 
 def check(cfg: UptrainConfig) -> dict:
     """Validate a recipe before any work starts; returns the model's config.json."""
-    from gqakit.hf.folder import read_config
+    from gqakit.hf.folder import model_folder
 
-    model_config = read_config(Path(cfg.model))  # field types and ranges were checked when cfg was built
+    model_config = model_folder(cfg.model).config  # field types and ranges were checked when cfg was built
     if not cfg.data:
         raise GqakitError("the recipe has no training data; set data: [FILE.txt | FILE.jsonl | FOLDER, ...]")
     _check_paths(cfg)
@@ -223,15 +218,7 @@ def check(cfg: UptrainConfig) -> dict:
     if cfg.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise GqakitError("mixed_precision=fp16 needs a GPU (on CPU autocast would silently train in fp32); "
                           "use mixed_precision=bf16 or no")
-    if cfg.sharding == "fsdp" and cfg.mixed_precision == "fp16":
-        raise GqakitError("mixed_precision=fp16 with sharding=fsdp would need a sharded loss scaler; use "
-                          "mixed_precision=bf16 (FSDP2's policy: bf16 compute, fp32 reduction and master weights)")
-    if cfg.sharding == "fsdp":
-        from gqakit.uptrain.fsdp import check_wrappable
-
-        for role, path in (("model", cfg.model), ("teacher", cfg.teacher)):
-            if path is not None:
-                check_wrappable(path, role)
+    sharding.strategy(cfg.sharding).check(cfg.mixed_precision, {"model": cfg.model, "teacher": cfg.teacher})
     limit = model_config.get("max_position_embeddings") or model_config.get("n_positions")
     if limit and cfg.seq_len > limit and cfg.attention not in LONG_CONTEXT:
         raise GqakitError(f"seq_len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions; lower seq_len "

@@ -28,6 +28,7 @@ from gqakit.uptrain.loss import cross_entropy_sum, distillation_sum
 from gqakit.uptrain.memory_plan import check_fits
 from gqakit.uptrain.run.metrics import MetricsLog, plot
 from gqakit.uptrain.parallel import SequenceParallel, sequence_parallel
+from gqakit.uptrain.sharding import Sharding, strategy
 from gqakit.uptrain.run.final import save_final, source_dtype
 from gqakit.uptrain.run.folder import check_processes, plan_run, start_run
 from gqakit.uptrain.run.lock import run_lock
@@ -116,20 +117,10 @@ def _models(cfg: UptrainConfig, sp: SequenceParallel, accelerator):
         teacher.eval().requires_grad_(False)
         sp.prepare_teacher(teacher)
 
-    if cfg.sharding == "fsdp":
-        from gqakit.uptrain import fsdp
-
-        mesh, policy = fsdp.make_mesh(accelerator.device.type), fsdp.mp_policy(cfg.mixed_precision)
-        model = fsdp.load_sharded(cfg.model, mesh, policy, accelerator.device, prepare_student)
-        teacher = None if cfg.teacher is None else fsdp.load_sharded(
-            cfg.teacher, mesh, policy, accelerator.device, prepare_teacher, role="teacher")
-    else:
-        model = modeling.load_causal_lm(cfg.model)
-        prepare_student(model)
-        teacher = modeling.load_teacher(cfg, model)
-        if teacher is not None:
-            prepare_teacher(teacher)
-            teacher.to(accelerator.device)
+    how = strategy(cfg.sharding)
+    model = how.load(cfg.model, accelerator.device, cfg.mixed_precision, prepare_student)
+    teacher = None if cfg.teacher is None else how.load(cfg.teacher, accelerator.device, cfg.mixed_precision,
+                                                        prepare_teacher, role="teacher")
     return model, teacher, options, counts["params"]
 
 
@@ -157,8 +148,8 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
     # settings; several runs in one process (the grid, tests) reset it, keeping the process group.
     # Under fsdp, mixed precision is FSDP2's policy, not autocast.
     AcceleratorState._reset_state()
-    fsdp = cfg.sharding == "fsdp"
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no" if fsdp else cfg.mixed_precision)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              mixed_precision=strategy(cfg.sharding).autocast(cfg.mixed_precision))
     out = Path(cfg.output_dir)
     say = _Say(accelerator.is_main_process and cfg.progress)
     with run_lock(out, _Say(True)) if accelerator.is_main_process else contextlib.nullcontext():
@@ -183,7 +174,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     """The run itself, holding the run folder's lock: load, (resume,) train, save the final model."""
     from accelerate.utils import set_seed
 
-    fsdp = cfg.sharding == "fsdp"
+    how = strategy(cfg.sharding)
     is_main = accelerator.is_main_process
     out = Path(cfg.output_dir)
     sp = sequence_parallel(cfg.context_parallel, cfg.seq_len, accelerator)
@@ -198,8 +189,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     model, teacher, attention_options, (trainable, total_params) = _models(cfg, sp, accelerator)
     optimizer = modeling.make_optimizer(model, cfg)
     scheduler = modeling.make_scheduler(optimizer, cfg, budget.steps)
-    if not fsdp:
-        model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = how.prepare(accelerator, model, optimizer)
     if is_main:
         start_run(out, recipe, fresh=resume_from is None)  # a failed start-up above leaves the folder as it was
     accelerator.wait_for_everyone()
@@ -242,14 +232,14 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
             seqs = data.train[idx].to(accelerator.device)  # (B, T + 1)
             last = micro == cfg.gradient_accumulation_steps - 1
             # backward inside the attention context: gradient checkpointing re-runs the forward
-            with _gradient_sync(accelerator, model, fsdp, last), sp.attention():
+            with _gradient_sync(how, accelerator, model, last), sp.attention():
                 ce, kd = _sums(model, teacher, seqs, cfg, sp, accelerator.autocast)
                 loss = _combine(ce, kd, cfg) * accelerator.num_processes / budget.tokens_per_step
                 accelerator.backward(loss)
             sums[0] += ce.detach().double()
             if kd is not None:
                 sums[1] += kd.detach().double()
-        grad_norm = float(_clip(accelerator, model, trained, cfg.grad_clip or math.inf, fsdp))  # global, every rank
+        grad_norm = float(how.clip(accelerator, model, trained, cfg.grad_clip or math.inf))  # global, every rank
         sums = accelerator.reduce(sums, reduction="sum") / budget.tokens_per_step
         lr = optimizer.param_groups[0]["lr"]  # the rate this step used
         step_tokens += budget.tokens_per_step
@@ -313,21 +303,6 @@ def _diverged(out: Path, step: int, row: dict, cfg: UptrainConfig) -> str:
             "set grad_clip, and start over with force=true")
 
 
-def _gradient_sync(accelerator, model, fsdp: bool, sync: bool):
+def _gradient_sync(how: Sharding, accelerator, model, sync: bool):
     """Reduce gradients only on the last micro-step of an optimizer step."""
-    if sync:
-        return contextlib.nullcontext()
-    if fsdp:
-        from gqakit.uptrain.fsdp import gradient_sync
-
-        return gradient_sync(model, False)
-    return accelerator.no_sync(model)
-
-
-def _clip(accelerator, model, trained: list, max_norm: float, fsdp: bool) -> torch.Tensor:
-    """Clip the global gradient norm (over every shard); returns the norm before clipping."""
-    if not fsdp:
-        return accelerator.clip_grad_norm_(model.parameters(), max_norm)
-    from gqakit.uptrain.fsdp import full_tensor
-
-    return full_tensor(torch.nn.utils.clip_grad_norm_(trained, max_norm))  # DTensor grads: a global norm
+    return contextlib.nullcontext() if sync else how.hold_sync(accelerator, model)

@@ -83,6 +83,7 @@ import torch
 from gqakit.common.errors import GqakitError
 from gqakit.common.sizes import parse_size
 from gqakit.uptrain.config import MIXED_PRECISION, SHARDING, TRAINABLE, UptrainConfig
+from gqakit.uptrain.sharding import strategy
 
 GB = 10**9
 # What trains under each `trainable`, per Llama-style layer: (norm weights, of q/k/v, of gate/up, down, lm_head)
@@ -135,9 +136,9 @@ class ModelCount:
 
 def count_model(path: str | Path) -> ModelCount:
     """Count the parameters of the checkpoint folder's model from its config.json alone."""
-    from gqakit.hf.folder import read_config
+    from gqakit.hf.folder import model_folder
 
-    config = read_config(Path(path))  # one-line errors for a missing folder or config.json
+    config = model_folder(path).config  # one-line errors for a missing folder or config.json
     return _count(str(Path(path).resolve()), json.dumps(config, sort_keys=True))
 
 
@@ -194,11 +195,7 @@ def _count(path: str, config_json: str) -> ModelCount:
 
 def _dtypes(cfg: UptrainConfig) -> tuple[int, int, bool]:
     """(compute bytes c, residual-stream bytes s, autocast over fp32 weights?)"""
-    half = cfg.mixed_precision in ("bf16", "fp16")
-    c = 2 if half else 4
-    if cfg.sharding == "fsdp":
-        return c, c, False  # FSDP2's policy gathers the parameters in the compute dtype
-    return c, 4, half
+    return strategy(cfg.sharding).activation_dtypes(cfg.mixed_precision)
 
 
 def tokens_per_rank(cfg: UptrainConfig) -> int:
@@ -245,7 +242,7 @@ class Fix:
 def _lines(cfg: UptrainConfig, world: int, m: ModelCount, t: ModelCount | None) -> tuple[list[Line], Line]:
     """The plan's lines, and the activations line under the other gradient_checkpointing choice."""
     c, _, autocast = _dtypes(cfg)
-    fsdp = cfg.sharding == "fsdp"
+    fsdp = strategy(cfg.sharding).shards_state
     W = world if fsdp else 1
     over = f", sharded over {world}" if fsdp else ""
     dtype = {2: "bf16" if cfg.mixed_precision != "fp16" else "fp16", 4: "fp32"}[c]
@@ -309,15 +306,16 @@ def _fixes(cfg: UptrainConfig, world: int, m: ModelCount, t: ModelCount | None, 
 
     def ranks(new: UptrainConfig) -> int | None:
         """The fewest processes (world * 2^k, k <= 10) on which `new` fits, if any."""
-        scale = range(11) if new.sharding == "fsdp" else range(1)
+        scale = range(11) if strategy(new.sharding).shards_state else range(1)
         return next((world << k for k in scale if _total(new, world << k, m, t) <= memory), None)
 
     fsdp = replace(cfg, sharding="fsdp")
-    if cfg.sharding == "ddp" and world > 1:
+    sharded = strategy(cfg.sharding).shards_state
+    if not sharded and world > 1:
         add("sharding=fsdp", fsdp)
     more = ranks(fsdp)
     if more is not None and more > world:
-        add(f"sharding=fsdp on {more} processes" if cfg.sharding == "ddp" else f"{more} processes", fsdp, more)
+        add(f"{more} processes" if sharded else f"sharding=fsdp on {more} processes", fsdp, more)
     if not cfg.gradient_checkpointing:
         add("gradient_checkpointing=true", replace(cfg, gradient_checkpointing=True))
     if cfg.mixed_precision == "no":
@@ -348,7 +346,7 @@ def _fixes(cfg: UptrainConfig, world: int, m: ModelCount, t: ModelCount | None, 
         if w is not None:
             on = f" on {w} processes" if w != world else ""
             return [*fixes, Fix(" + ".join(changes) + on, _total(new, w, m, t), True, combined=True)]
-    w = world << 10 if new.sharding == "fsdp" else world
+    w = world << 10 if strategy(new.sharding).shards_state else world
     return [*fixes, Fix(" + ".join(changes) + f" on {w} processes", _total(new, w, m, t), False, combined=True)]
 
 
@@ -506,7 +504,7 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join(head + table + [verdict])
 
 
-def describe_plan(cfg: UptrainConfig, processes: int | None = None) -> str:
+def describe_memory_plan(cfg: UptrainConfig, processes: int | None = None) -> str:
     """`gqakit uptrain RECIPE --plan`: the table for `processes` (default the recipe's num_processes, or 1)."""
     world = processes if processes is not None else cfg.num_processes or 1
     memory, source = resolve_device_memory(None, cfg)

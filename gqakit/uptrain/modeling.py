@@ -67,16 +67,6 @@ def select_trainable(model, which: str) -> tuple[int, int]:
     return trainable, total
 
 
-def load_teacher(cfg: UptrainConfig, student) -> torch.nn.Module | None:
-    if cfg.teacher is None:
-        return None
-    teacher = load_causal_lm(cfg.teacher).eval().requires_grad_(False)
-    if teacher.config.vocab_size != student.config.vocab_size:
-        raise GqakitError(f"teacher {cfg.teacher} has vocab_size {teacher.config.vocab_size} but the model "
-                          f"{student.config.vocab_size}; distil from the model the student was converted from")
-    return teacher
-
-
 def make_optimizer(model, cfg: UptrainConfig) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only (not norms, biases)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, renamed
 from gqakit.convert.calibration.calibrate import heldout_count, make_windows
 
 DEFAULT_TOKENS = 16_384
@@ -69,8 +69,9 @@ def load_calibration(path: str, model_dir: Path, config: dict, tokens: int | Non
         raise GqakitError(f"calibration data {path} does not exist; pass a local .txt file or a .jsonl / .json / "
                           ".parquet file or folder")
     is_text = source.is_file() and source.suffix.lower() == ".txt"
-    documents = load_documents(text=str(source) if is_text else None, dataset=None if is_text else str(source),
-                               text_column=text_column)
+    with renamed({"text": "calibration", "dataset": "calibration"}):
+        documents = load_documents(text=str(source) if is_text else None, dataset=None if is_text else str(source),
+                                   text_column=text_column)
     try:
         from transformers import AutoTokenizer
 

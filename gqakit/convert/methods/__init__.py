@@ -58,6 +58,8 @@ METHODS = {m.name: m for m in (
                      "refitted"),
 )}
 NAMES = tuple(METHODS)
+# --grouping of the layer-wise methods: which K/V heads share a group (convert.align)
+GROUPINGS = ("contiguous", "similarity")
 HEADWISE = tuple(name for name, m in METHODS.items() if not m.layerwise)
 LAYERWISE = tuple(name for name, m in METHODS.items() if m.layerwise)
 TAKE_CALIBRATION = tuple(name for name, m in METHODS.items() if m.calibration != "no")

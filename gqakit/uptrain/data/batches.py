@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, renamed
 from gqakit.common.text import ROW_SUFFIXES, eos_id, load_rows, load_text_file
 from gqakit.uptrain.data.sources import CHUNK_BYTES, Source, resolve_source
 from gqakit.uptrain.data.token_build import cache_root, ensure_cache, implicit_cache_path
@@ -43,11 +43,8 @@ def read_documents(paths: tuple[str, ...], text_column: str = "text") -> list[st
     for path in paths:
         p = Path(path)
         row_file = p.is_dir() or p.suffix.lower() in ROW_SUFFIXES
-        try:
+        with renamed({"text": "data", "dataset": "data"}):  # the loaders' options are this recipe's `data`
             docs.extend(load_rows(p, text_column) if row_file else load_text_file(p))
-        except GqakitError as e:  # the evaluation loaders name CLI flags; a recipe has keys
-            message = str(e).replace("--text-column", "text_column=").replace("= NAME", "=NAME")
-            raise GqakitError(message.replace("--dataset", "data:").replace("--text", "data:")) from None
     return docs
 
 

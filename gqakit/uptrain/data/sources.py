@@ -28,10 +28,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from gqakit.common.text import ROW_SUFFIXES
 from gqakit.common.errors import GqakitError
 from gqakit.uptrain.data.token_cache import is_token_cache
 
-ROW_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HUB = "hf:"
 CHUNK_BYTES = 1 << 20  # target size of a .txt piece
 ROWS_PER_BATCH = 1000

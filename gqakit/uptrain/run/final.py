@@ -15,9 +15,11 @@ from gqakit.uptrain.run.folder import FINISHED, MARKER
 RUN_FILES = (FINISHED, MARKER, "metrics.csv", "loss.png", "tensorboard", "checkpoints")
 
 
-
 def source_dtype(model_dir: str) -> str:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    """The dtype the source checkpoint's config.json names (save_dtype=auto), float32 if none of ours."""
+    from gqakit.hf.folder import model_folder
+
+    config = model_folder(model_dir).config
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     return dtype if dtype in dtypes.NAMES else "float32"
 

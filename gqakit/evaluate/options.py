@@ -1,0 +1,179 @@
+"""The options of `gqakit eval ppl | stream | passkey`: one frozen dataclass per command, each field declared once
+with its flag (`common.options.option(help=...)`); `evaluate/cli.py` builds the parsers from them. No torch here:
+`gqakit --help` stays fast."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from gqakit.common import attention_kinds, dtypes
+from gqakit.common.errors import GqakitError
+from gqakit.common.options import option
+
+
+def parse_lengths(spec: str) -> list[int]:
+    """'1k,2k,4096' -> [1024, 2048, 4096] (k = 1024 tokens)."""
+    out = []
+    for part in (p.strip().lower() for p in spec.split(",") if p.strip()):
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)(k?)", part)
+        if not match:
+            raise GqakitError(f"--lengths: cannot read {part!r}; give token counts like 1k,2k,4096")
+        value = float(match.group(1)) * (1024 if match.group(2) else 1)
+        if value != int(value) or value < 1:
+            raise GqakitError(f"--lengths: {part!r} is not a whole positive number of tokens")
+        out.append(int(value))
+    if not out:
+        raise GqakitError("--lengths is empty; give token counts like 1k,2k,4k")
+    return list(dict.fromkeys(out))
+
+
+def parse_depths(spec: str) -> list[float]:
+    """'0,0.5,1' -> [0.0, 0.5, 1.0], each in [0, 1]."""
+    try:
+        out = [float(p) for p in spec.split(",") if p.strip()]
+    except ValueError:
+        raise GqakitError(f"--depths: cannot read {spec!r}; give fractions like 0,0.25,0.5,0.75,1") from None
+    if not out or any(not 0.0 <= d <= 1.0 for d in out):
+        raise GqakitError(f"--depths {spec!r}: give fractions in [0, 1], e.g. 0,0.25,0.5,0.75,1")
+    return list(dict.fromkeys(out))
+
+
+def _policies(spec: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in spec.split(",") if p.strip())
+
+
+# Fields several commands share, declared once each.
+def _text():
+    return option(None, help="a UTF-8 .txt file (one document)")
+
+
+def _dataset():
+    return option(None, help="a .jsonl / .json / .parquet file or folder; rows joined with the tokenizer's EOS")
+
+
+def _text_column():
+    return option("text", help="the text column of --dataset (default: text)")
+
+
+def _attention():
+    return option(None, choices=attention_kinds.CHOICES,
+                  help="gqakit attention kind via gqakit.attention.use (default: the model's own)")
+
+
+def _window():
+    return option(None, help="window of --attention sliding/sinks")
+
+
+def _sinks():
+    return option(None, help="sink tokens of --attention sinks (default 4)")
+
+
+def _attention_option():
+    return option((), metavar="NAME=VALUE",
+                  help="any other option of the kind, e.g. stride=128 for --attention sparse (repeatable; see "
+                       "docs/attention.md)")
+
+
+def _dtype():
+    return option("float32", choices=dtypes.NAMES, help="compute dtype (default: float32)")
+
+
+def _device():
+    return option("auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
+
+
+def _tokenizer():
+    return option(None, help="tokenizer folder (default: the model's own)")
+
+
+def _output():
+    return option(None, flag="-o/--output", help="report folder (default: runs/eval-<kind>-<YYYYmmdd-HHMMSS>)")
+
+
+def _force():
+    return option(False, help="replace an existing report folder")
+
+
+def _progress():
+    return option(True, flag="-q/--quiet", invert=True, help="no progress bars")
+
+
+@dataclasses.dataclass(frozen=True)
+class PplConfig:
+    """`gqakit eval ppl`: one or more models on the same text, one comparison table."""
+
+    models: tuple[str, ...] = option(flag="MODEL", help="Hugging Face checkpoint folder(s)")
+    text: str | None = _text()
+    dataset: str | None = _dataset()
+    text_column: str = _text_column()
+    max_tokens: int | None = option(None, help="score only the first N tokens of the text")
+    max_length: int | None = option(None, help="window in model positions (default: 1024, or the smallest model "
+                                                "context if shorter)")
+    stride: int | None = option(None, help="window step in tokens (default: disjoint windows); smaller = more "
+                                           "context per token")
+    bos: bool = option(False, help="prefix each window with BOS and score its first text token too")
+    attention: str | None = _attention()
+    window: int | None = _window()
+    sinks: int | None = _sinks()
+    attention_option: tuple[str, ...] = _attention_option()
+    dtype: str = _dtype()
+    device: str = _device()
+    tokenizer: str | None = _tokenizer()
+    output: str | None = _output()
+    force: bool = _force()
+    progress: bool = _progress()
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConfig:
+    """`gqakit eval stream`: one model, one text, one or more cache policies compared position by position."""
+
+    model: str = option(flag="MODEL", help="Hugging Face checkpoint folder")
+    text: str | None = _text()
+    dataset: str | None = _dataset()
+    text_column: str = _text_column()
+    tokens: int = option(4096, help="text tokens to stream (default: 4096); BOS, if asked for, comes on top")
+    policies: tuple[str, ...] = option(("sinks",), flag="--policy", metavar="POLICY", parse=_policies, repeat=True,
+                                       help="dense, window, sinks or recompute; repeat (or comma-separate) to "
+                                            "compare (default: sinks)")
+    window: int = option(1020, help="recent tokens W kept (default: 1020)")
+    sinks: int = option(4, help="attention-sink tokens S of --policy sinks (default: 4)")
+    chunk: int = option(256, help="tokens per forward C; per-token results do not depend on it, but recompute's R "
+                                  "defaults to it (default: 256)")
+    recompute_every: int | None = option(None, metavar="R", help="recompute: rebuild every R tokens (default: "
+                                                                 "--chunk; 1 = exact per-token baseline, slow)")
+    bucket: int | None = option(None, help="positions per perplexity bucket (default: tokens/32)")
+    bos: bool = option(False, help="start the stream with BOS")
+    fluent_within: float = option(0.10, help="fluent if the worst bucket is within this fraction of recompute "
+                                             "(default: 0.10)")
+    dtype: str = _dtype()
+    device: str = _device()
+    tokenizer: str | None = _tokenizer()
+    output: str | None = _output()
+    force: bool = _force()
+    progress: bool = _progress()
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeyConfig:
+    """`gqakit eval passkey`: accuracy per (prompt length, depth), as a table and a heatmap."""
+
+    model: str = option(flag="MODEL", help="Hugging Face checkpoint folder")
+    lengths: tuple[int, ...] = option((1024, 2048, 4096), parse=parse_lengths,
+                                      help="prompt lengths in tokens, k = 1024 (default: 1k,2k,4k)")
+    depths: tuple[float, ...] = option((0.0, 0.25, 0.5, 0.75, 1.0), parse=parse_depths,
+                                       help="relative depths of the key, 0 = start, 1 = end (default: "
+                                            "0,0.25,0.5,0.75,1)")
+    trials: int = option(5, help="prompts per (length, depth) (default: 5)")
+    seed: int = option(0, help="seed of the keys (default: 0)")
+    new_tokens: int = option(10, help="tokens decoded greedily (default: 10)")
+    attention: str | None = _attention()
+    window: int | None = _window()
+    sinks: int | None = _sinks()
+    attention_option: tuple[str, ...] = _attention_option()
+    dtype: str = _dtype()
+    device: str = _device()
+    tokenizer: str | None = _tokenizer()
+    output: str | None = _output()
+    force: bool = _force()
+    progress: bool = _progress()
