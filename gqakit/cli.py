@@ -18,10 +18,9 @@ import shlex
 import sys
 
 from gqakit import __version__
-from gqakit.common import dtypes
 from gqakit.convert import methods
 from gqakit.common.errors import GqakitError, spelled
-from gqakit.common.options import add_arguments, flags, from_args
+from gqakit.common.options import add_arguments, flags, from_args, typed
 from gqakit.evaluate.cli import add_eval_parser
 
 
@@ -60,36 +59,15 @@ def _run_demo(args: argparse.Namespace, command: str) -> None:
 def _run_generate(args: argparse.Namespace, command: str) -> None:
     from gqakit.generate import GenerateConfig, generate
 
-    optional = {k: getattr(args, k) for k in ("sinks", "window", "temperature", "top_p", "seed")
-                if getattr(args, k) is not None}  # typed ones only: GenerateConfig refuses those it would ignore
-    generate(GenerateConfig(
-        model=args.model, prompt=args.prompt, prompt_file=args.prompt_file, attention=args.attention,
-        max_new_tokens=args.max_new_tokens, do_sample=args.sample, dtype=args.dtype, ignore_eos=args.ignore_eos,
-        given=frozenset(optional), **optional,
-    ))
+    # GenerateConfig refuses an option it would ignore, typed even at its default value
+    generate(from_args(GenerateConfig, args, given=typed(GenerateConfig, args)))
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="Hugging Face checkpoint folder")
-    p.add_argument("--prompt", help="prompt text (give exactly one of --prompt and --prompt-file)")
-    p.add_argument("--prompt-file", help="UTF-8 file holding the prompt")
-    p.add_argument("--attention", default="sinks", choices=["sinks", "sliding", "tiled", "default"],
-                   help="sinks: keep --sinks first + --window recent tokens (StreamingLLM); sliding: the "
-                        "--window recent tokens only; tiled/default: full cache (default: sinks)")
-    p.add_argument("--sinks", type=int, default=None,
-                   help="attention-sink tokens kept, with --attention sinks (default: 4)")
-    p.add_argument("--window", type=int, default=None,
-                   help="recent tokens kept, with --attention sinks or sliding (default: 1020)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate, >= 1 (default: 256)")
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding (default: greedy)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="with --sample: softmax temperature > 0 (default: 1.0)")
-    p.add_argument("--top-p", type=float, default=None,
-                   help="with --sample: nucleus probability mass kept, in (0, 1] (default: 1.0 = every token)")
-    p.add_argument("--seed", type=int, default=None, help="with --sample: seed of the sampler (default: 0)")
-    p.add_argument("--dtype", default="float32", choices=dtypes.NAMES,
-                   help="compute dtype (default: float32)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
+    from gqakit.generate import GenerateConfig
+
+    add_arguments(p, GenerateConfig)
+    p.set_defaults(func=_run_generate, options=GenerateConfig)
 
 
 def _run_uptrain(args: argparse.Namespace, command: str) -> None:
@@ -169,7 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_run_demo)
     gen = sub.add_parser("generate", help="stream text, far past the trained context with a sink cache")
     _add_generate_args(gen)
-    gen.set_defaults(func=_run_generate)
     up = sub.add_parser("uptrain", help="uptrain a converted model from a YAML recipe (accelerate, torchrun)")
     up.add_argument("recipe", help="YAML recipe (see recipes/); keys map onto gqakit.uptrain.UptrainConfig")
     up.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe keys, e.g. steps=20 lr=1e-4")

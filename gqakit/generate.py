@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gqakit.common.dtypes import NAMES as DTYPES
 from gqakit.common.errors import GqakitError
+from gqakit.common.options import option
 
 ATTENTION = ("sinks", "sliding", "tiled", "default")
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed accepts
@@ -18,19 +19,23 @@ SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed accep
 class GenerateConfig:
     """`gqakit generate`; every field is checked on construction (`check`), before any model is loaded."""
 
-    model: str
-    prompt: str | None = None
-    prompt_file: str | None = None
-    attention: str = "sinks"
-    sinks: int = 4
-    window: int = 1020
-    max_new_tokens: int = 256
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    dtype: str = "float32"
-    ignore_eos: bool = False
+    model: str = option(flag="MODEL", help="Hugging Face checkpoint folder")
+    prompt: str | None = option(None, help="prompt text (give exactly one of --prompt and --prompt-file)")
+    prompt_file: str | None = option(None, help="UTF-8 file holding the prompt")
+    attention: str = option("sinks", choices=ATTENTION,
+                            help="sinks: keep --sinks first + --window recent tokens (StreamingLLM); sliding: the "
+                                 "--window recent tokens only; tiled/default: full cache (default: sinks)")
+    sinks: int = option(4, remember=True, help="attention-sink tokens kept, with --attention sinks (default: 4)")
+    window: int = option(1020, remember=True,
+                         help="recent tokens kept, with --attention sinks or sliding (default: 1020)")
+    max_new_tokens: int = option(256, help="tokens to generate, >= 1 (default: 256)")
+    do_sample: bool = option(False, flag="--sample", help="sample instead of greedy decoding (default: greedy)")
+    temperature: float = option(1.0, remember=True, help="with --sample: softmax temperature > 0 (default: 1.0)")
+    top_p: float = option(1.0, remember=True, help="with --sample: nucleus probability mass kept, in (0, 1] "
+                                                   "(default: 1.0 = every token)")
+    seed: int = option(0, remember=True, help="with --sample: seed of the sampler (default: 0)")
+    dtype: str = option("float32", choices=DTYPES, help="compute dtype (default: float32)")
+    ignore_eos: bool = option(False, help="keep going past the end-of-text token")
     given: frozenset = frozenset()  # options typed on the command line, even at their default values
 
     def __post_init__(self):

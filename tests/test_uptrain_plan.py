@@ -265,7 +265,7 @@ def test_state_lines_equal_the_bytes_of_a_real_optimizer_step(tmp_path, trainabl
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     select_trainable(model, trainable)
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg.lr, cfg.betas, cfg.weight_decay)
     ids = torch.randint(0, 96, (2, 17))
     logits = model(input_ids=ids[:, :-1], use_cache=False).logits
     F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
@@ -368,7 +368,7 @@ def test_total_is_the_measured_peak_of_a_real_step(tmp_path, checkpointing):
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config)).train()
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg.lr, cfg.betas, cfg.weight_decay)
     seqs = torch.randint(0, 1024, (B, T + 1))
 
     def step():  # as the loop does it

@@ -35,18 +35,20 @@ _BOUNDS = {"above": (">", float.__gt__), "at_least": (">=", float.__ge__),
 
 
 def option(default=dataclasses.MISSING, *, above=None, at_least=None, below=None, at_most=None, choices=None,
-           length=None, help=None, flag=None, metavar=None, parse=None, invert=False, repeat=None):
+           length=None, help=None, flag=None, metavar=None, parse=None, invert=False, repeat=None,
+           remember=False):
     """A dataclass field with its allowed values: numeric bounds (each element's, for a tuple), choices, length;
     and, with `help`, its command-line flag (see the module docstring; `parse` turns the flag's text into the
     field's value, as argparse's `type`; a tuple field's flag may be repeated, `repeat`, by default when it has
-    no `parse`)."""
+    no `parse`; `remember`: the flag's absence is kept, so the command can tell a typed default value from an
+    untouched one: see `typed`)."""
     bounds = {k: v for k, v in (("above", above), ("at_least", at_least), ("below", below), ("at_most", at_most))
               if v is not None}
     rule = {"bounds": bounds, "choices": tuple(choices) if choices else None, "length": length}
     metadata = {"rule": rule}
     if help is not None:
         metadata["cli"] = {"help": help, "flag": flag, "metavar": metavar, "parse": parse, "invert": invert,
-                           "repeat": parse is None if repeat is None else repeat}
+                           "repeat": parse is None if repeat is None else repeat, "remember": remember}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -86,7 +88,7 @@ def add_arguments(parser, cls) -> None:
             elif typing.get_origin(kind) is tuple and cli["repeat"]:
                 kwargs.update(action="append", default=None)
         if names[0].startswith("-"):
-            kwargs.setdefault("default", None if cli["parse"] else default)
+            kwargs.setdefault("default", None if cli["parse"] or cli["remember"] else default)
             if kind is not bool:
                 kwargs["dest"] = f.name
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -110,10 +112,15 @@ def from_args(cls, args, **given):
             value = tuple(value)
         elif value is None and typing.get_origin(_kind(_hints(cls)[f.name])[1]) is tuple:
             value = f.default if f.default is not dataclasses.MISSING else ()  # a repeatable flag not given
-        elif value is None and cli["parse"] is not None:
-            value = f.default  # a parsed flag not given
+        elif value is None and (cli["parse"] is not None or cli["remember"]):
+            value = f.default  # a parsed or remembered flag not given
         values[f.name] = value
     return cls(**{**values, **given})
+
+
+def typed(cls, args) -> frozenset[str]:
+    """The `remember` fields of `cls` whose flags were typed on the command line (even at their default value)."""
+    return frozenset(f.name for f, cli in _cli_fields(cls) if cli["remember"] and getattr(args, f.name) is not None)
 
 
 @functools.cache

@@ -27,6 +27,7 @@ from gqakit.uptrain.data.batches import BatchOrder, load_training_data
 from gqakit.uptrain.loss import cross_entropy_sum, distillation_sum
 from gqakit.uptrain.memory_plan import check_fits
 from gqakit.uptrain.run.metrics import MetricsLog, plot
+from gqakit.attention.registration import apply_attention
 from gqakit.uptrain.parallel import SequenceParallel, sequence_parallel
 from gqakit.uptrain.sharding import Sharding, strategy
 from gqakit.uptrain.run.final import save_final, source_dtype
@@ -36,7 +37,7 @@ from gqakit.uptrain.run.checkpoints import CHECKPOINTS, checkpoint_dirs, load_ch
 from gqakit.uptrain.data.token_build import load_tokenizer
 
 
-def _sums(model, teacher, seqs: torch.Tensor, cfg: UptrainConfig, sp: SequenceParallel, autocast):
+def _sums(model, teacher, seqs: torch.Tensor, temperature: float, sp: SequenceParallel, autocast):
     """(cross-entropy sum, distillation sum or None) of this rank's share of sequences (B, T + 1);
     call it inside `sp.attention()`."""
     inputs, targets, positions = sp.shard(seqs)
@@ -48,19 +49,19 @@ def _sums(model, teacher, seqs: torch.Tensor, cfg: UptrainConfig, sp: SequencePa
             teacher_logits = teacher(input_ids=inputs, position_ids=positions, use_cache=False).logits
         if hasattr(teacher, "reshard"):  # FSDP keeps a root gathered after a forward without backward
             teacher.reshard()
-        kd = distillation_sum(logits, teacher_logits, targets, cfg.distill_temperature)
+        kd = distillation_sum(logits, teacher_logits, targets, temperature)
     return ce, kd
 
 
-def _checkpoint(accelerator, model, optimizer, scheduler, out: Path, step: int, cfg: UptrainConfig,
-                recipe: dict, rank_state: dict) -> None:
+def _checkpoint(accelerator, model, optimizer, scheduler, out: Path, step: int, keep: int, recipe: dict,
+                rank_state: dict) -> None:
     """Every rank: save resumable checkpoint `step` (model, optimizer, scheduler, loss scale, rank state)."""
     trainer_state = {"scheduler": scheduler.state_dict(),
                      "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None}
     save_checkpoint(out, step, model=model, optimizer=getattr(optimizer, "optimizer", optimizer),
                     trainer_state=trainer_state, rank_state=rank_state, rank=accelerator.process_index,
                     recipe=recipe, is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone,
-                    keep=cfg.keep_checkpoints)
+                    keep=keep)
 
 
 def _enable_checkpointing(model) -> None:
@@ -71,12 +72,12 @@ def _enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _combine(ce, kd, cfg: UptrainConfig):
-    return ce if kd is None else (1 - cfg.distill_weight) * ce + cfg.distill_weight * kd
+def _combine(ce, kd, distill_weight: float):
+    return ce if kd is None else (1 - distill_weight) * ce + distill_weight * kd
 
 
 @torch.no_grad()
-def evaluate(model, data: torch.Tensor, cfg: UptrainConfig, sp: SequenceParallel, accelerator) -> float:
+def evaluate(model, data: torch.Tensor, batch_size: int, seq_len: int, sp: SequenceParallel, accelerator) -> float:
     """Mean held-out cross-entropy (nats/token) over `data`, split over the data-parallel ranks. Every
     rank runs the same number of forward passes (FSDP gathers weights collectively): a rank whose share
     has run out repeats a sequence and does not count it."""
@@ -85,15 +86,15 @@ def evaluate(model, data: torch.Tensor, cfg: UptrainConfig, sp: SequenceParallel
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     mine = data[sp.dp_rank :: sp.data_parallel]
-    batches = math.ceil(math.ceil(len(data) / sp.data_parallel) / cfg.batch_size)
+    batches = math.ceil(math.ceil(len(data) / sp.data_parallel) / batch_size)
     for b in range(batches):
-        seqs = mine[b * cfg.batch_size : (b + 1) * cfg.batch_size]
+        seqs = mine[b * batch_size : (b + 1) * batch_size]
         counted = len(seqs) > 0
         with accelerator.autocast(), sp.attention():
-            ce, _ = _sums(model, None, (seqs if counted else data[:1]).to(accelerator.device), cfg, sp,
+            ce, _ = _sums(model, None, (seqs if counted else data[:1]).to(accelerator.device), 1.0, sp,
                           accelerator.autocast)
         total[0] += ce.double() if counted else 0.0
-    total[1] = len(mine) * cfg.seq_len / sp.context_parallel  # every rank counts its share of the targets
+    total[1] = len(mine) * seq_len / sp.context_parallel  # every rank counts its share of the targets
     total = accelerator.reduce(total, reduction="sum")
     if hasattr(model, "reshard"):  # FSDP keeps the root unsharded after a forward without backward
         model.reshard()
@@ -107,7 +108,7 @@ def _models(cfg: UptrainConfig, sp: SequenceParallel, accelerator):
     counts, options = {}, {}
 
     def prepare_student(model):
-        options.update(modeling.set_attention(model, cfg))
+        options.update(apply_attention(model, cfg.attention, cfg.use_options()))
         sp.prepare_model(model)
         counts["params"] = modeling.select_trainable(model, cfg.trainable)
         if cfg.gradient_checkpointing:
@@ -187,8 +188,9 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     say(f"uptrain: loading {cfg.model}" + (f" and the teacher {cfg.teacher}" if cfg.teacher else "") +
         f" ({cfg.sharding} over {accelerator.num_processes} process{'es' if accelerator.num_processes > 1 else ''})")
     model, teacher, attention_options, (trainable, total_params) = _models(cfg, sp, accelerator)
-    optimizer = modeling.make_optimizer(model, cfg)
-    scheduler = modeling.make_scheduler(optimizer, cfg, budget.steps)
+    optimizer = modeling.make_optimizer(model, cfg.lr, cfg.betas, cfg.weight_decay)
+    warmup = modeling.warmup_steps(budget.steps, cfg.warmup_steps, cfg.warmup_fraction)
+    scheduler = modeling.make_scheduler(optimizer, budget.steps, warmup, cfg.min_lr_ratio)
     model, optimizer = how.prepare(accelerator, model, optimizer)
     if is_main:
         start_run(out, recipe, fresh=resume_from is None)  # a failed start-up above leaves the folder as it was
@@ -215,7 +217,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
         record_base.update(saved.get("record", {}))
     if start == 0 and len(data.eval):
         say(f"uptrain: held-out loss before training ({len(data.eval)} sequences)")
-        record_base["initial_eval_ppl"] = math.exp(evaluate(model, data.eval, cfg, sp, accelerator))
+        record_base["initial_eval_ppl"] = math.exp(evaluate(model, data.eval, cfg.batch_size, cfg.seq_len, sp, accelerator))
         if is_main:
             log.log({"step": 0, "tokens": 0, "eval_loss": math.log(record_base["initial_eval_ppl"]),
                      "eval_ppl": record_base["initial_eval_ppl"]})
@@ -233,8 +235,8 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
             last = micro == cfg.gradient_accumulation_steps - 1
             # backward inside the attention context: gradient checkpointing re-runs the forward
             with _gradient_sync(how, accelerator, model, last), sp.attention():
-                ce, kd = _sums(model, teacher, seqs, cfg, sp, accelerator.autocast)
-                loss = _combine(ce, kd, cfg) * accelerator.num_processes / budget.tokens_per_step
+                ce, kd = _sums(model, teacher, seqs, cfg.distill_temperature, sp, accelerator.autocast)
+                loss = _combine(ce, kd, cfg.distill_weight) * accelerator.num_processes / budget.tokens_per_step
                 accelerator.backward(loss)
             sums[0] += ce.detach().double()
             if kd is not None:
@@ -245,25 +247,25 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
         step_tokens += budget.tokens_per_step
         done = step + 1
         row = {"step": done, "tokens": done * budget.tokens_per_step,
-               "loss": float(_combine(sums[0], sums[1] if teacher is not None else None, cfg)),
+               "loss": float(_combine(sums[0], sums[1] if teacher is not None else None, cfg.distill_weight)),
                "ce": float(sums[0]), "kd": float(sums[1]) if teacher is not None else "",
                "lr": lr, "grad_norm": grad_norm, "tokens_per_s": step_tokens / (time.perf_counter() - t0)}
         # fp16's loss scaler skips a step with non-finite gradients by design; anything else non-finite has diverged
         if not math.isfinite(row["loss"]) or not (math.isfinite(grad_norm) or accelerator.scaler is not None):
             log.log(row)
             log.close()
-            raise GqakitError(_diverged(out, done, row, cfg))
+            raise GqakitError(_diverged(out, done, row, cfg.lr))
         optimizer.step()
         scheduler.step()
         if (cfg.eval_every and done % cfg.eval_every == 0 or done == budget.steps) and len(data.eval):
-            row["eval_loss"] = evaluate(model, data.eval, cfg, sp, accelerator)
+            row["eval_loss"] = evaluate(model, data.eval, cfg.batch_size, cfg.seq_len, sp, accelerator)
             row["eval_ppl"] = math.exp(row["eval_loss"])
         if done % cfg.log_every == 0 or "eval_loss" in row or done == budget.steps:
             log.log(row)
         bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
         bar.update(1)
         if done % cfg.checkpoint_every == 0 and done < budget.steps:
-            _checkpoint(accelerator, model, optimizer, scheduler, out, done, cfg, recipe,
+            _checkpoint(accelerator, model, optimizer, scheduler, out, done, cfg.keep_checkpoints, recipe,
                         {"step": done, "shape": shape, "data": order.position(done), "record": record_base})
         if on_step is not None:
             on_step(done, row, accelerator.unwrap_model(model))
@@ -274,7 +276,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
         **record_base, "recipe": recipe, "command": command,
         "budget": {"steps": budget.steps, "tokens_per_step": budget.tokens_per_step, "tokens": budget.tokens,
                    "source": budget.source},
-        "warmup_steps": modeling.warmup_steps(cfg, budget.steps),
+        "warmup_steps": warmup,
         "global_batch": order.global_batch, "processes": accelerator.num_processes, "sharding": cfg.sharding,
         "data": data.describe(), "parameters": total_params, "trainable_parameters": trainable,
         "attention_options": attention_options,
@@ -294,12 +296,12 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     return record
 
 
-def _diverged(out: Path, step: int, row: dict, cfg: UptrainConfig) -> str:
+def _diverged(out: Path, step: int, row: dict, lr: float) -> str:
     """The one line that stops a run whose loss or gradient norm is not finite."""
     kept = checkpoint_dirs(out)
     last = f"checkpoint {kept[-1].name} is kept" if kept else "no checkpoint was written yet"
     return (f"step {step}: the loss is {row['loss']:g} and the gradient norm {row['grad_norm']:g}, so training "
-            f"diverged and no final model was written ({last}); lower lr (now {cfg.lr:g}), raise warmup_steps or "
+            f"diverged and no final model was written ({last}); lower lr (now {lr:g}), raise warmup_steps or "
             "set grad_clip, and start over with force=true")
 
 

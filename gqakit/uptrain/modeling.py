@@ -7,7 +7,6 @@ import math
 import torch
 
 from gqakit.common.errors import GqakitError
-from gqakit.uptrain.config import UptrainConfig
 
 
 def load_causal_lm(path: str):
@@ -17,13 +16,6 @@ def load_causal_lm(path: str):
 
     hf_logging.disable_progress_bar()
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-
-
-def set_attention(model, cfg: UptrainConfig) -> dict:
-    """Switch to the recipe's gqakit attention kind; returns the options in force ({} for default)."""
-    from gqakit.attention.registration import apply_attention
-
-    return apply_attention(model, cfg.attention, cfg.use_options())
 
 
 def _kv_names(model) -> list[str]:
@@ -67,16 +59,17 @@ def select_trainable(model, which: str) -> tuple[int, int]:
     return trainable, total
 
 
-def make_optimizer(model, cfg: UptrainConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not norms, biases)."""
+def make_optimizer(model, lr: float, betas: tuple[float, ...], weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; weight decay on matrices only (not norms, biases)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas))
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas))
 
 
-def warmup_steps(cfg: UptrainConfig, steps: int) -> int:
-    return cfg.warmup_steps or math.ceil(cfg.warmup_fraction * steps)
+def warmup_steps(steps: int, fixed: int, fraction: float) -> int:
+    """The recipe's warmup_steps (`fixed`), or its warmup_fraction of the run's steps when that is 0."""
+    return fixed or math.ceil(fraction * steps)
 
 
 def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
@@ -88,6 +81,6 @@ def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_scheduler(optimizer, cfg: UptrainConfig, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = warmup_steps(cfg, steps)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup, cfg.min_lr_ratio))
+def make_scheduler(optimizer, steps: int, warmup: int, min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup, then cosine decay to min_lr_ratio (`lr_factor`)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup, min_lr_ratio))
