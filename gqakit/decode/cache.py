@@ -39,60 +39,13 @@ beam search and `crop()` (assisted decoding) (both raise). `num_return_sequences
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure RoPE maths
-# ---------------------------------------------------------------------------------------------
-
-def rope_inv_freq(rope: torch.nn.Module | torch.Tensor) -> torch.Tensor:
-    """The RoPE inverse frequencies (r/2,) of a model (its one rotary embedding) or of a tensor."""
-    if isinstance(rope, torch.Tensor):
-        return rope.detach().to("cpu", torch.float64).reshape(-1)
-    found = [m for m in rope.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
-    if not found:
-        raise ValueError(f"{type(rope).__name__} has no rotary embedding (no `inv_freq` buffer); "
-                         "SinkCache re-rotates RoPE keys: use WindowCache (sinks=0) for this model")
-    freqs = [m.inv_freq.detach().to("cpu", torch.float64).reshape(-1) for m in found]
-    if any(f.shape != freqs[0].shape or not torch.equal(f, freqs[0]) for f in freqs[1:]):
-        raise ValueError(f"{type(rope).__name__} has {len(found)} different rotary embeddings; pass the "
-                         "inv_freq tensor of the layers you cache as rope=...")
-    rope_type = getattr(found[0], "rope_type", "default")
-    if rope_type in _POSITION_DEPENDENT_ROPE:
-        raise ValueError(f"rope_type {rope_type!r} changes its frequencies with the position; SinkCache "
-                         "needs fixed frequencies (default, linear, llama3, yarn)")
-    return freqs[0]
-
-
-def rope_rotation(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (B, r) of a rotation by `delta` (B,) positions, in the rotate-half layout.
-
-    Angles are formed in float64 and reduced mod 2 pi before the cast to float32, so a large delta
-    costs no precision; delta = 0 gives exactly cos = 1, sin = 0 (an exact identity).
-    """
-    angle = torch.remainder(delta.to(torch.float64)[:, None] * inv_freq[None, :], 2 * math.pi)  # (B, r/2)
-    angle = torch.cat([angle, angle], dim=-1)  # (B, r)
-    return angle.cos().float(), angle.sin().float()
-
-
-def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate keys (B, G, L, d) by per-row angles (B, r), r <= d (the first r dims are rotary)."""
-    r = cos.shape[-1]
-    k = keys[..., :r].float()
-    c, s = cos[:, None, None, :].to(k.device), sin[:, None, None, :].to(k.device)  # (B, 1, 1, r)
-    half = r // 2
-    k_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)  # rotate_half
-    out = (k * c + k_half * s).to(keys.dtype)
-    return out if r == keys.shape[-1] else torch.cat([out, keys[..., r:]], dim=-1)
-
+from gqakit.decode.bounded import BoundedCache, BoundedLayer, check_sizes
+from gqakit.decode.rope import rope_rotation, rotate_keys
 
 # ---------------------------------------------------------------------------------------------
 # Bookkeeping shared by the layers of one cache
@@ -176,17 +129,15 @@ class _Policy:
 # The cache layer and the caches
 # ---------------------------------------------------------------------------------------------
 
-class SinkLayer(CacheLayerMixin):
+class SinkLayer(BoundedLayer):
     """One layer of a `SinkCache`: stores (B, G, <= S + W, d) keys and values."""
 
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
+    owner = "SinkCache"
 
     def __init__(self, policy: _Policy):
         super().__init__()
         self.policy = policy
-        self.seen = 0  # columns fed so far, padding included (what get_seq_length reports)
+        self.columns = 0  # columns fed so far, padding included (what get_seq_length reports)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -202,7 +153,7 @@ class SinkLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         S, W = self.policy.sinks, self.policy.window
         stored, q = self.keys.shape[-2], key_states.shape[-2]
-        plan = self.policy.plan(self.seen, stored, q)
+        plan = self.policy.plan(self.columns, stored, q)
         n = stored + q
         if plan.cos is not None:  # sinks rotated up to sit just before the window
             sinks = rotate_keys(self.keys[..., :S, :], plan.cos, plan.sin)
@@ -224,17 +175,11 @@ class SinkLayer(CacheLayerMixin):
                 was_full = plan.stored_sinks.to(keys.device)[:, None, None, None]
                 new_keys[..., :S, :] = torch.where(was_full, self.keys[..., :S, :], new_keys[..., :S, :])
             self.keys, self.values = new_keys, values.gather(2, index)
-        self.seen += q
+        self.columns += q
         return keys, values
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset): stored slot j stands for absolute column seen - stored + j."""
-        stored = self.keys.shape[-2] if self.is_initialized else 0
-        return stored + query_length, self.seen - stored
-
-    def get_seq_length(self) -> int:
-        """Columns seen so far (padding included), as for a DynamicCache: the next query's offset."""
-        return self.seen
+    def seen(self) -> int:
+        return self.columns
 
     def get_max_length(self) -> int:
         return self.policy.capacity
@@ -242,22 +187,8 @@ class SinkLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = None
         self.is_initialized = False
-        self.seen = 0
+        self.columns = 0
         self.policy.invalidate()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("SinkCache cannot be cropped (evicted tokens are gone); "
-                                  "do not use assisted decoding with it")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("SinkCache does not support beam search; use greedy or sampling")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("SinkCache does not support batch expansion; build it for the "
-                                  "expanded batch (num_return_sequences=1)")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("SinkCache does not support batch selection")
 
 
 def _left_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -272,7 +203,7 @@ def _left_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     return (~mask).sum(dim=-1).long()
 
 
-class SinkCache(Cache):
+class SinkCache(BoundedCache):
     """StreamingLLM cache: the first `sinks` real tokens plus the `window` most recent, per row.
 
     Args:
@@ -289,29 +220,12 @@ class SinkCache(Cache):
 
     def __init__(self, sinks: int, window: int, rope: torch.nn.Module | torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None):
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-            raise ValueError(f"sinks must be an int >= 0, got {sinks!r}; pass sinks=0 for a plain "
-                             "sliding window or e.g. sinks=4")
-        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-            raise ValueError(f"window must be an int >= 1, got {window!r}; pass the number of recent "
-                             "tokens to keep, e.g. window=1020")
-        if sinks > 0 and rope is None:
-            raise ValueError(f"SinkCache(sinks={sinks}) re-rotates the sink keys and needs the model's "
-                             "RoPE: pass rope=model (or use sinks=0)")
-        inv_freq = rope_inv_freq(rope) if rope is not None else None
-        self.policy = _Policy(sinks, window, inv_freq, _left_padding(attention_mask))
+        inv_freq = check_sizes("SinkCache", sinks, window, rope)
+        self.policy = self.state = _Policy(sinks, window, inv_freq, _left_padding(attention_mask))
         super().__init__(layer_class_to_replicate=partial(SinkLayer, self.policy))
 
-    @property
-    def sinks(self) -> int:
-        return self.policy.sinks
-
-    @property
-    def window(self) -> int:
-        return self.policy.window
-
     def _seen(self) -> int:
-        return self.layers[0].seen if self.layers else 0
+        return self.layers[0].columns if self.layers else 0
 
     def position_ids(self, length: int) -> torch.Tensor:
         """(B, length) positions for the next `length` columns: a row's first real token is 0, minus
@@ -361,11 +275,6 @@ class SinkCache(Cache):
         super().reset()
         if self.policy.shift is not None:
             self.policy.shift.zero_()
-
-    def cache_bytes(self) -> int:
-        """Bytes held by the stored keys and values of all layers."""
-        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
-                   for t in (layer.keys, layer.values))
 
 
 class WindowCache(SinkCache):

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-from gqakit.decode.cache import rope_inv_freq, rope_rotation, rotate_keys
+from gqakit.decode.bounded import BoundedCache, BoundedLayer, check_sizes
+from gqakit.decode.rope import rope_rotation, rotate_keys
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,10 @@ class _Frame:
         self.chunk: _Chunk | None = None
 
 
-class ChunkLayer(CacheLayerMixin):
+class ChunkLayer(BoundedLayer):
     """One layer: stored sinks (1, G, <= S, d) and recent non-sink tokens (1, G, <= W, d)."""
 
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
+    owner = "ChunkedSinkCache"
 
     def __init__(self, frame: _Frame):
         super().__init__()
@@ -110,12 +108,11 @@ class ChunkLayer(CacheLayerMixin):
         self.values = torch.cat([self.values, value_states[..., take:, :]], dim=-2)[..., -window:, :]
         return keys, values
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        stored = self.keys.shape[-2] if self.is_initialized else 0
-        return stored + query_length, self.frame.seen - stored
-
-    def get_seq_length(self) -> int:
+    def seen(self) -> int:
         return self.frame.seen
+
+    def held(self) -> tuple[torch.Tensor, ...]:
+        return self.keys, self.values, self.sink_keys, self.sink_values
 
     def get_max_length(self) -> int:
         return self.frame.sinks + self.frame.window
@@ -124,14 +121,8 @@ class ChunkLayer(CacheLayerMixin):
         self.keys = self.values = self.sink_keys = self.sink_values = None
         self.is_initialized = False
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("ChunkedSinkCache cannot be cropped (evicted tokens are gone)")
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("ChunkedSinkCache streams one text; no beam search")
-
-
-class ChunkedSinkCache(Cache):
+class ChunkedSinkCache(BoundedCache):
     """StreamingLLM's S sinks + W recent tokens, fed C tokens per forward with token-by-token results.
 
     Args:
@@ -144,17 +135,11 @@ class ChunkedSinkCache(Cache):
 
     def __init__(self, sinks: int, window: int, rope: torch.nn.Module | torch.Tensor | None = None,
                  rebase_every: int | None = None):
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-            raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
-        if sinks > 0 and rope is None:
-            raise ValueError(f"sinks={sinks} rotates the sink keys and needs the model's RoPE: pass rope=model")
+        inv_freq = check_sizes("ChunkedSinkCache", sinks, window, rope)
         rebase_every = sinks + window if rebase_every is None else rebase_every
         if rebase_every < 1:
             raise ValueError(f"rebase_every must be >= 1, got {rebase_every}")
-        inv_freq = rope_inv_freq(rope) if rope is not None else None
-        self.frame = _Frame(sinks, window, inv_freq, rebase_every)
+        self.frame = self.state = _Frame(sinks, window, inv_freq, rebase_every)
         super().__init__(layer_class_to_replicate=partial(ChunkLayer, self.frame))
 
     def _rebase(self, start: int) -> None:
@@ -206,15 +191,3 @@ class ChunkedSinkCache(Cache):
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
         return (t - f.offset)[None].to(device), mask[None, None].to(device)
 
-    @property
-    def sinks(self) -> int:
-        return self.frame.sinks
-
-    @property
-    def window(self) -> int:
-        return self.frame.window
-
-    def cache_bytes(self) -> int:
-        """Bytes of the stored K/V (sinks + window) of all layers; the per-forward sink copies not included."""
-        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
-                   for t in (layer.keys, layer.values, layer.sink_keys, layer.sink_values))
