@@ -1,6 +1,15 @@
-"""Suite-wide settings."""
+"""Suite-wide settings. Tests mirror the packages (tests/convert/, tests/uptrain/, ...); their shared helpers are
+in tests/support/ and the scripts that multi-process tests start are in tests/workers/, both importable by name."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+TESTS = Path(__file__).resolve().parent
+for folder in ("support", "workers"):
+    if str(TESTS / folder) not in sys.path:
+        sys.path.insert(0, str(TESTS / folder))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -53,7 +53,7 @@ kernel keep q, k, v, the output and an fp32 logsumexp: Dao et al. 2022), so the 
       output and up's output, kept by their product; the product, down_proj's input)
   F = norm + feed(lm_head trainable)
 
-tests/test_uptrain_plan.py checks these against the tensors autograd really saves for a tiny Llama.
+tests/uptrain/test_uptrain_plan.py checks these against the tensors autograd really saves for a tiny Llama.
 Left out: RoPE tables and token ids, the teacher's per-layer transients under no_grad, the ring's K/V
 blocks in flight (context_parallel), the CUDA context and allocator fragmentation (keep a few GB
 spare).
@@ -64,7 +64,7 @@ step and backward allocates them as it frees the activations, so
   total = held + max(activations + logits + distillation + fsdp no-sync [+ gradients when
                      gradient_accumulation_steps > 1 keeps them across micro-steps], gradients + adamw step)
 
-where `held` is every other line. tests/test_uptrain_plan.py measures a tiny Llama's peak with torch's
+where `held` is every other line. tests/uptrain/test_uptrain_plan.py measures a tiny Llama's peak with torch's
 MemTracker: the total is at or above it, by at most 20%.
 """
 from __future__ import annotations

@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 from uptrain_tiny import make_text, make_uptrain_model, write_recipe
 
 pytestmark = pytest.mark.multiprocess
-TESTS = Path(__file__).parent
+WORKERS = Path(__file__).resolve().parents[1] / "workers"
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(WORKERS) + os.pathsep + str(WORKERS.parent / "support") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("WORLD_SIZE", None)
     return env
 
@@ -36,7 +36,7 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path):
     for name, n, batch in (("one", 1, 4), ("two", 2, 2)):
         dump = tmp_path / name
         dump.mkdir()
-        run = _torchrun(n, str(TESTS / "uptrain_worker.py"), str(recipe), str(dump),
+        run = _torchrun(n, str(WORKERS / "uptrain_worker.py"), str(recipe), str(dump),
                         f"output_dir={tmp_path / name / 'run'}", f"batch_size={batch}")
         assert run.returncode == 0, run.stderr[-3000:]
     one = load_file(tmp_path / "one" / "rank-0.safetensors")
@@ -67,7 +67,7 @@ def test_accelerate_cpu_launch_of_n_processes_is_refused(tmp_path):
 def _run_worker(tmp_path, name: str, n: int, recipe, *overrides: str) -> tuple[dict, dict]:
     dump = tmp_path / name
     dump.mkdir()
-    run = _torchrun(n, str(TESTS / "uptrain_worker.py"), str(recipe), str(dump),
+    run = _torchrun(n, str(WORKERS / "uptrain_worker.py"), str(recipe), str(dump),
                     f"output_dir={dump / 'run'}", *overrides)
     assert run.returncode == 0, run.stderr[-3000:]
     import json

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SHARED = Path(os.environ.get("GQAKIT_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+SHARED = Path(os.environ.get("GQAKIT_SHARED", Path(__file__).resolve().parents[3] / "shared"))
 PREPARE = SHARED / "scripts" / "prepare_smollm2.py"
 
 

@@ -1,7 +1,7 @@
 """A user's fault sweep over `gqakit generate` and `gqakit eval`: broken model folders, bad generate options,
 passkey lengths far past the context, and one definition of KV-cache bytes per token (demo = eval).
 
-Refusals go through the real console script (tests/cli_contract.py): exit 2, one `gqakit: error:` line,
+Refusals go through the real console script (tests/support/cli_contract.py): exit 2, one `gqakit: error:` line,
 no traceback, nothing written.
 """
 from __future__ import annotations

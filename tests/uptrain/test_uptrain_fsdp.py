@@ -28,12 +28,12 @@ from safetensors.torch import load_file
 from uptrain_tiny import make_text, make_uptrain_model, write_recipe
 
 pytestmark = pytest.mark.multiprocess
-TESTS = Path(__file__).parent
+WORKERS = Path(__file__).resolve().parents[1] / "workers"
 STEPS = 6
 
 
 def _env(**extra) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(WORKERS) + os.pathsep + str(WORKERS.parent / "support") + os.pathsep + os.environ.get("PYTHONPATH", ""),
                **extra)
     env.pop("WORLD_SIZE", None)
     return env
@@ -41,7 +41,7 @@ def _env(**extra) -> dict:
 
 def _command(n: int, recipe: Path, dump: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--standalone",
-            str(TESTS / "uptrain_worker.py"), str(recipe), str(dump), f"output_dir={dump / 'run'}", *overrides]
+            str(WORKERS / "uptrain_worker.py"), str(recipe), str(dump), f"output_dir={dump / 'run'}", *overrides]
 
 
 def _rows(dump: Path) -> list[dict]:
@@ -188,7 +188,7 @@ def test_sharded_load_with_rows_that_do_not_divide(tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--standalone",
-           str(TESTS / "fsdp_load_worker.py"), str(tmp_path / "m"), str(tmp_path / "out.json")]
+           str(WORKERS / "fsdp_load_worker.py"), str(tmp_path / "m"), str(tmp_path / "out.json")]
     run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "out.json").read_text())

@@ -15,7 +15,7 @@ from gqakit.convert.align import scaled_rotation, transform_keys
 from tiny_models import checkpoint_logits, make_disguised_llama, make_tiny_llama
 
 
-TEXT = Path(__file__).resolve().parent.parent / "gqakit" / "assets" / "pride_and_prejudice.txt"
+TEXT = Path(__file__).resolve().parents[2] / "gqakit" / "assets" / "pride_and_prejudice.txt"
 
 
 def test_heads_that_differ_only_by_exact_reparametrisations_merge_exactly(tmp_path):

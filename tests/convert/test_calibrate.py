@@ -34,10 +34,10 @@ from gqakit.convert.calibration.calibrate import (STATS, LayerwiseModel, attenti
 from gqakit.hf.checkpoint import read_header
 from gqakit.hf.checkpoint import scan_checkpoint
 from gqakit.convert.calibration.streamed import StreamedLinear
-from test_architectures import make_model
+from families import make_model
 from tiny_models import checkpoint_logits, make_disguised_llama, make_tiny_llama
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = ROOT / "gqakit" / "assets" / "austen-mha-8h"
 TEXT = ROOT / "gqakit" / "assets" / "pride_and_prejudice.txt"
 ALIGNABLE = ["llama", "mistral", "qwen2", "gemma", "gemma2", "olmo"]

@@ -2,7 +2,7 @@
 that differed from eager by more than the logits themselves, with no error, before these checks).
 
 Soft-capping, sink logits, bidirectional attention, a caller's 4-D mask and cu_seq_lens packing used to be
-refused here and are now implemented: tests/test_attention_features.py checks them against eager."""
+refused here and are now implemented: tests/attention/test_attention_features.py checks them against eager."""
 from __future__ import annotations
 
 import types
@@ -87,7 +87,7 @@ def test_sink_logits_of_the_wrong_shape_and_attention_dropout_are_refused():
 def test_alibi_models_are_refused_at_use_and_encoders_are_not():
     bert = transformers.BertModel(transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                                           num_hidden_layers=1, num_attention_heads=4))
-    use(bert, "tiled")  # bidirectional attention is implemented (tests/test_attention_features.py)
+    use(bert, "tiled")  # bidirectional attention is implemented (tests/attention/test_attention_features.py)
     for cfg in (transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4),
                 transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                           alibi=True)):

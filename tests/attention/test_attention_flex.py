@@ -6,7 +6,7 @@ cases: each new compile costs 5-25 s on CPU. Flex has no CPU backward and compil
 so gradients through flex and the compiled lse / s_aux path need CUDA and are not exercised here (the s_aux
 fold's own gradient is checked around the reference). Everything is fp32 and compared within 1e-5.
 
-Adding a pattern: put it in SPECS below (or in tests/test_attention_masks.py's SPECS, which is merged
+Adding a pattern: put it in SPECS below (or in tests/attention/test_attention_masks.py's SPECS, which is merged
 in); a per-head family (one MaskSpec per query head) goes in PER_HEAD. Every test picks them up.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run by tests/test_uptrain_fsdp.py under torchrun: load MODEL_DIR sharded (gqakit.uptrain.fsdp) and
+"""Run by tests/uptrain/test_uptrain_fsdp.py under torchrun: load MODEL_DIR sharded (gqakit.uptrain.fsdp) and
 write, from rank 0, the names of the tensors whose gathered value differs from the file to OUT."""
 import json
 import os

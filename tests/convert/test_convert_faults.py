@@ -1,6 +1,6 @@
 """Faults and malformed input from a user sweep, through the real `convert-gqa` console script.
 
-Refusals must follow the CLI contract (tests/cli_contract.py): exit 2, one `convert-gqa: error:` line,
+Refusals must follow the CLI contract (tests/support/cli_contract.py): exit 2, one `convert-gqa: error:` line,
 no traceback, nothing written. Runs that are stopped must leave nothing behind, and what an earlier
 run left after `kill -9` is removed (and reported) by the next run that writes the same output.
 """

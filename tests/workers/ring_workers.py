@@ -1,4 +1,4 @@
-"""Bodies of the spawned gloo processes for tests/test_ring.py (each returns a picklable result).
+"""Bodies of the spawned gloo processes for tests/attention/test_ring.py (each returns a picklable result).
 
 `spawn(world, fn, payload, tmp)` forks `world` CPU processes on one gloo group, runs `fn(rank, world,
 payload)` in each and returns the per-rank results. Many cases run in one group: start-up costs seconds.

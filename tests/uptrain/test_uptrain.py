@@ -305,7 +305,7 @@ def test_every_shipped_recipe_maps_onto_its_dataclass():
     from gqakit.reference.train import PretrainConfig
     from gqakit.experiments.grid import GridConfig
 
-    recipes = Path(__file__).parents[1] / "recipes"
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
     classes = {"reference_model.yaml": PretrainConfig, "gqa_paper.yaml": GridConfig}
     for path in sorted(recipes.glob("*.yaml")):
         cfg = load_recipe(classes.get(path.name, UptrainConfig), path)

@@ -1,0 +1,83 @@
+"""Tiny random models of every family in gqakit's architecture tables, for the per-family tests
+(tests/hf/test_architectures.py) and the calibration tests that run on each family."""
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    OlmoConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    StableLmConfig,
+)
+
+HIDDEN, HEADS, HEAD_DIM, LAYERS, VOCAB = 32, 4, 8, 2, 64
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=64, **TOKENS,
+)
+
+# family -> (config class, extra config kwargs, how the family stores its K/V heads). The layout
+# keys below are this test's own description of transformers' modules, independent of gqakit's table.
+#   fused:      the K and V rows live in `qkv_proj` as [q | k | v]
+#   knorm_rows: `k_norm.weight` has one block of head_dim entries per K/V head (OLMo2)
+#   knorm_mods: one norm module per K/V head in `k_layernorm.norms.{h}` (StableLM)
+FAMILIES = {
+    "llama": (LlamaConfig, dict(head_dim=HEAD_DIM), {}),
+    "mistral": (MistralConfig, dict(head_dim=HEAD_DIM, sliding_window=8), {}),
+    "qwen2": (Qwen2Config, dict(), {}),  # q/k/v biases on by default
+    "qwen3": (Qwen3Config, dict(head_dim=HEAD_DIM, attention_bias=True), {}),
+    "gemma": (GemmaConfig, dict(head_dim=HEAD_DIM), {}),
+    "gemma2": (Gemma2Config, dict(head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=8,
+                                  attn_logit_softcapping=50.0, final_logit_softcapping=30.0), {}),
+    "gemma3": (Gemma3TextConfig, dict(head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=8,
+                                      sliding_window_pattern=2), {}),
+    "phi3": (Phi3Config, dict(original_max_position_embeddings=64), {"fused": True}),
+    "olmo": (OlmoConfig, dict(), {}),
+    "olmo2": (Olmo2Config, dict(), {"knorm_rows": True}),
+    "stablelm": (StableLmConfig, dict(qk_layernorm=True, use_qkv_bias=True), {"knorm_mods": True}),
+}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "olmo": "OlmoForCausalLM",
+    "olmo2": "Olmo2ForCausalLM", "stablelm": "StableLmForCausalLM",
+}
+
+
+def _config(family: str, **overrides):
+    cls, extra, _ = FAMILIES[family]
+    return cls(**{**COMMON, **extra, **overrides})
+
+
+def _perturb_(model: torch.nn.Module, seed: int) -> None:
+    """Give every weight a scale that makes head differences visible and move every norm/bias off 1/0."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.dim() == 1:  # norm weights and biases
+                p.add_(0.3 * noise)
+            else:  # matrices and embeddings: unit-scale activations
+                p.copy_(noise / math.sqrt(p.shape[-1]))
+
+
+def make_model(family: str, path, seed: int = 0, **overrides):
+    """Build, perturb and save a tiny random model; returns the saved folder."""
+    torch.manual_seed(seed)
+    config = _config(family, **overrides)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    assert type(model).__name__ == ARCHITECTURES[family]
+    _perturb_(model, seed + 1)
+    model.save_pretrained(path)
+    return path
