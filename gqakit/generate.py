@@ -8,10 +8,14 @@ import time
 from pathlib import Path
 
 from gqakit.common.dtypes import NAMES as DTYPES
+from gqakit.common import attention_kinds
 from gqakit.common.errors import GqakitError
 from gqakit.common.options import option
 
-ATTENTION = ("sinks", "sliding", "tiled", "default")
+# sinks and sliding bound the KV cache (sink/window caches); the other kinds keep a full cache and switch the
+# model's attention kernel (gqakit.attention.use), as `gqakit eval --attention` does.
+BOUNDED = ("sinks", "sliding")
+ATTENTION = (*BOUNDED, *(kind for kind in attention_kinds.CHOICES if kind not in BOUNDED))
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -24,7 +28,8 @@ class GenerateConfig:
     prompt_file: str | None = option(None, help="UTF-8 file holding the prompt")
     attention: str = option("sinks", choices=ATTENTION,
                             help="sinks: keep --sinks first + --window recent tokens (StreamingLLM); sliding: the "
-                                 "--window recent tokens only; tiled/default: full cache (default: sinks)")
+                                 "--window recent tokens only; default, tiled, sparse: a full cache, with the model's "
+                                 "own or that gqakit attention kernel (default: sinks)")
     sinks: int = option(4, remember=True, help="attention-sink tokens kept, with --attention sinks (default: 4)")
     window: int = option(1020, remember=True,
                          help="recent tokens kept, with --attention sinks or sliding (default: 1020)")
@@ -36,6 +41,9 @@ class GenerateConfig:
     seed: int = option(0, remember=True, help="with --sample: seed of the sampler (default: 0)")
     dtype: str = option("float32", choices=DTYPES, help="compute dtype (default: float32)")
     ignore_eos: bool = option(False, help="keep going past the end-of-text token")
+    attention_option: tuple[str, ...] = option((), metavar="NAME=VALUE",
+                                               help="with --attention tiled or sparse: any option of the kind, e.g. "
+                                                    "stride=64 for sparse (repeatable; see docs/attention.md)")
     given: frozenset = frozenset()  # options typed on the command line, even at their default values
 
     def __post_init__(self):
@@ -58,11 +66,15 @@ def _ignored(cfg: GenerateConfig) -> str | None:
             if _set(cfg, name):
                 return f"{flag} only applies with --sample (greedy decoding ignores it); add --sample or drop {flag}"
     full = f"--attention {cfg.attention} keeps the full cache"
-    if cfg.attention in ("tiled", "default") and _set(cfg, "window"):
+    if cfg.attention not in BOUNDED and _set(cfg, "window"):
         return f"--window only applies with --attention sinks or sliding ({full}); drop --window or choose one of them"
     if cfg.attention != "sinks" and _set(cfg, "sinks") and cfg.sinks != 0:
         why = "sliding keeps no sink tokens" if cfg.attention == "sliding" else full
         return f"--sinks only applies with --attention sinks ({why}); drop --sinks {cfg.sinks}"
+    if cfg.attention_option and cfg.attention in (*BOUNDED, attention_kinds.DEFAULT):
+        kernels = " or ".join(k for k in ATTENTION if k not in (*BOUNDED, attention_kinds.DEFAULT))
+        return (f"--attention-option only applies with --attention {kernels} (--attention {cfg.attention} takes "
+                "--sinks / --window); drop it or choose one of them")
     return None
 
 
@@ -130,15 +142,17 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> str:
     from gqakit.attention.registration import apply_attention
     from gqakit.hf.loading import load_model
 
+    kernel = cfg.attention not in (*BOUNDED, attention_kinds.DEFAULT)
+    options = attention_kinds.command_attention_options(cfg.attention, None, None, cfg.attention_option) \
+        if kernel else {}
     model, tok = load_model(cfg.model, cfg.dtype, device="cpu")  # the prompt's ids stay on the CPU
-    kernel = cfg.attention == "tiled"
     if kernel:
-        apply_attention(model, "tiled", {})
+        apply_attention(model, cfg.attention, options)
     ids = tok(prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         raise GqakitError("the prompt encodes to no tokens with this model's tokenizer; give some text to continue")
     eos = None if cfg.ignore_eos else tok.eos_token_id
-    if cfg.attention in ("sinks", "sliding"):
+    if cfg.attention in BOUNDED:
         sinks = cfg.sinks if cfg.attention == "sinks" else 0
         pieces = streaming.streaming_generate(
             model, tok, ids, cfg.max_new_tokens, sinks=sinks, window=cfg.window, do_sample=cfg.do_sample,
@@ -155,7 +169,7 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> str:
             model, tok, ids, cfg.max_new_tokens, sinks=0, window=ids.shape[1] + cfg.max_new_tokens,
             do_sample=cfg.do_sample, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
             eos_token_id=eos)
-        policy = "full cache" + (", tiled attention" if kernel else "")
+        policy = "full cache" + (f", {cfg.attention} attention" if kernel else "")
     t0, text, count = time.time(), [], 0
     for piece in pieces:
         out.write(piece)

@@ -47,8 +47,34 @@ def test_kernels_agree_within_the_context(model_dir, capsys):
     assert outs["default"] == outs["tiled"] == outs["sinks"]
 
 
+def test_sparse_decoding_equals_its_own_full_forward(model_dir, capsys):
+    """--attention sparse decodes with a full cache and the sparse kernel: the text must be what greedy decoding
+    gives with one full forward per token under the same pattern (the reference: no cache at all)."""
+    import gqakit.attention
+    from transformers import AutoTokenizer
+
+    code, out, err = run(capsys, model_dir, "--prompt", "a single man", "--attention", "sparse", "--attention-option",
+                         "stride=4", "--max-new-tokens", 20, "--ignore-eos")
+    assert code == 0 and "sparse attention" in err, err
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = gqakit.attention.use(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
+                                 "sparse", stride=4)
+    dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tok("a single man", return_tensors="pt").input_ids
+    prompt_length = ids.shape[1]
+    with torch.no_grad():
+        for _ in range(20):  # greedy, one full forward per token, no cache
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+        differs = not torch.allclose(model(ids).logits, dense(ids).logits)
+    assert out == tok.decode(ids[0, prompt_length:])
+    assert differs  # at this length the pattern is not full attention
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--max-new-tokens", "3"], "exactly one of --prompt"),
+    (["--prompt", "x", "--attention", "sparse"], "needs a stride"),
+    (["--prompt", "x", "--attention", "sinks", "--attention-option", "stride=4"], "--attention-option only applies"),
+    (["--prompt", "x", "--attention", "sparse", "--attention-option", "stide=4"], "takes no --attention-option stide"),
     (["--prompt", "x", "--window", "0"], "--window must be a positive"),
     (["--prompt", "x", "--sinks", "-1"], "--sinks must be >= 0"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "does not exist"),
