@@ -299,13 +299,14 @@ def flex_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     `block_mask` reuses a BlockMask from `block_mask_for` (else one is built, or taken from the cache).
     `enable_gqa=False` repeats K/V to H heads first (for kernels without GQA). `compiled`: None runs
-    torch.compile(flex_attention) where it supports the call, i.e. always on CUDA, and on CPU unless the
-    lse is needed (s_aux or return_lse: compiled CPU flex cannot return it), where eager flex runs instead.
-    Flex has no backward on CPU: a call there that needs gradients is refused with one line."""
+    torch.compile(flex_attention) on CUDA and eager flex on CPU. On CPU, `compiled=True` runs only where
+    `cpu_compiled_problem()` found compiled flex right on this processor (compiled CPU flex has given wrong
+    results on some processors, torch 2.13); else, and where the lse is needed (s_aux or return_lse: compiled
+    CPU flex cannot return it), it is refused with one line. Flex has no backward on CPU: a call there that
+    needs gradients is refused with one line."""
     blocks = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
     check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, *blocks)  # the tiled kernel's checks
-    B, H, Tq, d = q.shape
-    G, Tk = k.shape[1], k.shape[2]
+    H = q.shape[1]
     if not hasattr(spec, "mask_function") and len(spec) != H:
         raise ValueError(f"a per-head pattern needs one MaskSpec per query head: got {len(spec)} for {H} heads")
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, s_aux))
@@ -314,10 +315,25 @@ def flex_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                          "tiled_attention (attention_forward routes CPU there), or call this under torch.no_grad()")
     need_lse = return_lse or s_aux is not None
     if compiled is None:
-        compiled = q.device.type != "cpu" or not need_lse
+        compiled = q.device.type != "cpu"
     elif compiled and need_lse and q.device.type == "cpu":
         raise ValueError("compiled flex_attention on CPU cannot return the log-sum-exp that s_aux / return_lse "
                          "need (torch 2.13); pass compiled=None to run eager flex for this call")
+    elif compiled and q.device.type == "cpu":
+        problem = cpu_compiled_problem()
+        if problem is not None:
+            raise ValueError(f"compiled flex_attention gives wrong results on this CPU ({problem}); pass "
+                             "compiled=None (eager flex) or use tiled_attention")
+    return _flex(q, k, v, scale, spec, q_offset, kv_offset, key_padding, softcap, s_aux, enable_gqa, extra_mask,
+                 attn_mask, block_mask, block_size, return_lse, bool(compiled))
+
+
+def _flex(q, k, v, scale, spec, q_offset, kv_offset, key_padding, softcap, s_aux, enable_gqa, extra_mask, attn_mask,
+          block_mask, block_size, return_lse, compiled: bool):
+    """`flex_attention_forward` once its inputs are checked and the kernel chosen."""
+    B, H, Tq, _ = q.shape
+    G, Tk = k.shape[1], k.shape[2]
+    need_lse = return_lse or s_aux is not None
     bias = None
     if attn_mask is not None:
         attn_mask = _check_dense(attn_mask.to(q.device), B, H, Tq, Tk)
@@ -338,6 +354,48 @@ def flex_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if s_aux is not None:
         out, lse = fold_sink(out, lse, s_aux)
     return (out, lse) if return_lse else out
+
+
+_CPU_CHECK: list = []  # [None] or [what went wrong], once per process
+
+
+def cpu_compiled_problem() -> str | None:
+    """None where compiled flex_attention on this CPU gives the tiled kernel's results, else what differs.
+
+    Checked once per process, on small inputs with the mask features whose compiled CPU lowering has given wrong
+    results on some processors (44% of elements off by up to 2.1 on an AMD EPYC, torch 2.13, while eager flex was
+    right): a window with sinks, key padding and a decode offset under GQA; a symmetric dilated window with global
+    tokens and softcap; one pattern per head."""
+    if not _CPU_CHECK:
+        _CPU_CHECK.append(_check_cpu_compiled())
+    return _CPU_CHECK[0]
+
+
+def _check_cpu_compiled() -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    H, d = 4, 8
+    cases = (  # (spec, G, Tq, Tk, q_offset, extra)
+        (MaskSpec(window=5, sinks=2), 2, 6, 43, 37, {}),
+        (MaskSpec(causal=False, window=5, dilation=2, global_tokens=(1, 40)), 1, 45, 45, 0, {"softcap": 2.0}),
+        ((MaskSpec(window=3), MaskSpec(), MaskSpec(window=5, sinks=1), MaskSpec(dilation=2)), 2, 37, 37, 0, {}),
+    )
+    worst = 0.0
+    for spec, G, Tq, Tk, q_offset, extra in cases:
+        q = torch.randn(3, H, Tq, d, generator=gen)
+        k, v = torch.randn(3, G, Tk, d, generator=gen), torch.randn(3, G, Tk, d, generator=gen)
+        padding = torch.ones(3, Tk, dtype=torch.bool)
+        padding[1:, : Tk // 3] = False
+        softcap = extra.get("softcap")
+        want = tiled_attention(q, k, v, scale=0.3, spec=spec, q_offset=q_offset, key_padding=padding, softcap=softcap,
+                               block_q=8, block_k=8)
+        try:
+            with torch.no_grad():
+                got = _flex(q, k, v, 0.3, spec, q_offset, 0, padding, softcap, None, True, None, None, None, 8, False,
+                            compiled=True)
+        except Exception as e:  # a lowering that does not build here is as unusable as a wrong one
+            return f"it does not compile: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        worst = max(worst, float((got - want).abs().max()))
+    return None if worst <= 1e-4 else f"up to {worst:.3g} off the tiled kernel in a self-check"
 
 
 def fold_sink(out: torch.Tensor, lse: torch.Tensor, s_aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

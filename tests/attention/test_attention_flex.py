@@ -240,6 +240,8 @@ COMPILED = [
 def test_compiled_flex_forward_equals_tiled(name, spec, case, extra):
     if not isinstance(spec, MaskSpec) and not per_head_supported():
         pytest.skip("tiled_attention in this tree takes no per-head spec")
+    if fx.cpu_compiled_problem() is not None:  # test_compiled_flex_is_refused_where_it_is_wrong covers this CPU
+        pytest.skip(f"compiled flex is refused on this CPU: {fx.cpu_compiled_problem()}")
     _, G, Tq, Tk, qo, ko = case
     q, k, v, pad = inputs(G, Tq, Tk)
     kw = dict(scale=0.3, spec=spec, q_offset=qo, kv_offset=ko, key_padding=pad, **extra)
@@ -247,6 +249,36 @@ def test_compiled_flex_forward_equals_tiled(name, spec, case, extra):
     with torch.no_grad():
         got = fx.flex_attention_forward(q, k, v, block_size=BLOCK, compiled=True, **kw)
     close(got, want)
+
+
+def test_compiled_flex_is_refused_where_it_is_wrong():
+    """On a CPU where the self-check finds compiled flex wrong, compiled=True is refused in one line and the default
+    (eager flex) still equals the tiled kernel; where it is right, compiled flex equals tiled (the test above)."""
+    q, k, v, pad = inputs(2, 6, 43)
+    kw = dict(scale=0.3, spec=MaskSpec(window=5, sinks=2), q_offset=37, key_padding=pad)
+    want = tiled_attention(q, k, v, block_q=BLOCK, block_k=BLOCK, **kw)
+    with torch.no_grad():
+        close(fx.flex_attention_forward(q, k, v, block_size=BLOCK, **kw), want)  # CPU default: eager flex
+        problem = fx.cpu_compiled_problem()
+        if problem is None:
+            close(fx.flex_attention_forward(q, k, v, block_size=BLOCK, compiled=True, **kw), want)
+        else:
+            with pytest.raises(ValueError, match="gives wrong results on this CPU") as info:
+                fx.flex_attention_forward(q, k, v, block_size=BLOCK, compiled=True, **kw)
+            assert "\n" not in str(info.value)
+
+
+def test_the_self_check_sees_a_wrong_kernel(monkeypatch):
+    """The check itself: a compiled kernel that returns wrong numbers is reported."""
+    monkeypatch.setattr(fx, "_CPU_CHECK", [])
+    real = fx._compiled
+
+    def wrong(fn, device):
+        kernel = real(fn, device)
+        return lambda *a, **kw: kernel(*a, **kw) * 1.01 if fn is fx.flex_attention else kernel(*a, **kw)
+
+    monkeypatch.setattr(fx, "_compiled", wrong)
+    assert "off the tiled kernel" in fx.cpu_compiled_problem()
 
 
 # ---- what CPU cannot do is refused in one line ---------------------------------------------------
