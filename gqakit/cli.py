@@ -20,7 +20,7 @@ import sys
 from gqakit import __version__
 from gqakit.convert import methods
 from gqakit.common.errors import GqakitError, spelled
-from gqakit.common.options import add_arguments, flags, from_args, typed
+from gqakit.common.options import add_arguments, flags, from_args, option, typed, typed_values
 from gqakit.evaluate.cli import add_eval_parser
 
 
@@ -49,11 +49,35 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
               f"({plan.method}); {kv_summary(plan)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """`gqakit demo`'s options (keywords of `gqakit.demo.run_demo`)."""
+
+    output_dir: str | None = option(None, flag="-o/--output-dir/--output",
+                                    help="write the report (and, with --keep, the converted models) here")
+    eval_tokens: int = option(16384, help="held-out tokens to score (default: 16384; 0 = all 57,584)")
+    keep: bool = option(False, help="keep the converted models (with -o)")
+    force: bool = option(False, help="replace an existing -o folder")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeConfig:
+    """`gqakit tokenize`'s options (keywords of `gqakit.uptrain.data.token_build.tokenize_to`)."""
+
+    data: tuple[str, ...] = option(flag="data", help=".txt/.jsonl/.json/.parquet files, folders of them, datasets "
+                                                     "save_to_disk folders, or hf:NAME (a hub dataset, streamed)")
+    output: str = option(flag="-o/--output", help="the token cache folder to write")
+    tokenizer: str = option(metavar="MODEL", help="model folder whose tokenizer to use")
+    num_proc: int = option(1, metavar="N", help="tokenising processes (default: 1)")
+    text_column: str = option("text", metavar="NAME", help="column of row files (default: text)")
+    force: bool = option(False, help="replace an existing token cache at -o")
+    progress: bool = option(True, flag="-q/--quiet", invert=True, help="no progress bar")
+
+
 def _run_demo(args: argparse.Namespace, command: str) -> None:
     from gqakit.demo import run_demo
 
-    run_demo(output_dir=args.output_dir, eval_tokens=args.eval_tokens, keep=args.keep, force=args.force,
-             command=command)
+    run_demo(**dataclasses.asdict(from_args(DemoConfig, args)), command=command)
 
 
 def _run_generate(args: argparse.Namespace, command: str) -> None:
@@ -79,15 +103,10 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
     given = {o.partition("=")[0] for o in overrides}
     if given & set(budget):  # a budget on the command line replaces the recipe's
         overrides = [f"{k}=null" for k in budget if k not in given] + overrides
-    if args.context_parallel is not None:
-        overrides.append(f"context_parallel={args.context_parallel}")
-    if args.force:
-        overrides.append("force=true")
-    if args.quiet:
-        overrides.append("progress=false")
     cfg = load_recipe(UptrainConfig, args.recipe, overrides)
-    if args.device_memory is not None:
-        cfg = dataclasses.replace(cfg, device_memory=args.device_memory)
+    flags_typed = typed_values(UptrainConfig, args)  # --context-parallel, --device-memory, --force, -q
+    if flags_typed:
+        cfg = dataclasses.replace(cfg, **flags_typed)
     if args.plan:  # arithmetic from config.json alone: no data, tokenizer or output folder needed
         from gqakit.uptrain.memory_plan import describe_memory_plan
 
@@ -114,21 +133,11 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
 def _run_tokenize(args: argparse.Namespace, command: str) -> None:
     from gqakit.uptrain.data.token_build import tokenize_to
 
-    header = tokenize_to(args.data, args.output, args.tokenizer, num_proc=args.num_proc, text_column=args.text_column,
-                         force=args.force, progress=not args.quiet)
-    _report(f"wrote {args.output}: {header['tokens']:,} tokens, {header['documents']:,} documents in "
-          f"{header['seconds']:.1f} s")
-
-
-def _add_tokenize_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("data", nargs="+", help=".txt/.jsonl/.json/.parquet files, folders of them, datasets "
-                                           "save_to_disk folders, or hf:NAME (a hub dataset, streamed)")
-    p.add_argument("-o", "--output", required=True, help="the token cache folder to write")
-    p.add_argument("--tokenizer", required=True, metavar="MODEL", help="model folder whose tokenizer to use")
-    p.add_argument("--num-proc", type=int, default=1, metavar="N", help="tokenising processes (default: 1)")
-    p.add_argument("--text-column", default="text", metavar="NAME", help="column of row files (default: text)")
-    p.add_argument("--force", action="store_true", help="replace an existing token cache at -o")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    cfg = from_args(TokenizeConfig, args)
+    header = tokenize_to(list(cfg.data), cfg.output, cfg.tokenizer, num_proc=cfg.num_proc,
+                         text_column=cfg.text_column, force=cfg.force, progress=cfg.progress)
+    _report(f"wrote {cfg.output}: {header['tokens']:,} tokens, {header['documents']:,} documents in "
+            f"{header['seconds']:.1f} s")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,34 +147,26 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="MHA -> GQA/MQA checkpoint conversion (same as convert-gqa)")
     _add_convert_args(conv)
     demo = sub.add_parser("demo", help="convert the embedded model to G=4,2,1 and compare perplexity")
-    demo.add_argument("-o", "--output-dir", "--output", default=None,
-                      help="write the report (and, with --keep, the converted models) here")
-    demo.add_argument("--eval-tokens", type=int, default=16384,
-                      help="held-out tokens to score (default: 16384; 0 = all 57,584)")
-    demo.add_argument("--keep", action="store_true", help="keep the converted models (with -o)")
-    demo.add_argument("--force", action="store_true", help="replace an existing -o folder")
-    demo.set_defaults(func=_run_demo)
+    add_arguments(demo, DemoConfig)
+    demo.set_defaults(func=_run_demo, options=DemoConfig)
     gen = sub.add_parser("generate", help="stream text, far past the trained context with a sink cache")
     _add_generate_args(gen)
     up = sub.add_parser("uptrain", help="uptrain a converted model from a YAML recipe (accelerate, torchrun)")
     up.add_argument("recipe", help="YAML recipe (see recipes/); keys map onto gqakit.uptrain.UptrainConfig")
     up.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe keys, e.g. steps=20 lr=1e-4")
-    up.add_argument("--context-parallel", type=int, default=None, metavar="P",
-                    help="split each sequence over P processes with ring attention (= context_parallel=P)")
-    up.add_argument("--force", action="store_true", help="start over even if output_dir holds a run")
+    from gqakit.uptrain.config import UptrainConfig  # torch-free
+
+    add_arguments(up, UptrainConfig)  # the recipe keys that are also flags
     up.add_argument("--plan", action="store_true",
                     help="print the per-rank memory plan (parameters, gradients, optimizer, activations) and whether "
                          "it fits, then exit without training or writing anything")
     up.add_argument("--processes", type=int, default=None, metavar="N",
                     help="with --plan: the world size to plan for (default: the recipe's num_processes, or 1)")
-    up.add_argument("--device-memory", default=None, metavar="SIZE",
-                    help="memory per rank, e.g. 80GB or 24GiB (= device_memory=SIZE; default: this machine's)")
-    up.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     up.set_defaults(func=_run_uptrain,
                     interrupted="the last checkpoint is kept: run the same command again to resume")
     tok = sub.add_parser("tokenize", help="tokenise training data once into a token cache (see gqakit.uptrain.data.token_build)")
-    _add_tokenize_args(tok)
-    tok.set_defaults(func=_run_tokenize, interrupted="nothing was written")
+    add_arguments(tok, TokenizeConfig)
+    tok.set_defaults(func=_run_tokenize, options=TokenizeConfig, interrupted="nothing was written")
     add_eval_parser(sub)
     return parser
 

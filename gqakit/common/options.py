@@ -75,6 +75,8 @@ def add_arguments(parser, cls) -> None:
         kwargs = {"help": cli["help"]}
         if kind is bool:
             kwargs.update(action="store_false" if cli["invert"] else "store_true", dest=f.name)
+            if cli["remember"]:
+                kwargs["default"] = None
         else:
             item = typing.get_args(kind)[0] if typing.get_origin(kind) is tuple else kind
             # a `parse` runs in from_args, inside the command's error handling: argparse would print usage instead
@@ -120,7 +122,13 @@ def from_args(cls, args, **given):
 
 def typed(cls, args) -> frozenset[str]:
     """The `remember` fields of `cls` whose flags were typed on the command line (even at their default value)."""
-    return frozenset(f.name for f, cli in _cli_fields(cls) if cli["remember"] and getattr(args, f.name) is not None)
+    return frozenset(typed_values(cls, args))
+
+
+def typed_values(cls, args) -> dict:
+    """{field: value} of the `remember` flags typed on the command line (to lay over a recipe)."""
+    return {f.name: getattr(args, f.name) for f, cli in _cli_fields(cls)
+            if cli["remember"] and getattr(args, f.name, None) is not None}
 
 
 @functools.cache

@@ -66,9 +66,13 @@ class UptrainConfig:
     window: int | None = option(None, above=0)
     sinks: int | None = option(None, at_least=0)
     attention_options: dict | None = None  # any other option of the kind, e.g. {stride: 128} for attention=sparse
-    context_parallel: int = option(1, above=0)  # ranks sharing one sequence (ring attention); the rest: data parallel
+    context_parallel: int = option(1, above=0, metavar="P", remember=True,  # ranks sharing one sequence; the rest: DP
+                                   help="split each sequence over P processes with ring attention (= "
+                                        "context_parallel=P)")
     sharding: str = option("ddp", choices=SHARDING)  # ddp: every process holds all; fsdp: FSDP2, state sharded
-    device_memory: str | None = None  # per-rank memory the fit check plans for, e.g. 80GB or 24GiB; None: detect
+    device_memory: str | None = option(None, metavar="SIZE", remember=True,  # what the fit check plans for
+                                       help="memory per rank, e.g. 80GB or 24GiB (= device_memory=SIZE; default: "
+                                            "this machine's)")
     num_processes: int | None = option(None, above=0)  # expected world size: refuse to run silently on fewer processes
     # bookkeeping
     seed: int = option(0, at_least=0)
@@ -79,8 +83,8 @@ class UptrainConfig:
     delete_checkpoints: bool = True  # remove checkpoints/ once the final model is saved
     save_dtype: str = option("auto", choices=SAVE_DTYPES)  # final weights; auto = the source checkpoint's
     threads: int | None = option(None, above=0)  # torch CPU threads per process
-    progress: bool = True
-    force: bool = False  # start over even if output_dir holds a finished or different run
+    progress: bool = option(True, flag="-q/--quiet", invert=True, remember=True, help="no progress bar")
+    force: bool = option(False, remember=True, help="start over even if output_dir holds a run")
     # data at scale: data files are tokenised once into a token cache (gqakit.uptrain.data.token_build)
     cache_dir: str | None = None  # where; default $GQAKIT_CACHE_DIR, else ~/.cache/gqakit/tokens
     num_proc: int = option(1, above=0)  # processes that tokenise (the stream is the same for any number)
