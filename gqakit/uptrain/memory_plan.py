@@ -293,6 +293,18 @@ def _total(cfg: UptrainConfig, world: int, m: ModelCount, t: ModelCount | None) 
     return peak(_lines(cfg, world, m, t)[0], cfg.gradient_accumulation_steps)
 
 
+def _largest(fits, high: int) -> int:
+    """The largest b in 1..high with fits(b), by bisection (fits must hold for every b below one that fits:
+    with b sequences per micro-step below the global batch, every line of the plan grows with b); 1 if none."""
+    low = 1
+    if not fits(low):
+        return 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
 def _fixes(cfg: UptrainConfig, world: int, m: ModelCount, t: ModelCount | None, memory: int) -> list[Fix]:
     """Every single change that lowers the peak, with its total; if none fits alone, the first combination
     that does (or the last tried)."""
@@ -331,7 +343,7 @@ def _fixes(cfg: UptrainConfig, world: int, m: ModelCount, t: ModelCount | None, 
             return replace(cfg, batch_size=b, gradient_accumulation_steps=math.ceil(
                 cfg.batch_size * cfg.gradient_accumulation_steps / b))
 
-        b = next((b for b in range(cfg.batch_size - 1, 0, -1) if _total(smaller(b), world, m, t) <= memory), 1)
+        b = _largest(lambda b: _total(smaller(b), world, m, t) <= memory, cfg.batch_size - 1)
         add(f"batch_size={b} with gradient_accumulation_steps={smaller(b).gradient_accumulation_steps}", smaller(b))
     if any(f.fits for f in fixes):
         return fixes

@@ -181,6 +181,32 @@ def test_a_plan_that_does_not_fit_is_refused_with_the_numbers_and_the_fix(models
     assert check_fits(_cfg(models["7b"], sharding="fsdp", device_memory="80GB"), 8).device_memory == 80 * GB
 
 
+def test_absurd_sizes_are_planned_in_a_bounded_number_of_evaluations(models, monkeypatch):
+    """--plan and the pre-run fit check are arithmetic: the plan is evaluated a number of times that does not grow
+    with the batch size or the sequence length (counted, not timed: the smallest batch that fits is bisected)."""
+    from gqakit.uptrain import memory_plan
+
+    calls = []
+    real = memory_plan._total
+    monkeypatch.setattr(memory_plan, "_total", lambda *a: calls.append(1) or real(*a))
+    checked = 0
+    for name, batch_size, seq_len, sharding in (("70b", 10**9, 4096, "ddp"), ("70b", 10**5, 10**7, "ddp"),
+                                                ("7b", 10**6, 256, "fsdp"), ("7b", 3, 1, "ddp")):
+        calls.clear()
+        plan = plan_memory(_cfg(models[name], batch_size=batch_size, seq_len=seq_len, sharding=sharding), 8, 80 * GB)
+        assert len(calls) < 200, (batch_size, seq_len, len(calls))
+        smaller = [f for f in plan.fixes if f.change.startswith("batch_size=")]
+        if batch_size > 1 and smaller:  # the bisection finds the largest micro-batch that fits, as a scan would
+            b = int(smaller[0].change.split()[0].split("=")[1])
+            global_batch = batch_size
+            fits = lambda n: memory_plan._total(_cfg(models[name], batch_size=n, seq_len=seq_len,  # noqa: E731
+                                                     sharding=sharding, gradient_accumulation_steps=-(-global_batch // n)),
+                                                8, memory_plan.count_model(models[name]), None) <= 80 * GB
+            assert b == 1 or (fits(b) and not fits(b + 1))
+            checked += b > 1
+    assert checked  # at least one case bisected to a micro-batch above 1
+
+
 def test_device_memory_from_the_recipe_or_this_machine(models, monkeypatch):
     with pytest.raises(GqakitError, match=r"the device has 25\.77 GB \(device_memory=24GiB\)"):
         check_fits(_cfg(models["7b"], device_memory="24GiB"), 1)
