@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -195,7 +196,19 @@ def check_fields(obj) -> None:
                                                  else None)
         if problem:
             shown = list(value) if isinstance(value, tuple) else value
-            raise GqakitError(f"{f.name}={shown!r} {problem}")
+            raise FieldError(f.name, f"{f.name}={shown!r} {problem}")
+
+
+class FieldError(GqakitError):
+    """A field's value has the wrong type or lies outside its range; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+# YAML 1.1 spellings of booleans that YAML 1.2 (and this loader) keeps as strings: a bool field still takes them.
+_WORDS = {"yes": True, "no": False, "on": True, "off": False, "y": True, "n": False}
 
 
 def _suggest(key: str, known: list[str]) -> str:
@@ -204,8 +217,11 @@ def _suggest(key: str, known: list[str]) -> str:
 
 
 def _coerce(key: str, value, hint, source: str):
-    """Numbers as the dataclass declares them: YAML 1.1 reads 3e-4 and 1e9 (no dot) as strings."""
+    """Numbers as the dataclass declares them: YAML 1.1 reads 3e-4 and 1e9 (no dot) as strings; and yes / no /
+    on / off, which the loader keeps as strings (`mixed_precision: no`), as booleans where a field is one."""
     kinds = (hint, *typing.get_args(hint))
+    if bool in kinds and isinstance(value, str) and value.lower() in _WORDS:
+        return _WORDS[value.lower()]
     if int in kinds and float not in kinds and not isinstance(value, bool) and isinstance(value, (str, float)):
         try:
             number = float(value)
@@ -222,25 +238,29 @@ def _coerce(key: str, value, hint, source: str):
     return value
 
 
-def from_dict(cls, data: dict, source: str = "recipe"):
-    """Build dataclass `cls` from a mapping; unknown keys are an error naming the closest key."""
+def from_dict(cls, data: dict, source: str = "recipe", sources: dict[str, str] | None = None):
+    """Build dataclass `cls` from a mapping; unknown keys are an error naming the closest key. An error about a
+    key names where the key came from: `sources[key]` (e.g. a command-line override), else `source`."""
+    where = lambda key: (sources or {}).get(key, source)  # noqa: E731
     known = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in known:
-            raise GqakitError(f"{source}: unknown key '{key}'{_suggest(key, known)}")
+            raise GqakitError(f"{where(key)}: unknown key '{key}'{_suggest(key, known)}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
         hint = hints.get(key)
         if typing.get_origin(hint) is tuple:  # YAML lists (or one bare item) -> tuples
             value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
-        value = _coerce(key, value, hint, source)
+        value = _coerce(key, value, hint, where(key))
         kwargs[key] = value
     try:
         return cls(**kwargs)
     except TypeError as e:  # a required key is missing
         raise GqakitError(f"{source}: {e}") from None
-    except GqakitError as e:  # a field's type or range (check_fields, from __post_init__)
+    except FieldError as e:  # a field's type or range (check_fields, from __post_init__)
+        raise GqakitError(f"{where(e.field)}: {e}") from None
+    except GqakitError as e:
         raise GqakitError(f"{source}: {e}") from None
 
 
@@ -252,18 +272,32 @@ def load_recipe(cls, path: str | Path, overrides: list[str] = ()):
     data = _yaml(path.read_bytes(), f"recipe {path}") or {}
     if not isinstance(data, dict):
         raise GqakitError(f"recipe {path} must be a mapping of key: value, got {type(data).__name__}")
+    sources = {}
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise GqakitError(f"override '{item}' is not key=value; write e.g. steps=100")
         data[key] = _yaml(value.encode(errors="surrogateescape"), f"override {key}")  # ints, floats, bools, lists
-    return from_dict(cls, data, source=str(path))
+        sources[key] = f"override {item}"
+    return from_dict(cls, data, source=str(path), sources=sources)
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true / false (any case). YAML 1.1 also reads yes, no,
+    on and off as booleans, so `mixed_precision: no` became False; here it stays the string "no"."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
 
 
 def _yaml(raw: bytes, what: str):
     """YAML text -> data, or a one-line error that says where the text is broken."""
     try:
-        return yaml.safe_load(raw.decode("utf-8"))
+        return yaml.load(raw.decode("utf-8"), Loader=_Loader)
     except UnicodeDecodeError:
         raise GqakitError(f"{what} is not UTF-8 text (a binary file?); give a YAML text file") from None
     except yaml.YAMLError as e:
