@@ -93,10 +93,14 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
     hf_logging.disable_progress_bar()
     if dtype not in DTYPES:
         raise GqakitError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    check_model_folder(path)
+    local_only = False
+    if check_model_folder(path) is None:  # a hub name: refused at once where the hub cannot serve it
+        from gqakit.hf.hub import check_hub_name
+
+        local_only = check_hub_name(path)
     target = resolve_device(device)
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, local_files_only=local_only)
     except ValueError as e:  # e.g. no model_type, an architecture this transformers does not know
         raise GqakitError(f"transformers cannot read the config of {path} ({_first_line(e)}); "
                           "repair config.json or upgrade transformers") from None
@@ -105,12 +109,17 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
                           "pass a local checkpoint folder") from None
     with _quiet_transformers():
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=getattr(torch, dtype), ignore_mismatched_sizes=True, output_loading_info=True)
+            path, config=config, dtype=getattr(torch, dtype), ignore_mismatched_sizes=True, output_loading_info=True,
+            local_files_only=local_only)
     check_loading(path, info)
     model = model.to(target).eval()
     source = tokenizer or path
+    if tokenizer is not None and not is_local(tokenizer):
+        from gqakit.hf.hub import check_hub_name
+
+        local_only = check_hub_name(tokenizer, "tokenizer folder", "tokenizer_config.json")
     try:
-        tok = AutoTokenizer.from_pretrained(source)
+        tok = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
     except (OSError, ValueError, TypeError) as e:
         raise GqakitError(f"cannot load a tokenizer from {source} ({type(e).__name__}); "
                           "pass --tokenizer FOLDER holding tokenizer files") from None

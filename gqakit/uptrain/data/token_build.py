@@ -54,8 +54,13 @@ def load_tokenizer(name: str):
     """AutoTokenizer.from_pretrained(name), with a one-line error when there is none to load."""
     from transformers import AutoTokenizer
 
+    local_only = False
+    if not Path(name).is_dir():
+        from gqakit.hf.hub import check_hub_name
+
+        local_only = check_hub_name(name, "tokenizer folder", "tokenizer_config.json")
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name, local_files_only=local_only)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise GqakitError(f"cannot load a tokenizer from {name} ({first}); pass a model folder that holds "
