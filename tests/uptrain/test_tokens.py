@@ -153,10 +153,41 @@ def test_a_stale_cache_is_rebuilt_never_used(tok, tmp_path, capsys):
     assert f"is stale ({text.resolve()} changed since it was tokenised); rebuilding it" in err
     assert torch.equal(_train_stream(data), tokenize_stream([EMMA[5_000:8_000]], tok))
     assert len([p for p in (tmp_path / "root").iterdir() if p.is_dir()]) == 1  # rebuilt in place, not beside
-    text.unlink()  # the data is gone: the next build removes its cache
+    (old,) = [p for p in (tmp_path / "root").iterdir() if p.is_dir()]
+    text.unlink()  # the data is gone (its folder is here): the next build removes its cache
     _prepare([str(make_text(tmp_path / "u.txt", chars=3_000))], tok, tmp_path / "root", seq_len=16)
-    assert "removed 1 token cache of data that no longer exists" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"removed the token cache {old} (" in err and "MiB): its data files are gone or changed" in err
     assert len([p for p in (tmp_path / "root").iterdir() if p.is_dir()]) == 1
+
+
+def test_caches_are_never_pruned_behind_the_users_back(tok, tmp_path, capsys):
+    """A cache whose data folder is missing (an unmounted drive), whose data is unchanged, or that another process
+    holds locked is kept; only a cache that nothing can use again goes, and is named."""
+    from gqakit.uptrain.data.token_build import _locked, prune_orphans
+
+    root = tmp_path / "root"
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    on_drive = make_text(drive / "d.txt", chars=3_000)
+    _prepare([str(on_drive)], tok, root, seq_len=16)
+    kept = make_text(tmp_path / "kept.txt", chars=3_000)
+    _prepare([str(kept)], tok, root, seq_len=16)
+    (tmp_path / "locked").mkdir()
+    locked_text = make_text(tmp_path / "locked" / "l.txt", chars=3_000)
+    _prepare([str(locked_text)], tok, root, seq_len=16)
+    capsys.readouterr()
+    caches = {p for p in root.iterdir() if p.is_dir()}
+    assert len(caches) == 3
+    shutil.move(str(drive), str(tmp_path / "unmounted"))  # the drive's folder is not there any more
+    locked_text.unlink()  # its data is gone, but a run holds the cache
+    (locked,) = [c for c in caches if str(locked_text.resolve()) in (c / "header.json").read_text()]
+    with _locked(root / f"{locked.name}.lock"):
+        assert prune_orphans(root, keep=root / "none") == []
+    assert {p for p in root.iterdir() if p.is_dir()} == caches  # nothing went
+    removed = prune_orphans(root, keep=root / "none")  # the lock is free now
+    assert [folder for folder, _ in removed] == [locked] and removed[0][1] > 0
+    assert {p for p in root.iterdir() if p.is_dir()} == caches - {locked}
 
 
 def test_an_explicit_corrupted_cache_is_one_line_error(files, tok, tmp_path):

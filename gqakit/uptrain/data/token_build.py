@@ -273,33 +273,64 @@ def implicit_cache_path(sources: list[Source], fingerprint: str, root: Path, tex
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive advisory lock on `path` (no-op where fcntl is missing)."""
+def _locked(path: Path, wait: bool = True):
+    """An exclusive advisory lock on `path` (no-op where fcntl is missing). With `wait=False` it yields False at
+    once when another process holds the lock (and True when this one got it)."""
     try:
         import fcntl
     except ImportError:
-        yield
+        yield True
         return
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def prune_orphans(root: Path, keep: Path) -> int:
-    """Delete the implicit caches under `root` (other than `keep`) whose data files are all gone: nothing
-    can use them again (caches of scratch data would otherwise pile up). Returns how many."""
-    removed = 0
-    for folder in root.iterdir():
+def _unusable(files: list[dict]) -> bool:
+    """Whether a cache of these source files can never be used again: every file sits in a folder that is here
+    (so the drive is mounted) and is gone or has changed since it was tokenised. A hub source, or a file whose
+    folder is missing (an unmounted drive, a moved tree), keeps the cache."""
+    if not files:
+        return False
+    for f in files:
+        if f["path"].startswith(HUB) or not Path(f["path"]).parent.is_dir():
+            return False
+        try:
+            stat = os.stat(f["path"])
+        except FileNotFoundError:
+            continue  # deleted data
+        if (stat.st_size, stat.st_mtime_ns) == (f.get("size"), f.get("mtime_ns")):
+            return False  # this source is as it was: the cache may serve it again
+    return True
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def prune_orphans(root: Path, keep: Path) -> list[tuple[Path, int]]:
+    """Delete the implicit caches under `root` (other than `keep`) that nothing can use again (`_unusable`:
+    caches of scratch data would otherwise pile up), each only while holding its own lock, so a run that is
+    using or building one is never pulled from under it. Returns (folder, bytes freed) of each removed."""
+    removed = []
+    for folder in sorted(root.iterdir()):
         if folder == keep or folder.name.startswith(".") or not is_token_cache(folder):
             continue
-        files = json.loads((folder / HEADER).read_text()).get("sources", [])
-        if files and not any(f["path"].startswith(HUB) or Path(f["path"]).exists() for f in files):
-            shutil.rmtree(folder, ignore_errors=True)
-            Path(f"{folder}.lock").unlink(missing_ok=True)
-            removed += 1
+        with _locked(root / f"{folder.name}.lock", wait=False) as mine:
+            if not mine or not is_token_cache(folder):
+                continue
+            if _unusable(json.loads((folder / HEADER).read_text()).get("sources", [])):
+                freed = _size(folder)
+                shutil.rmtree(folder, ignore_errors=True)
+                Path(f"{folder}.lock").unlink(missing_ok=True)  # nothing can want this cache again
+                removed.append((folder, freed))
     return removed
 
 
@@ -320,8 +351,8 @@ def ensure_cache(sources: list[Source], tokenizer, *, root: Path, text_column: s
                 notice(f"the token cache {folder} {e.reason}; rebuilding it")
         header = build_cache(sources, folder, tokenizer, text_column=text_column, num_proc=num_proc,
                              chunk_bytes=chunk_bytes, progress=progress)
-    if removed := prune_orphans(root, folder):
-        notice(f"removed {removed} token cache{'s' if removed > 1 else ''} of data that no longer exists from {root}")
+    for gone, freed in prune_orphans(root, folder):
+        notice(f"removed the token cache {gone} ({freed / 2**20:,.1f} MiB): its data files are gone or changed")
     names = ", ".join(s.entry for s in sources)
     notice(f"tokenised {names} into {folder}: {header['tokens']:,} tokens, {header['documents']:,} documents in "
            f"{header['seconds']:.1f} s (reused until the data or the tokenizer changes)")
