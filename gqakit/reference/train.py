@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from gqakit.common.atomic import atomic_output
+from gqakit.common.errors import GqakitError
 from gqakit.common.options import check_fields, load_recipe, option, to_dict
 from gqakit.uptrain.modeling import lr_factor
 from gqakit.reference.tokenizer import EOS, train_bpe
@@ -90,9 +91,14 @@ def train(cfg: PretrainConfig) -> dict:
 
     from gqakit.evaluate.perplexity import perplexity
 
+    root = Path(cfg.corpora_dir)
+    missing = [f for f in (*cfg.train_files, cfg.heldout_file) if not (root / f).is_file()]
+    if missing:
+        raise GqakitError(f"the corpus file {root / missing[0]} is missing ({len(missing)} of "
+                          f"{len(cfg.train_files) + 1} are); set corpora_dir=FOLDER to a folder holding "
+                          f"{', '.join((*cfg.train_files, cfg.heldout_file))} (../shared/corpora has them)")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    root = Path(cfg.corpora_dir)
     docs = [(root / f).read_text(encoding="utf-8") for f in cfg.train_files]
     heldout = _heldout_text((root / cfg.heldout_file).read_text(encoding="utf-8"), cfg.heldout_chars)
 
@@ -185,7 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         raise SystemExit("usage: python -m gqakit.reference.train RECIPE.yaml [key=value ...]")
-    train(load_recipe(PretrainConfig, argv[0], argv[1:]))
+    try:
+        train(load_recipe(PretrainConfig, argv[0], argv[1:]))
+    except GqakitError as e:  # one line and exit 2, as the console scripts do
+        sys.stderr.write(f"python -m gqakit.reference.train: error: {e}\n")
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
