@@ -201,19 +201,22 @@ def _bound_generate(model, options: dict) -> None:
     options (StreamingLLM), not a growing cache: given no cache it makes one per call (passing the
     call's attention_mask, for left padding); another kind of cache is refused."""
     from gqakit.decode.cache import SinkCache
+    from gqakit.hf.compat import cache_kwargs
 
     original = getattr(model.generate, "gqakit_original", model.generate)  # a second use() wraps the stock one
 
-    def generate(*args, past_key_values=None, **kwargs):
+    def generate(*args, past_key_values=None, cache=None, **kwargs):
+        past_key_values = cache if cache is not None else past_key_values  # either name, as transformers takes
         if past_key_values is None:
             past_key_values = SinkCache(options["sinks"], options["window"], rope=model,
                                         attention_mask=kwargs.get("attention_mask"))
         elif not isinstance(past_key_values, SinkCache):
+            keyword = next(iter(cache_kwargs(model, None)))
             raise AttentionOptionError(
                 f"use(model, 'sinks') decodes with a bounded SinkCache, but generate() got a "
-                f"{type(past_key_values).__name__}; pass past_key_values=SinkCache({options['sinks']}, "
+                f"{type(past_key_values).__name__}; pass {keyword}=SinkCache({options['sinks']}, "
                 f"{options['window']}, rope=model) or none")
-        return original(*args, past_key_values=past_key_values, **kwargs)
+        return original(*args, **cache_kwargs(model, past_key_values), **kwargs)
 
     generate.gqakit_original = original
     generate.__doc__ = original.__doc__

@@ -214,7 +214,8 @@ class SinkCache(BoundedCache):
         attention_mask: the prompt's left-padded 2D mask, if the batch is padded; tokens fed after
             the prompt are taken as real.
 
-    Use it with `model(..., past_key_values=cache)` or `model.generate(..., past_key_values=cache)`
+    Use it with `model(..., cache=cache)` or `model.generate(..., cache=cache)` (`past_key_values=` before
+    transformers 5.24; `gqakit.hf.compat.cache_kwargs` picks the name)
     (one cache per call; `prefill_chunk_size` bounds memory for prompts longer than S + W).
     """
 

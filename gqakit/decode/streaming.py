@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from gqakit.decode.cache import SinkCache
+from gqakit.hf.compat import cache_kwargs
 
 
 def sample_next(logits: torch.Tensor, do_sample: bool = False, temperature: float = 1.0,
@@ -55,7 +56,7 @@ def _forward(model, cache: SinkCache, ids: torch.Tensor, limit: int) -> torch.Te
         positions = cache.position_ids(q)
     mask = cache.padding_mask(q)
     out = model(input_ids=ids, attention_mask=None if mask is None else mask.to(ids.device),
-                position_ids=positions.to(ids.device), past_key_values=cache, use_cache=True,
+                position_ids=positions.to(ids.device), **cache_kwargs(model, cache), use_cache=True,
                 logits_to_keep=1)
     return out.logits[:, -1]
 

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from gqakit.common.attention_kinds import command_attention_options
 from gqakit.common.errors import GqakitError
 from gqakit.evaluate.options import PasskeyConfig
+from gqakit.hf.compat import cache_kwargs
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.\n")
@@ -149,7 +150,7 @@ def greedy_generator(model, tokenizer, new_tokens: int = 10) -> Callable[[str], 
     def generate(prompt: str) -> str:
         ids = tokenizer(prompt, return_tensors="pt", verbose=False).input_ids.to(device)  # (1, T)
         cache = DynamicCache()
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[0, -1]
         out: list[int] = []
         for step in range(new_tokens):
             token = int(logits.argmax())
@@ -157,7 +158,7 @@ def greedy_generator(model, tokenizer, new_tokens: int = 10) -> Callable[[str], 
             if token == tokenizer.eos_token_id or step == new_tokens - 1:
                 break
             step_ids = torch.tensor([[token]], device=device)
-            logits = model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(input_ids=step_ids, **cache_kwargs(model, cache), use_cache=True).logits[0, -1]
         return tokenizer.decode(out, skip_special_tokens=True)
 
     return generate

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from gqakit.common.errors import GqakitError
 from gqakit.evaluate.options import StreamConfig
 from gqakit.decode.stream_cache import ChunkedSinkCache
+from gqakit.hf.compat import cache_kwargs
 
 POLICIES = ("dense", "window", "sinks", "recompute")
 RECOMPUTE_TOKENS = 32_768  # most tokens per recompute forward (rows x length), to bound activation memory
@@ -96,7 +97,7 @@ def _cached(model, ids: torch.Tensor, policy: str, window: int, sinks: int, chun
         kwargs = {}
         if policy != "dense":
             kwargs["position_ids"], kwargs["attention_mask"] = cache.prepare(piece.shape[1], dtype, device)
-        logits = model(input_ids=piece, past_key_values=cache, use_cache=True, **kwargs).logits[0]  # (q, V)
+        logits = model(input_ids=piece, **cache_kwargs(model, cache), use_cache=True, **kwargs).logits[0]  # (q, V)
         _score(nll, logits, ids, a)
         stored = _cache_bytes(cache) if policy == "dense" else cache.cache_bytes()
         peak = max(peak, stored)

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from gqakit.hf.compat import cache_kwargs
 from gqakit.decode.cache import SinkCache, WindowCache
 from gqakit.decode.streaming import _Detokenizer, sample_next, stream_tokens, streaming_generate
 
@@ -60,7 +61,7 @@ def chunk_starts(total: int, prompt: int) -> list[int]:
 def run_cache(model, ids: torch.Tensor, cache, starts: list[int]) -> torch.Tensor:
     """Feed ids (1, T) in chunks starting at `starts` (model-default positions); logits (T, V)."""
     bounds = starts + [ids.shape[1]]
-    out = [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits[0]
+    out = [model(ids[:, a:b], **cache_kwargs(model, cache), use_cache=True).logits[0]
            for a, b in zip(bounds, bounds[1:])]
     return torch.cat(out)
 
@@ -141,7 +142,7 @@ def test_fits_matches_dynamic_cache_generate(model, sinks, window):
     kw = dict(max_new_tokens=30, do_sample=False, output_logits=True, return_dict_in_generate=True,
               pad_token_id=0)
     want = model.generate(ids, **kw)
-    got = model.generate(ids, past_key_values=make_cache(sinks, window, model), **kw)
+    got = model.generate(ids, **cache_kwargs(model, make_cache(sinks, window, model)), **kw)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=ATOL_SAME, rtol=0)
 
@@ -190,7 +191,7 @@ def test_past_window_matches_streaming_reference_in_chunks(model, sinks, window)
 @pytest.mark.parametrize("sinks,window", [(2, 6), (0, 7)])
 def test_past_window_generate_matches_streaming_reference(model, sinks, window, prompt, prefill_chunk):
     ids = tokens(prompt, seed=6)
-    out = model.generate(ids, past_key_values=make_cache(sinks, window, model), max_new_tokens=30,
+    out = model.generate(ids, **cache_kwargs(model, make_cache(sinks, window, model)), max_new_tokens=30,
                          prefill_chunk_size=prefill_chunk, do_sample=False, output_logits=True,
                          return_dict_in_generate=True, pad_token_id=0)
     seq = out.sequences[0]
@@ -228,7 +229,7 @@ def run_generate_style(model, prompt, mask, cont, cache) -> torch.Tensor:
     pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
     bounds = chunk_starts(seq.shape[1], prompt.shape[1]) + [seq.shape[1]]
     return torch.cat([model(seq[:, a:b], attention_mask=full_mask[:, :b], position_ids=pos[:, a:b],
-                            past_key_values=cache, use_cache=True).logits
+                            **cache_kwargs(model, cache), use_cache=True).logits
                       for a, b in zip(bounds, bounds[1:])], dim=1)
 
 
@@ -263,9 +264,9 @@ def test_left_padded_generate_matches_rows_alone(model, sinks, window):
     prompt, mask = left_pad(rows)
     kw = dict(max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True,
               pad_token_id=0)
-    out = model.generate(prompt, attention_mask=mask, past_key_values=make_cache(sinks, window, model, mask), **kw)
+    out = model.generate(prompt, attention_mask=mask, **cache_kwargs(model, make_cache(sinks, window, model, mask)), **kw)
     for i, row in enumerate(rows):
-        alone = model.generate(row[None], past_key_values=make_cache(sinks, window, model), **kw)
+        alone = model.generate(row[None], **cache_kwargs(model, make_cache(sinks, window, model)), **kw)
         n = alone.sequences.shape[1] - len(row)  # the row alone stops at its EOS
         assert n >= 5 and torch.equal(out.sequences[i, prompt.shape[1]:][:n], alone.sequences[0, len(row):])
         torch.testing.assert_close(torch.stack(out.logits)[:n, i], torch.stack(alone.logits)[:, 0],
@@ -295,10 +296,10 @@ def test_memory_constant_over_20k_tokens(model):
     stream = tokens(20_000, seed=50)
     begin = time.perf_counter()
     for start in range(0, 20_000, chunk):
-        model(stream[:, start:start + chunk], past_key_values=cache, use_cache=True)
+        model(stream[:, start:start + chunk], **cache_kwargs(model, cache), use_cache=True)
         if start % 4096 == 0:
             for _ in range(3):
-                model(tokens(1, seed=start), past_key_values=cache, use_cache=True)
+                model(tokens(1, seed=start), **cache_kwargs(model, cache), use_cache=True)
         for layer in cache.layers:
             assert layer.keys.shape[-2] <= sinks + window and layer.values.shape[-2] <= sinks + window
     assert cache.get_seq_length() == 20_000 + 3 * 5
@@ -373,4 +374,4 @@ def test_bad_input(model, make, match):
 def test_wrong_batch_is_refused(model):
     cache = SinkCache(2, 6, rope=model, attention_mask=torch.ones(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="built for batch 2"):
-        model(tokens(4, 0), past_key_values=cache, use_cache=True)
+        model(tokens(4, 0), **cache_kwargs(model, cache), use_cache=True)

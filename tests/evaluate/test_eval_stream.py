@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from eval_tiny import checkpoint, one_line_error, run_eval, text, tiny_llama, tokenizer
+from gqakit.hf.compat import cache_kwargs
 from gqakit.decode.cache import SinkCache, WindowCache
 from gqakit.common import report
 from gqakit.evaluate.stream import POLICIES, bucketize, fluency, stream_nll
@@ -42,7 +43,7 @@ def nll_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def house_cache_token_by_token(model, ids: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
     cache = SinkCache(sinks, window, rope=model) if sinks else WindowCache(window)
-    logits = torch.cat([model(input_ids=ids[None, t:t + 1], past_key_values=cache, use_cache=True).logits[0]
+    logits = torch.cat([model(input_ids=ids[None, t:t + 1], **cache_kwargs(model, cache), use_cache=True).logits[0]
                         for t in range(ids.numel() - 1)])
     return nll_of(logits, ids)
 
@@ -71,7 +72,7 @@ def test_house_cache_in_chunks_is_a_different_policy(model, stream):
     # why ChunkedSinkCache exists: SinkCache fed 7 tokens at a time shows later tokens of a chunk more
     # than W recent tokens, so its numbers are not the token-by-token ones
     cache = SinkCache(S, W, rope=model)
-    logits = torch.cat([model(input_ids=stream[None, a:a + 7], past_key_values=cache, use_cache=True).logits[0]
+    logits = torch.cat([model(input_ids=stream[None, a:a + 7], **cache_kwargs(model, cache), use_cache=True).logits[0]
                         for a in range(0, N, 7)])
     naive = nll_of(logits, stream)
     exact = house_cache_token_by_token(model, stream, S, W)
@@ -111,7 +112,7 @@ def test_cache_is_bounded_and_positions_rebased(model):
     biggest = 0
     for a in range(0, 500, 9):
         pos, mask = cache.prepare(min(9, 500 - a))
-        model(input_ids=long[None, a:a + 9], position_ids=pos, attention_mask=mask, past_key_values=cache,
+        model(input_ids=long[None, a:a + 9], position_ids=pos, attention_mask=mask, **cache_kwargs(model, cache),
               use_cache=True)
         biggest = max(biggest, int(pos.max()))
         assert cache.cache_bytes() <= 2 * 2 * 2 * (S + W) * 8 * 4

@@ -1,0 +1,24 @@
+"""Keyword names that changed within transformers 5.x, read from the running version's own signatures.
+
+transformers 5.24 renamed a model's `past_key_values` argument to `cache` (the old name warns that it goes in
+5.40); earlier 5.x releases know only `past_key_values`. Every call of ours that hands a model a KV cache uses
+`cache_kwargs`, so it runs without a deprecation warning on every release in our range.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_keyword(cls: type) -> str:
+    try:
+        parameters = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """{keyword: cache} for `model(...)` and `model.generate(...)` on this transformers release."""
+    return {_cache_keyword(type(model)): cache}
