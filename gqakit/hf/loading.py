@@ -9,6 +9,7 @@ line, never a traceback or a silently half-random model.
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 
 import torch
@@ -99,6 +100,12 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
 
         local_only = check_hub_name(path)
     target = resolve_device(device)
+    if dtype == "bfloat16" and target.type == "cpu":
+        from gqakit.common.precision import bf16_cpu_warning
+
+        slow = bf16_cpu_warning("--dtype bfloat16", "--dtype float32")
+        if slow:
+            print(f"gqakit: warning: {slow}", file=sys.stderr, flush=True)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=local_only)
     except ValueError as e:  # e.g. no model_type, an architecture this transformers does not know

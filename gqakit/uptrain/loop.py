@@ -28,6 +28,7 @@ from gqakit.uptrain.loss import cross_entropy_sum, distillation_sum
 from gqakit.uptrain.memory_plan import check_fits
 from gqakit.uptrain.run.metrics import MetricsLog, plot
 from gqakit.attention.registration import apply_attention
+from gqakit.common.precision import bf16_cpu_warning
 from gqakit.uptrain.parallel import SequenceParallel, sequence_parallel
 from gqakit.uptrain.sharding import Sharding, strategy
 from gqakit.uptrain.run.final import save_final, source_dtype
@@ -153,6 +154,10 @@ def uptrain(cfg: UptrainConfig, command: str = "", on_step: Callable[[int, dict,
                               mixed_precision=strategy(cfg.sharding).autocast(cfg.mixed_precision))
     out = Path(cfg.output_dir)
     say = _Say(accelerator.is_main_process and cfg.progress)
+    if cfg.mixed_precision == "bf16" and accelerator.device.type == "cpu" and accelerator.is_main_process:
+        slow = bf16_cpu_warning("mixed_precision=bf16", "mixed_precision=no")
+        if slow:
+            _Say(True)(f"uptrain: warning: {slow}")
     with run_lock(out, _Say(True)) if accelerator.is_main_process else contextlib.nullcontext():
         accelerator.wait_for_everyone()
         resume_from = plan_run(out, recipe, cfg.force, shape)  # again, now that no other run can change it

@@ -337,3 +337,13 @@ def test_fsdp_refuses_a_model_it_cannot_wrap_before_any_work(tiny, tmp_path, cap
 def test_fsdp_with_fp16_is_refused(tiny, tmp_path, capsys):
     _cfg(tiny, tmp_path, steps=1, sharding="fsdp", mixed_precision="fp16")
     assert "mixed_precision=fp16" in _cli_error(capsys, ["uptrain", str(tmp_path / "r.yaml")])
+
+
+@pytest.mark.parametrize("ratio, warned", [(8.0, True), (0.5, False)])
+def test_bf16_on_a_cpu_without_fast_bf16_says_what_it_costs(tiny, tmp_path, capsys, monkeypatch, ratio, warned):
+    from gqakit.common import precision
+
+    monkeypatch.setattr(precision, "cpu_bf16_slowdown", lambda: ratio)
+    uptrain(_cfg(tiny, tmp_path, steps=1, mixed_precision="bf16", progress=False))
+    err = capsys.readouterr().err
+    assert ("uptrain: warning: mixed_precision=bf16 on this CPU" in err) is warned, err

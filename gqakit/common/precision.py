@@ -1,0 +1,40 @@
+"""Whether bf16 pays on this machine's CPU: many CPUs have no bf16 arithmetic units, and there torch's bf16 matmuls
+run several times slower than fp32 (about 8x on this project's CI machines). Measured once per process, on a
+small matmul, so a bf16 run on such a CPU says what it costs before it starts."""
+from __future__ import annotations
+
+import functools
+import time
+
+SLOW = 1.5  # bf16 / fp32 time above which bf16 is called slow
+
+
+def _median_seconds(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+@functools.cache
+def cpu_bf16_slowdown(size: int = 384) -> float:
+    """How many times longer a bf16 matmul takes than an fp32 one on this CPU (median of 5, after a warm-up)."""
+    import torch
+
+    a32 = torch.randn(size, size)
+    a16 = a32.to(torch.bfloat16)
+    for a in (a32, a16):  # warm-up: thread pools, kernel selection
+        a @ a
+    return _median_seconds(lambda: a16 @ a16) / max(_median_seconds(lambda: a32 @ a32), 1e-9)
+
+
+def bf16_cpu_warning(what: str, instead: str) -> str | None:
+    """One line for a bf16 run on a CPU where bf16 is slow (None where it is not): `what` names the setting,
+    `instead` the faster choice."""
+    ratio = cpu_bf16_slowdown()
+    if ratio <= SLOW:
+        return None
+    return (f"{what} on this CPU: a bf16 matmul takes {ratio:.1f}x as long as an fp32 one here (no fast bf16 "
+            f"arithmetic); {instead} runs faster on this machine")
