@@ -19,6 +19,7 @@ import sys
 
 from gqakit import __version__
 from gqakit.convert import methods
+from gqakit.common.atomic import Terminated, sigterm_as_interrupt
 from gqakit.common.errors import GqakitError, spelled
 from gqakit.common.options import add_arguments, flags, from_args, option, typed, typed_values
 from gqakit.evaluate.cli import add_eval_parser
@@ -180,8 +181,8 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> in
     command = " ".join([prog, *map(shlex.quote, argv)])
     note = getattr(args, "interrupted", "nothing was written")
     try:
-        with spelled(flags(args.options) if getattr(args, "options", None) else {}):  # errors name the flags typed
-            args.func(args, command)
+        with sigterm_as_interrupt(), spelled(flags(args.options) if getattr(args, "options", None) else {}):
+            args.func(args, command)  # errors name the flags typed; SIGTERM cleans up as Ctrl-C does
     except GqakitError as e:
         _say(f"{parser.prog}: error: {e}")
         return 2
@@ -191,9 +192,10 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> in
         where = f" ({e.filename})" if e.filename else ""
         _say(f"{parser.prog}: error: {_ENVIRONMENT[e.errno]}{where}; {note}")
         return 2
-    except KeyboardInterrupt:
-        _say(f"{parser.prog}: interrupted; {note}")
-        return 130
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        _say(f"{parser.prog}: {'terminated' if terminated else 'interrupted'}; {note}")
+        return 143 if terminated else 130
     return 0
 
 

@@ -125,8 +125,12 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so that the same cleanup runs (exit status 143, not 130)."""
+
+
 def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 def _restore(signum: int, previous) -> None:

@@ -349,7 +349,7 @@ def test_leftover_symlink_is_unlinked_not_followed(src, tmp_path):
 
 
 def test_sigterm_mid_write_leaves_nothing(tmp_path):
-    """A real SIGTERM from outside while shards are being written: exit 130, no temporary folder."""
+    """A real SIGTERM from outside while shards are being written: exit 143 (128 + SIGTERM), no temporary folder."""
     model = make_tiny_llama(tmp_path / "many", heads=2, head_dim=4, layers=24)  # ~220 tensors, one shard each
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -371,8 +371,8 @@ def test_sigterm_mid_write_leaves_nothing(tmp_path):
         if proc.poll() is None:
             proc.kill()
     err = err.decode(errors="replace")
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err and "convert-gqa: interrupted; nothing was written" in err, err
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "convert-gqa: terminated; nothing was written" in err, err
     assert not out.exists() and not leftovers(tmp_path)
 
 
@@ -392,8 +392,8 @@ def test_sigterm_handler_only_during_the_write(src, tmp_path, monkeypatch, capsy
 
     before = signal.getsignal(signal.SIGTERM)
     monkeypatch.setattr(ckpt.ShardWriter, "copy_tensor", signalling)
-    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "out"), "--quiet"]) == 130
-    assert "interrupted" in capsys.readouterr().err
+    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "out"), "--quiet"]) == 143
+    assert "terminated" in capsys.readouterr().err
     assert seen and seen[0] is not before
     assert signal.getsignal(signal.SIGTERM) is before
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)

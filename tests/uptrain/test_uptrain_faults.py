@@ -177,3 +177,29 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_no_torn_fold
     left = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert left == [], left
     assert not (tmp_path / "run" / "uptrain.lock").exists()
+
+
+def test_sigterm_says_how_to_resume_and_exits_143(tiny, tmp_path):
+    """SIGTERM (what kill, systemd and schedulers send) stops a run as Ctrl-C does: one line that says how to
+    resume, exit 128 + 15, the last checkpoint kept."""
+    import time
+
+    recipe = _recipe(tiny, tmp_path, steps=400, checkpoint_every=1, eval_every=0)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([console_script("gqakit"), "uptrain", str(recipe)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline and not list(run.glob("checkpoints/step-*")):
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be stopped"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err.decode(errors="replace")
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and \
+        "gqakit: terminated; the last checkpoint is kept: run the same command again to resume" in err, err
+    assert list(run.glob("checkpoints/step-*"))
