@@ -21,6 +21,7 @@ from gqakit import __version__
 from gqakit.convert import methods
 from gqakit.common.atomic import Terminated, sigterm_as_interrupt
 from gqakit.common.errors import GqakitError, spelled
+from gqakit.common.report import counted
 from gqakit.common.options import add_arguments, flags, from_args, option, typed, typed_values
 from gqakit.evaluate.cli import add_eval_parser
 
@@ -127,7 +128,8 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
         return  # one report per run, from rank 0
     if record.get("final_eval_ppl") is not None and record.get("initial_eval_ppl") is not None:
         print(f"held-out perplexity {record['initial_eval_ppl']:.2f} -> {record['final_eval_ppl']:.2f}")
-    _report(f"wrote {cfg.output_dir}: {record['budget']['steps']} steps, {record['budget']['tokens']:,} tokens "
+    _report(f"wrote {cfg.output_dir}: {counted(record['budget']['steps'], 'step')}, "
+            f"{counted(record['budget']['tokens'], 'token')} "
           f"({record['budget']['source']}) in {record['train_seconds']:.0f} s")
 
 
@@ -137,12 +139,14 @@ def _run_tokenize(args: argparse.Namespace, command: str) -> None:
     cfg = from_args(TokenizeConfig, args)
     header = tokenize_to(list(cfg.data), cfg.output, cfg.tokenizer, num_proc=cfg.num_proc,
                          text_column=cfg.text_column, force=cfg.force, progress=cfg.progress)
-    _report(f"wrote {cfg.output}: {header['tokens']:,} tokens, {header['documents']:,} documents in "
+    _report(f"wrote {cfg.output}: {counted(header['tokens'], 'token')}, {counted(header['documents'], 'document')} "
+            f"in "
             f"{header['seconds']:.1f} s")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gqakit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gqakit", description="Turn multi-head-attention models into grouped-query "
+                                     "ones, run efficient attention, uptrain and evaluate them (see README.md).")
     parser.add_argument("--version", action="version", version=f"gqakit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     conv = sub.add_parser("convert", help="MHA -> GQA/MQA checkpoint conversion (same as convert-gqa)")

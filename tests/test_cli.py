@@ -68,3 +68,32 @@ def test_dtype_and_small_shards(tmp_path):
     original = AutoModelForCausalLM.from_pretrained(src)
     torch.testing.assert_close(model.model.embed_tokens.weight.float(),
                                original.model.embed_tokens.weight.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+# ---- the smaller edges of a new user's first hour, each through the console scripts --------------------
+
+def test_edges_are_one_line_with_the_fix(tmp_path):
+    from cli_contract import run_refused
+
+    (tmp_path / "weights.txt").write_text("not a model\n")
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "model.gguf").write_bytes(b"GGUF")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tmp_path / 'gguf'}\noutput_dir: {tmp_path / 'run'}\ndata: [{tmp_path / 'weights.txt'}]\n"
+                      "steps: 1\n")
+    assert "is a file, not a model folder" in run_refused(tmp_path, "convert-gqa", "--groups", "2",
+                                                           str(tmp_path / "weights.txt"))
+    assert "holds a GGUF file but no config.json" in run_refused(tmp_path, "convert-gqa", "--groups", "2",
+                                                                 str(tmp_path / "gguf"))
+    assert "seq_len=1 must be >= 2" in run_refused(tmp_path, "gqakit", "uptrain", str(recipe), "seq_len=1")
+    from gqakit.reference import reference_model_path
+
+    line = run_refused(tmp_path, "gqakit", "eval", "ppl", str(reference_model_path()), "--text",
+                       str(tmp_path / "weights.txt"), "--attention", "sliding", "-o", str(tmp_path / "report"))
+    assert "pass --window W" in line and "window=W" not in line
+
+
+def test_help_speaks_to_users():
+    done = subprocess.run([console_script("gqakit"), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "Turn multi-head-attention models into grouped-query ones" in done.stdout
+    assert "thin layer" not in done.stdout  # no developer's note

@@ -12,6 +12,7 @@ import functools
 
 from gqakit.attention import patterns
 from gqakit.attention.masks import AttentionOptionError, MaskSpec
+from gqakit.common.errors import opt
 from gqakit.common.attention_kinds import CONFIG_KEY, DEFAULTS, KINDS, LAYERED, OPTIONS, SPARSE_PATTERNS
 
 
@@ -42,8 +43,8 @@ def normalise_options(kind: str, options: dict, config=None) -> dict:
     if kind == "sliding" and merged["window"] is None:
         merged["window"] = getattr(text, "sliding_window", None)
         if merged["window"] is None:
-            raise AttentionOptionError("attention kind 'sliding' needs a window; pass window=W (e.g. 512), one per "
-                                       "layer, or per layer one per head")
+            raise AttentionOptionError(f"attention kind 'sliding' needs a window; pass {opt('window', 'W')} (e.g. "
+                                       "512; in Python also one per layer, or per layer one per head)")
     if kind == "sinks" and merged["window"] is None:
         merged["window"] = 1020
     if kind == "sparse" and merged["stride"] is None:

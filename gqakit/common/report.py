@@ -30,6 +30,11 @@ RESULTS_CSV = "results.csv"
 _EXISTS = "report folder {} already exists; pass --force to replace it or choose another --output"
 
 
+def counted(n: int, noun: str) -> str:
+    """'1 step', '2 steps', '1,024 tokens'."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def default_output(kind: str, now: datetime.datetime | None = None) -> Path:
     now = now or datetime.datetime.now()
     return Path("runs") / f"eval-{kind}-{now:%Y%m%d-%H%M%S}"

@@ -26,10 +26,17 @@ _NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt",
 
 def read_config(model_dir: Path) -> dict:
     """The folder's config.json as a dict, or a one-line error that says what is wrong with the folder."""
+    if model_dir.exists() and not model_dir.is_dir():
+        raise GqakitError(f"{model_dir} is a file, not a model folder; pass the folder that holds config.json and "
+                          "the safetensors weights")
     if not model_dir.is_dir():
         raise GqakitError(f"model folder {model_dir} does not exist; pass the path of a Hugging Face checkpoint folder")
     path = model_dir / "config.json"
     if not path.is_file():
+        if any(model_dir.glob("*.gguf")):
+            raise GqakitError(f"{model_dir} holds a GGUF file but no config.json; gqakit reads Hugging Face "
+                              "safetensors checkpoints: convert the GGUF to one first (e.g. with transformers' "
+                              "from_pretrained(..., gguf_file=...) and save_pretrained)")
         raise GqakitError(f"{model_dir} has no config.json; point at a Hugging Face checkpoint folder")
     try:
         config = json.loads(path.read_text())

@@ -43,7 +43,7 @@ class UptrainConfig:
     tokens: int | None = option(None, above=0)
     steps: int | None = option(None, above=0)
     # batch and sequence
-    seq_len: int = option(512, above=0)
+    seq_len: int = option(512, at_least=2)  # one token has no next token to learn in context
     batch_size: int = option(8, above=0)  # sequences per process per micro-step
     gradient_accumulation_steps: int = option(1, above=0)
     # optimiser and schedule: AdamW, linear warmup, cosine decay to min_lr_ratio * lr

@@ -332,3 +332,12 @@ def test_uptrain_trains_on_a_token_cache(files, tmp_path, capsys):
     capsys.readouterr()
     assert "holds no .jsonl/.json/.parquet file, no token cache" in _one_line_error(capsys, ["uptrain", str(recipe)])
     shutil.rmtree(empty)
+
+
+def test_a_failed_first_tokenisation_leaves_no_lock_file_or_folder(tok, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"body": "no text column here"}\n')
+    root = tmp_path / "caches" / "tokens"
+    with pytest.raises(GqakitError, match="has no column 'text'"):
+        _prepare([str(rows)], tok, root)
+    assert not (tmp_path / "caches").exists()

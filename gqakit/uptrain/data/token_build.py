@@ -34,6 +34,7 @@ import numpy as np
 
 from gqakit import __version__
 from gqakit.common.atomic import atomic_output
+from gqakit.common.report import counted
 from gqakit.common.errors import GqakitError
 from gqakit.common.text import eos_id
 from gqakit.uptrain.config import _inside
@@ -340,20 +341,34 @@ def ensure_cache(sources: list[Source], tokenizer, *, root: Path, text_column: s
     Call it on one process; the others open the folder (`implicit_cache_path`) once it returns."""
     fingerprint = tokenizer_fingerprint(tokenizer)
     folder = implicit_cache_path(sources, fingerprint, root, text_column, chunk_bytes)
+    made = [p for p in (root, *root.parents) if not p.exists()]  # folders this call creates
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f"{folder.name}.lock"):
-        if folder.exists():
+    lock = root / f"{folder.name}.lock"
+    try:
+        with _locked(lock):
+            if folder.exists():
+                try:
+                    open_cache(folder, fingerprint=fingerprint, sources=describe_files(sources), verify=True,
+                               progress=progress)
+                    return folder
+                except CacheProblem as e:
+                    notice(f"the token cache {folder} {e.reason}; rebuilding it")
             try:
-                open_cache(folder, fingerprint=fingerprint, sources=describe_files(sources), verify=True,
-                           progress=progress)
-                return folder
-            except CacheProblem as e:
-                notice(f"the token cache {folder} {e.reason}; rebuilding it")
-        header = build_cache(sources, folder, tokenizer, text_column=text_column, num_proc=num_proc,
-                             chunk_bytes=chunk_bytes, progress=progress)
+                header = build_cache(sources, folder, tokenizer, text_column=text_column, num_proc=num_proc,
+                                     chunk_bytes=chunk_bytes, progress=progress)
+            except BaseException:
+                if not folder.exists():  # a failed first build leaves no lock file behind it
+                    lock.unlink(missing_ok=True)
+                raise
+    except BaseException:
+        for path in made:  # nor the (still empty) folders it made for the cache
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        raise
     for gone, freed in prune_orphans(root, folder):
         notice(f"removed the token cache {gone} ({freed / 2**20:,.1f} MiB): its data files are gone or changed")
     names = ", ".join(s.entry for s in sources)
-    notice(f"tokenised {names} into {folder}: {header['tokens']:,} tokens, {header['documents']:,} documents in "
+    notice(f"tokenised {names} into {folder}: {counted(header['tokens'], 'token')}, "
+           f"{counted(header['documents'], 'document')} in "
            f"{header['seconds']:.1f} s (reused until the data or the tokenizer changes)")
     return folder
