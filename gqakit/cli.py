@@ -35,7 +35,7 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
 
 def _run_convert(args: argparse.Namespace, command: str) -> None:
     from gqakit.convert import ConvertConfig, convert
-    from gqakit.convert.card import describe_plan, kv_summary
+    from gqakit.convert.card import against_mean, describe_plan, kv_summary
     from gqakit.common.memory import return_freed_memory_eagerly
 
     cfg = from_args(ConvertConfig, args)
@@ -49,6 +49,9 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
     else:
         _report(f"wrote {result['output_dir']}: {plan.num_key_value_heads} -> {plan.groups} K/V heads "
               f"({plan.method}); {kv_summary(plan)}")
+        warning = against_mean(plan, result["errors"], result["calibration"] is not None)
+        if warning:
+            _say(f"{'convert-gqa' if command.startswith('convert-gqa') else 'gqakit'}: warning: {warning}")
 
 
 @dataclasses.dataclass(frozen=True)

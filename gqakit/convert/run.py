@@ -214,7 +214,10 @@ def merge_layer(plan: Plan, weights: dict[str, torch.Tensor], grouping: str = "s
         "v": bilinear_error(o_w.reshape(-1, H, d).permute(1, 2, 0), v_w.reshape(K, d, -1),
                             out["o_w"].reshape(-1, H, d).permute(1, 2, 0), out["v_w"].reshape(G, d, -1), order),
     }
-    if heldout is not None:
+    if heldout is not None:  # the same measure for mean-pooling, which a merge sold as better must not lose to
+        pooled = (q_w, regroup(k_w, K, G, "mean"), q_b, None if k_b is None else regroup(k_b, K, G, "mean"))
+        errors["logits_mean"] = logit_error(heldout, (q_w, k_w, q_b, k_b), pooled, H, K, G, d)
+        del pooled
         q_w, k_w, _, _, q_b, k_b, _ = permute_kv_heads(q_w, k_w, v_w, o_w, merged.perm, H, K, d, q_b, k_b, v_b)
         errors["logits"] = logit_error(heldout, (q_w, k_w, q_b, k_b),
                                        (out["q_w"], out["k_w"], out.get("q_b"), out.get("k_b")), H, K, G, d)

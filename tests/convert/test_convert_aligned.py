@@ -83,3 +83,40 @@ def test_scaled_rotations_are_what_the_transforms_accept():
     with pytest.raises(ValueError, match="scaled rotations"):
         reflection = torch.tensor([[[[1.0, 0.0], [0.0, -1.0]]]])
         transform_keys(torch.zeros(16, 4), torch.zeros(8, 4), reflection.expand(1, 4, 2, 2), 2, 1, 8)
+
+
+def test_a_layer_merge_says_when_it_is_not_known_to_beat_the_mean(tmp_path):
+    """Weights-only aligned is not checked against mean-pooling on held-out text: one warning line and a card note.
+    Calibrated, the card shows mean-pooling's held-out logit error beside the merge's for every layer."""
+    from cli_contract import run_cli
+
+    import shutil
+
+    src = make_tiny_llama(tmp_path / "src", heads=4, head_dim=8, layers=2, vocab_size=4096)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # calibration tokenises with the model's tokenizer
+        shutil.copy(TEXT.parent / "austen-mha-8h" / name, src / name)
+    done = run_cli("convert-gqa", "--groups", "2", "--method", "aligned", str(src), "-o", str(tmp_path / "a"),
+                   "--quiet")
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("convert-gqa: warning: --method aligned without --calibration"), \
+        done.stderr
+    assert "**Warning:** --method aligned without --calibration" in (tmp_path / "a" / "README.md").read_text()
+
+    done = run_cli("convert-gqa", "--groups", "2", "--method", "fit", "--calibration", str(TEXT),
+                   "--calibration-tokens", "1024", "--calibration-window", "128", str(src), "-o", str(tmp_path / "f"),
+                   "--quiet")
+    assert done.returncode == 0, done.stderr
+    card = (tmp_path / "f" / "README.md").read_text()
+    assert "| held-out logits | held-out logits, mean-pooled |" in card
+    rows = [line.split("|") for line in card.splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]
+    assert len(rows) == 2 and all(float(r[5]) > 0 for r in rows)  # mean-pooling's error, measured per layer
+    worse = [r for r in rows if float(r[4]) > float(r[5])]
+    assert ("larger held-out logit error than mean-pooling" in done.stderr) is bool(worse), done.stderr
+
+
+def test_worse_than_mean_names_the_layers():
+    from gqakit.convert.card import worse_than_mean
+
+    errors = {0: {"logits": 0.2, "logits_mean": 0.5}, 1: {"logits": 0.7, "logits_mean": 0.5}, 2: {"k": 0.1}}
+    assert worse_than_mean(errors) == [1]
