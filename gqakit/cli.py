@@ -191,7 +191,8 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> in
         with sigterm_as_interrupt(), spelled(flags(args.options) if getattr(args, "options", None) else {}):
             args.func(args, command)  # errors name the flags typed; SIGTERM cleans up as Ctrl-C does
     except GqakitError as e:
-        _say(f"{parser.prog}: error: {e}")
+        if int(os.environ.get("RANK", "0") or 0) == 0:  # under torchrun every rank fails alike: rank 0 says it
+            _say(f"{parser.prog}: error: {e}")
         return 2
     except OSError as e:
         if e.errno not in _ENVIRONMENT:

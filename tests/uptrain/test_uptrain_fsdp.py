@@ -33,8 +33,8 @@ STEPS = 6
 
 
 def _env(**extra) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(WORKERS) + os.pathsep + str(WORKERS.parent / "support") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               **extra)
+    paths = (str(WORKERS), str(WORKERS.parent / "support"), os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths), **extra)
     env.pop("WORLD_SIZE", None)
     return env
 

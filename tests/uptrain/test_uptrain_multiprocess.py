@@ -18,7 +18,8 @@ WORKERS = Path(__file__).resolve().parents[1] / "workers"
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(WORKERS) + os.pathsep + str(WORKERS.parent / "support") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    paths = (str(WORKERS), str(WORKERS.parent / "support"), os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths))
     env.pop("WORLD_SIZE", None)
     return env
 
@@ -102,3 +103,15 @@ def test_context_parallel_step_equals_the_single_process_step(tmp_path, processe
     assert len(grads) == 20  # every parameter got a gradient
     for key in grads:
         assert torch.allclose(ring[key], one[key], atol=1e-4, rtol=0), key
+
+
+def test_an_error_under_torchrun_is_said_once(tmp_path):
+    """Every rank refuses the same recipe; only rank 0 prints the one line (torchrun adds its own report)."""
+    model = make_uptrain_model(tmp_path / "m")
+    text = make_text(tmp_path / "t.txt")
+    recipe = write_recipe(tmp_path / "r.yaml", model=str(model), data=[str(text)], steps=1, seq_len=32,
+                          output_dir=str(tmp_path / "run"), attention="sliding")  # no window: refused
+    run = _torchrun(2, "-m", "gqakit.cli", "uptrain", str(recipe))
+    assert run.returncode != 0
+    said = (run.stdout + run.stderr).count("gqakit: error: attention=sliding: attention kind 'sliding' needs a window")
+    assert said == 1, run.stderr[-3000:]
