@@ -203,3 +203,25 @@ def test_sigterm_says_how_to_resume_and_exits_143(tiny, tmp_path):
     assert "Traceback" not in err and \
         "gqakit: terminated; the last checkpoint is kept: run the same command again to resume" in err, err
     assert list(run.glob("checkpoints/step-*"))
+
+
+def test_an_interrupt_inside_a_checkpoint_write_is_a_stop_not_a_failed_write(tmp_path, monkeypatch):
+    """DCP wraps whatever stops it in a CheckpointException; Ctrl-C or SIGTERM there must stay an interrupt
+    (the caller says how to resume), not become 'writing checkpoint failed'. No torn folder is left."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from gqakit.common.atomic import Terminated
+    from gqakit.uptrain.run import checkpoints
+
+    def stopped(*args, **kwargs):
+        raise CheckpointException("save failed", {0: (Terminated(), None)})
+
+    monkeypatch.setattr(dcp, "save", stopped)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(Terminated):
+        checkpoints.save_checkpoint(tmp_path, 3, model=model, optimizer=optimizer, trainer_state={}, rank_state={},
+                                    rank=0, recipe={}, is_main=True, barrier=lambda: None, keep=2)
+    assert not any((tmp_path / "checkpoints").iterdir())

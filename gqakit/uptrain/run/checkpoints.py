@@ -134,7 +134,13 @@ def save_checkpoint(output_dir: Path, step: int, *, model, optimizer, trainer_st
         (tmp / f"rank-{rank:05d}.json").write_text(json.dumps({**rank_state, "rng": rng_state()}))
     except (OSError, RuntimeError, CheckpointException) as e:  # DCP reports a full disk as CheckpointException
         shutil.rmtree(tmp, ignore_errors=True)
+        interrupt = _interrupt_inside(e)
+        if interrupt is not None:  # Ctrl-C or SIGTERM while DCP wrote: a stop, not a failed write
+            raise interrupt from None
         raise _write_failed(output_dir, final.name, e) from None
+    except KeyboardInterrupt:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     barrier()
     if is_main:
         (tmp / "recipe.json").write_text(json.dumps(recipe, indent=2))  # last: marks the folder complete
@@ -143,6 +149,16 @@ def save_checkpoint(output_dir: Path, step: int, *, model, optimizer, trainer_st
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
+
+
+def _interrupt_inside(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C / SIGTERM that DCP wrapped in a CheckpointException (one rank's failure), if that is what it was."""
+    failures = getattr(error, "failures", None) or {}
+    for pair in failures.values():
+        exc = pair[0] if isinstance(pair, tuple) else pair
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+    return None
 
 
 def _write_failed(output_dir: Path, name: str, error: Exception) -> GqakitError:
