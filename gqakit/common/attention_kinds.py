@@ -41,12 +41,19 @@ def kinds_taking(name: str) -> list[str]:
     return [kind for kind in KINDS if name in OPTIONS[kind]]
 
 
-def attention_options(kind: str | None, given: dict, flag: Callable[[str], str] = _cli_flag,
+def attention_options(kind: str | None, given: dict, extra: dict | None = None, *,
+                      extra_name: str = "--attention-option", flag: Callable[[str], str] = _cli_flag,
                       kind_flag: str = "--attention ") -> dict:
-    """The `gqakit.attention.use` options of `kind` from the options a command was given (None: not given).
+    """The `gqakit.attention.use` options of `kind` from the options a command was given (None: not given):
+    `given`, its own options (window, sinks), and `extra`, any other option of the kind (`extra_name`).
 
     An option the kind does not take is refused, never dropped; `flag(name)` spells an option as the user
     wrote it (`--window` on the command line, `window` in a recipe) and `kind_flag` the kind's choice."""
+    given = dict(given)
+    for name, value in (extra or {}).items():
+        if name in given:
+            raise GqakitError(f"set {flag(name)} itself, not inside {extra_name}")
+        given[name] = value
     given = {name: value for name, value in given.items() if value is not None}
     kind = kind or DEFAULT
     if kind not in CHOICES:
@@ -90,9 +97,5 @@ def _eval_flag(name: str) -> str:
 def command_attention_options(kind: str | None, window: int | None, sinks: int | None,
                               assignments: tuple[str, ...] = ()) -> dict:
     """The options of `--attention KIND [--window W] [--sinks S] [--attention-option NAME=VALUE ...]`."""
-    given = {"window": window, "sinks": sinks}
-    for name, value in parse_assignments(assignments).items():
-        if name in given:
-            raise GqakitError(f"give {name} as --{name}, not --attention-option {name}=...")
-        given[name] = value
-    return attention_options(kind, given, flag=_eval_flag)
+    return attention_options(kind, {"window": window, "sinks": sinks}, parse_assignments(assignments),
+                             flag=_eval_flag)

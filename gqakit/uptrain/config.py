@@ -102,12 +102,8 @@ class UptrainConfig:
 
 def use_options(attention: str, window: int | None, sinks: int | None, extra: dict | None) -> dict:
     """The `gqakit.attention.use` options of a recipe's attention keys; one the kind does not take is refused."""
-    given = {"window": window, "sinks": sinks}
-    for name, value in (extra or {}).items():
-        if name in given:
-            raise GqakitError(f"give {name} as its own key ({name}: ...), not inside attention_options")
-        given[name] = value
-    return attention_kinds.attention_options(attention, given, flag=str, kind_flag="attention=")
+    return attention_kinds.attention_options(attention, {"window": window, "sinks": sinks}, extra,
+                                             extra_name="attention_options", flag=str, kind_flag="attention=")
 
 
 @dataclasses.dataclass(frozen=True)

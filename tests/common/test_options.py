@@ -35,3 +35,14 @@ def test_an_override_is_blamed_as_an_override(tmp_path):
     assert str(info.value).startswith(f"{path}: mixed_precision='maybe'")
     with pytest.raises(GqakitError, match=r"^override lr=abc: lr='abc' is not a number"):
         load_recipe(UptrainConfig, path, ["lr=abc"])
+
+
+def test_window_and_sinks_are_refused_inside_the_extra_options(tmp_path):
+    """window and sinks have their own flag / key; given again among a kind's other options they are refused."""
+    from gqakit.common.attention_kinds import command_attention_options
+
+    with pytest.raises(GqakitError, match=r"^set --window itself, not inside --attention-option$"):
+        command_attention_options("sliding", 8, None, ("window=4",))
+    with pytest.raises(GqakitError, match=r"set window itself, not inside attention_options$"):
+        load_recipe(UptrainConfig, _recipe(tmp_path, "attention: sliding\nwindow: 8\nattention_options: {window: 4}\n")
+                    ).use_options()  # what uptrain's check() and the model loader call
