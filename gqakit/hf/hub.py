@@ -56,3 +56,11 @@ def check_hub_name(name: str, what: str = "model folder", filename: str = "confi
         return True
     raise GqakitError(f"{name} is neither a local folder nor in the Hugging Face cache, and {why}; pass the path "
                       f"of a local {what}")
+
+
+def tokenizer_files_only(name: str) -> bool:
+    """`local_files_only` for AutoTokenizer.from_pretrained(name): False for a local folder, else as
+    `check_hub_name` decides for a tokenizer (one line where neither the folder nor the hub can serve it)."""
+    if Path(name).is_dir():
+        return False
+    return check_hub_name(name, "tokenizer folder", "tokenizer_config.json")

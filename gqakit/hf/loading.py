@@ -121,10 +121,10 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
     check_loading(path, info)
     model = model.to(target).eval()
     source = tokenizer or path
-    if tokenizer is not None and not is_local(tokenizer):
-        from gqakit.hf.hub import check_hub_name
+    if tokenizer is not None:
+        from gqakit.hf.hub import tokenizer_files_only
 
-        local_only = check_hub_name(tokenizer, "tokenizer folder", "tokenizer_config.json")
+        local_only = tokenizer_files_only(tokenizer)
     try:
         tok = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
     except (OSError, ValueError, TypeError) as e:

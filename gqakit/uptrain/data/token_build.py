@@ -38,9 +38,10 @@ from gqakit.common.report import counted
 from gqakit.common.errors import GqakitError
 from gqakit.common.text import eos_id
 from gqakit.uptrain.config import _inside
-from gqakit.uptrain.data.sources import CHUNK_BYTES, HUB, ROWS_PER_BATCH, Source, describe_files, iter_pieces, resolve_source
-from gqakit.uptrain.data.token_cache import (DOCUMENTS, FORMAT, HEADER, TOKENS, VERSION, CacheProblem, is_token_cache, open_cache,
-                          token_dtype, tokenizer_fingerprint)
+from gqakit.uptrain.data.sources import (CHUNK_BYTES, HUB, ROWS_PER_BATCH, Source, describe_files, iter_pieces,
+                                         resolve_source)
+from gqakit.uptrain.data.token_cache import (DOCUMENTS, FORMAT, HEADER, TOKENS, VERSION, CacheProblem, is_token_cache,
+                                             open_cache, token_dtype, tokenizer_fingerprint)
 
 SEGMENT_BYTES = 32 << 20  # text tokenised per datasets.map call (one worker pool each)
 BATCH_BYTES = 1 << 20  # text per map batch and per Arrow record batch: a tokenizer call's memory scales with it
@@ -55,11 +56,9 @@ def load_tokenizer(name: str):
     """AutoTokenizer.from_pretrained(name), with a one-line error when there is none to load."""
     from transformers import AutoTokenizer
 
-    local_only = False
-    if not Path(name).is_dir():
-        from gqakit.hf.hub import check_hub_name
+    from gqakit.hf.hub import tokenizer_files_only
 
-        local_only = check_hub_name(name, "tokenizer folder", "tokenizer_config.json")
+    local_only = tokenizer_files_only(name)
     try:
         return AutoTokenizer.from_pretrained(name, local_files_only=local_only)
     except Exception as e:
