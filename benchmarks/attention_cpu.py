@@ -34,13 +34,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from co_runner import co_running
 from gqakit.attention.masks import MaskSpec
 from gqakit.attention.reference import repeat_kv
 from gqakit.attention.tiled import tiled_attention
 
 TIME_RATIO_TARGET = 3.0  # tiled forward + backward at most 3x sdpa's at T = 4096
 QUIET_TARGET, BUSY_TARGET = 1.5, 2.0  # issue 22's targets for tiled / sdpa, quiet and beside one co-runner
-CO_RUNNER = "import os, time, torch\ntorch.set_num_threads(os.cpu_count())\na = torch.randn(1024, 1024)\nend = time.time() + 3600\nwhile time.time() < end:\n    a @ a\n"
 WINDOW_TARGET = 0.5  # the window must realise at least half of its block-count saving
 
 
@@ -181,14 +181,9 @@ def window_table(args, cache: dict) -> tuple[list[str], float, float]:
 
 def loaded_ratios(args) -> dict[int, float]:
     """Table (b)'s tiled / sdpa ratios again, while a co-running torch process keeps the CPU busy."""
-    co = subprocess.Popen([sys.executable, "-c", CO_RUNNER], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        time.sleep(2)  # let it start and take the cores
+    with co_running():
         log("timing beside a co-running torch process")
         _, ratios = time_table(args, {})
-    finally:
-        co.kill()
-        co.wait()
     return ratios
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from co_runner import co_running
 from gqakit.convert.calibration.calibrate import save_layer
 from gqakit.common.memory import return_freed_memory_eagerly
 from gqakit.convert.run import _read_stats, merge_layer
@@ -61,7 +61,6 @@ def peak_during(fn):
 
 
 BUSY_TARGET = 2.0  # issue 22: a merge at most 2x its quiet time beside one co-running torch process
-CO_RUNNER = "import os, time, torch\ntorch.set_num_threads(os.cpu_count())\na = torch.randn(1024, 1024)\nend = time.time() + 3600\nwhile time.time() < end:\n    a @ a\n"
 
 
 def timed(method: str, plan, weights, stats, repeats: int) -> list[tuple[float, float]]:
@@ -98,14 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             runs = timed(method, plan, weights, stats, args.repeats)
             busy = None
             if args.busy:
-                co = subprocess.Popen([sys.executable, "-c", CO_RUNNER], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL)
-                try:
-                    time.sleep(2)  # let it start and take the cores
+                with co_running():
                     busy = statistics.median(s for s, _ in timed(method, plan, weights, stats, args.repeats))
-                finally:
-                    co.kill()
-                    co.wait()
             rows.append((method, statistics.median(s for s, _ in runs), statistics.median(m for _, m in runs), busy))
             print(f"{method}: " + ", ".join(f"{s:.1f} s / +{m:.0f} MiB" for s, m in runs), file=sys.stderr)
     print(f"## One layer's merge: hidden {n}, {H} heads -> {args.groups} K/V heads, bf16, median of {args.repeats}\n")
