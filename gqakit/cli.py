@@ -51,7 +51,7 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
               f"({plan.method}); {kv_summary(plan)}")
         warning = against_mean(plan, result["errors"], result["calibration"] is not None)
         if warning:
-            _say(f"{'convert-gqa' if command.startswith('convert-gqa') else 'gqakit'}: warning: {warning}")
+            _say(f"{command.split(' ', 1)[0]}: warning: {warning}")  # the command begins with its program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +143,7 @@ def _run_tokenize(args: argparse.Namespace, command: str) -> None:
     header = tokenize_to(list(cfg.data), cfg.output, cfg.tokenizer, num_proc=cfg.num_proc,
                          text_column=cfg.text_column, force=cfg.force, progress=cfg.progress)
     _report(f"wrote {cfg.output}: {counted(header['tokens'], 'token')}, {counted(header['documents'], 'document')} "
-            f"in "
-            f"{header['seconds']:.1f} s")
+            f"in {header['seconds']:.1f} s")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --plan: the world size to plan for (default: the recipe's num_processes, or 1)")
     up.set_defaults(func=_run_uptrain,
                     interrupted="the last checkpoint is kept: run the same command again to resume")
-    tok = sub.add_parser("tokenize", help="tokenise training data once into a token cache (see gqakit.uptrain.data.token_build)")
+    tok = sub.add_parser("tokenize", help="tokenise training data once into a token cache "
+                                          "(see gqakit.uptrain.data.token_build)")
     add_arguments(tok, TokenizeConfig)
     tok.set_defaults(func=_run_tokenize, options=TokenizeConfig, interrupted="nothing was written")
     add_eval_parser(sub)

@@ -79,8 +79,8 @@ def test_edges_are_one_line_with_the_fix(tmp_path):
     (tmp_path / "gguf").mkdir()
     (tmp_path / "gguf" / "model.gguf").write_bytes(b"GGUF")
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model: {tmp_path / 'gguf'}\noutput_dir: {tmp_path / 'run'}\ndata: [{tmp_path / 'weights.txt'}]\n"
-                      "steps: 1\n")
+    recipe.write_text(f"model: {tmp_path / 'gguf'}\noutput_dir: {tmp_path / 'run'}\n"
+                      f"data: [{tmp_path / 'weights.txt'}]\nsteps: 1\n")
     assert "is a file, not a model folder" in run_refused(tmp_path, "convert-gqa", "--groups", "2",
                                                            str(tmp_path / "weights.txt"))
     assert "holds a GGUF file but no config.json" in run_refused(tmp_path, "convert-gqa", "--groups", "2",

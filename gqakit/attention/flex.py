@@ -363,7 +363,7 @@ def cpu_compiled_problem() -> str | None:
     """None where compiled flex_attention on this CPU gives the tiled kernel's results, else what differs.
 
     Checked once per process, on small inputs with the mask features whose compiled CPU lowering has given wrong
-    results on some processors (44% of elements off by up to 2.1 on an AMD EPYC, torch 2.13, while eager flex was
+    results on some processors (reported in issue 22 on an AMD EPYC, torch 2.13, while eager flex was
     right): a window with sinks, key padding and a decode offset under GQA; a symmetric dilated window with global
     tokens and softcap; one pattern per head."""
     if not _CPU_CHECK:

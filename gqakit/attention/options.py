@@ -1,8 +1,10 @@
 """The attention kinds' options checked against a model (`normalise_options`) and turned into mask patterns
 (`mask_spec`). The kinds themselves, and which options each takes, are declared once in
-`gqakit.common.attention_kinds` (torch-free, so that the command line reads them without loading torch). Options live in `config.gqakit_attention`, a plain JSON dict that `save_pretrained`
-keeps, so `from_pretrained(..., attn_implementation="gqakit_sliding")` works. The pattern options
-(`LAYERED`) may be one value, a list of one per layer, and within a layer a list of one per query head: e.g.
+`gqakit.common.attention_kinds` (torch-free, so that the command line reads them without loading torch).
+
+Options live in `config.gqakit_attention`, a plain JSON dict that `save_pretrained` keeps, so
+`from_pretrained(..., attn_implementation="gqakit_sliding")` works. The pattern options (`LAYERED`) may be one
+value, a list of one per layer, and within a layer a list of one per query head: e.g.
 `use(model, "sliding", window=[64, 128, [256] * 6 + [512] * 2], dilation=[1, 1, [1] * 6 + [2] * 2])`.
 """
 from __future__ import annotations
@@ -12,10 +14,8 @@ import functools
 
 from gqakit.attention import patterns
 from gqakit.attention.masks import AttentionOptionError, MaskSpec
-from gqakit.common.errors import opt
 from gqakit.common.attention_kinds import CONFIG_KEY, DEFAULTS, KINDS, LAYERED, OPTIONS, SPARSE_PATTERNS
-
-
+from gqakit.common.errors import opt
 
 
 def _text_config(config):
@@ -136,6 +136,8 @@ def _build(kind: str, causal: bool, at: tuple, global_tokens: tuple) -> MaskSpec
 
 
 def stored_options(config, kind: str) -> dict:
+    """The options `use()` stored on the config, or the kind's defaults (stored) for a model loaded with
+    `from_pretrained(..., attn_implementation="gqakit_<kind>")`."""
     stored = getattr(config, CONFIG_KEY, None) or {}
     if stored.get("kind") == kind:
         return stored

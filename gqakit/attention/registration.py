@@ -22,7 +22,7 @@ from gqakit.attention.flex import attention_forward
 from gqakit.attention.hf_masks import TiledMask, gqakit_mask, uses_alibi
 from gqakit.attention.masks import AttentionOptionError, MaskSpec
 from gqakit.attention.options import mask_spec, normalise_options, stored_options
-from gqakit.common.attention_kinds import CONFIG_KEY, KINDS
+from gqakit.common.attention_kinds import CONFIG_KEY, DEFAULT, KINDS
 
 
 # Keywords that transformers models pass to attention functions and that change the result, which the
@@ -201,7 +201,7 @@ def _bound_generate(model, options: dict) -> None:
     options (StreamingLLM), not a growing cache: given no cache it makes one per call (passing the
     call's attention_mask, for left padding); another kind of cache is refused."""
     from gqakit.decode.cache import SinkCache
-    from gqakit.hf.compat import cache_kwargs
+    from gqakit.hf.compat import cache_keyword, cache_kwargs
 
     original = getattr(model.generate, "gqakit_original", model.generate)  # a second use() wraps the stock one
 
@@ -211,10 +211,9 @@ def _bound_generate(model, options: dict) -> None:
             past_key_values = SinkCache(options["sinks"], options["window"], rope=model,
                                         attention_mask=kwargs.get("attention_mask"))
         elif not isinstance(past_key_values, SinkCache):
-            keyword = next(iter(cache_kwargs(model, None)))
             raise AttentionOptionError(
                 f"use(model, 'sinks') decodes with a bounded SinkCache, but generate() got a "
-                f"{type(past_key_values).__name__}; pass {keyword}=SinkCache({options['sinks']}, "
+                f"{type(past_key_values).__name__}; pass {cache_keyword(model)}=SinkCache({options['sinks']}, "
                 f"{options['window']}, rope=model) or none")
         return original(*args, **cache_kwargs(model, past_key_values), **kwargs)
 
@@ -225,7 +224,7 @@ def _bound_generate(model, options: dict) -> None:
 
 def apply_attention(model, kind: str | None, options: dict) -> dict:
     """Switch `model` to gqakit attention `kind` in place; returns the options in force ({} for default)."""
-    if kind in (None, "default"):
+    if kind in (None, DEFAULT):
         return {}
     use(model, kind, **options)  # AttentionOptionError is a GqakitError: one line, exit 2
     return dict(getattr(model.config, CONFIG_KEY))

@@ -30,7 +30,8 @@ from transformers.masking_utils import AttentionMaskInterface
 from gqakit.attention.masks import MaskSpec
 from gqakit.attention.masks import AttentionOptionError
 from gqakit.attention.registration import check_model
-from gqakit.attention.ring_layout import RingGroups, RingLayout, check_ring_size, ring_batch, ring_groups  # noqa: F401 (re-exported)
+from gqakit.attention.ring_layout import (  # noqa: F401 (re-exported)
+    RingGroups, RingLayout, check_ring_size, ring_batch, ring_groups)
 from gqakit.attention.tiled import tiled_attention, tiled_attention_backward
 
 _NEG_INF = float("-inf")

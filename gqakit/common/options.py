@@ -40,9 +40,9 @@ def option(default=dataclasses.MISSING, *, above=None, at_least=None, below=None
            remember=False):
     """A dataclass field with its allowed values: numeric bounds (each element's, for a tuple), choices, length;
     and, with `help`, its command-line flag (see the module docstring; `parse` turns the flag's text into the
-    field's value, as argparse's `type`; a tuple field's flag may be repeated, `repeat`, by default when it has
-    no `parse`; `remember`: the flag's absence is kept, so the command can tell a typed default value from an
-    untouched one: see `typed`)."""
+    field's value, in `from_args`, so that its GqakitError is one line rather than argparse's usage; a tuple
+    field's flag may be repeated, `repeat`, by default when it has no `parse`; `remember`: the flag's absence is
+    kept, so the command can tell a typed default value from an untouched one: see `typed`)."""
     bounds = {k: v for k, v in (("above", above), ("at_least", at_least), ("below", below), ("at_most", at_most))
               if v is not None}
     rule = {"bounds": bounds, "choices": tuple(choices) if choices else None, "length": length}

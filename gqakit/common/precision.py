@@ -1,5 +1,5 @@
 """Whether bf16 pays on this machine's CPU: many CPUs have no bf16 arithmetic units, and there torch's bf16 matmuls
-run several times slower than fp32 (about 8x on this project's CI machines). Measured once per process, on a
+run several times slower than fp32 (issue 22 reports about 8x on one such machine). Measured once per process, on a
 small matmul, so a bf16 run on such a CPU says what it costs before it starts."""
 from __future__ import annotations
 

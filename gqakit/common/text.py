@@ -28,8 +28,8 @@ def _row_files(path: Path) -> tuple[str, list[str]]:
     if path.is_file():
         builder = ROW_SUFFIXES.get(_suffix(path))
         if builder is None:
-            raise GqakitError(f"{path}: unknown data format {path.suffix or '(no suffix)'!r}; use .txt ({opt('text')}), "
-                              f"or .jsonl / .json / .parquet ({opt('dataset')})")
+            raise GqakitError(f"{path}: unknown data format {path.suffix or '(no suffix)'!r}; use .txt "
+                              f"({opt('text')}), or .jsonl / .json / .parquet ({opt('dataset')})")
         return builder, [str(path)]
     files = sorted(p for p in path.iterdir() if p.is_file() and _suffix(p) in ROW_SUFFIXES)
     builders = {ROW_SUFFIXES[_suffix(p)] for p in files}
@@ -85,7 +85,8 @@ def load_text_file(path: str | Path) -> list[str]:
 def load_documents(text: str | None = None, dataset: str | None = None, text_column: str = "text") -> list[str]:
     """Documents from exactly one of `text` (a .txt file) or `dataset` (JSON lines / JSON / parquet)."""
     if (text is None) == (dataset is None):
-        raise GqakitError(f"give exactly one of {opt('text', 'FILE.txt')} or {opt('dataset', 'FILE.jsonl|FILE.parquet|FOLDER')}")
+        raise GqakitError(f"give exactly one of {opt('text', 'FILE.txt')} or "
+                          f"{opt('dataset', 'FILE.jsonl|FILE.parquet|FOLDER')}")
     return load_text_file(text) if text is not None else load_rows(dataset, text_column)
 
 

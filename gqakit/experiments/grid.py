@@ -57,8 +57,8 @@ class GridConfig:
                               f"choose from {', '.join(methods.NAMES)}")
         needing = [m for m in self.methods if m in methods.NEED_CALIBRATION]
         if needing and self.calibration is None:
-            raise GqakitError(f"method {needing[0]} needs calibration data: set calibration: TEXT.txt (or a .jsonl / .parquet "
-                              "dataset) in the model's language, disjoint from eval_text")
+            raise GqakitError(f"method {needing[0]} needs calibration data: set calibration: TEXT.txt (or a .jsonl / "
+                              ".parquet dataset) in the model's language, disjoint from eval_text")
         if self.calibration is not None and not needing:
             need = " or ".join(methods.NEED_CALIBRATION)
             raise GqakitError(f"calibration is used only by method {need}; drop it, or add {need} to methods")

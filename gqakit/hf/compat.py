@@ -19,6 +19,11 @@ def _cache_keyword(cls: type) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+def cache_keyword(model) -> str:
+    """The keyword `model(...)` and `model.generate(...)` take a KV cache by on this transformers release."""
+    return _cache_keyword(type(model))
+
+
 def cache_kwargs(model, cache) -> dict:
     """{keyword: cache} for `model(...)` and `model.generate(...)` on this transformers release."""
-    return {_cache_keyword(type(model)): cache}
+    return {cache_keyword(model): cache}

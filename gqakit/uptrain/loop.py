@@ -34,7 +34,8 @@ from gqakit.uptrain.sharding import Sharding, strategy
 from gqakit.uptrain.run.final import save_final, source_dtype
 from gqakit.uptrain.run.folder import check_processes, plan_run, start_run
 from gqakit.uptrain.run.lock import run_lock
-from gqakit.uptrain.run.checkpoints import CHECKPOINTS, checkpoint_dirs, load_checkpoint, rank_record, save_checkpoint, set_rng_state
+from gqakit.uptrain.run.checkpoints import (CHECKPOINTS, checkpoint_dirs, load_checkpoint, rank_record, save_checkpoint,
+                                            set_rng_state)
 from gqakit.uptrain.data.token_build import load_tokenizer
 
 
@@ -222,7 +223,8 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
         record_base.update(saved.get("record", {}))
     if start == 0 and len(data.eval):
         say(f"uptrain: held-out loss before training ({len(data.eval)} sequences)")
-        record_base["initial_eval_ppl"] = math.exp(evaluate(model, data.eval, cfg.batch_size, cfg.seq_len, sp, accelerator))
+        record_base["initial_eval_ppl"] = math.exp(evaluate(model, data.eval, cfg.batch_size, cfg.seq_len, sp,
+                                                            accelerator))
         if is_main:
             log.log({"step": 0, "tokens": 0, "eval_loss": math.log(record_base["initial_eval_ppl"]),
                      "eval_ppl": record_base["initial_eval_ppl"]})

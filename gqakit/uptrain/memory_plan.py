@@ -466,7 +466,8 @@ def detect_device_memory() -> tuple[int | None, str]:
 def resolve_device_memory(given: int | str | None, cfg: UptrainConfig) -> tuple[int | None, str]:
     """(bytes, where from): `given`, else the recipe's device_memory, else this machine's device."""
     if given is not None:
-        return parse_device_memory(given), f"{given:,} bytes given" if isinstance(given, int) else f"device memory {given}"
+        where = f"{given:,} bytes given" if isinstance(given, int) else f"device memory {given}"
+        return parse_device_memory(given), where
     if cfg.device_memory is not None:
         return parse_device_memory(cfg.device_memory), f"device_memory={cfg.device_memory}"
     return detect_device_memory()

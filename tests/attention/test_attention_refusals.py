@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from gqakit.hf.compat import cache_kwargs
+from gqakit.hf.compat import cache_keyword, cache_kwargs
 from gqakit.attention import use
 from gqakit.attention.registration import UNSUPPORTED, _make_attention
 from gqakit.common.errors import GqakitError
@@ -119,7 +119,7 @@ def test_generate_after_use_sinks_keeps_a_bounded_sink_cache():
     finally:
         SinkCache.update = original
     assert out.shape[1] == 28 and seen and max(seen) <= 2 + 6
-    keyword = next(iter(cache_kwargs(model, None)))  # cache from transformers 5.24 on, else past_key_values
+    keyword = cache_keyword(model)  # cache from transformers 5.24 on, else past_key_values
     with pytest.raises(GqakitError, match=rf"pass {keyword}=SinkCache\(2, 6, rope=model\)"):
         model.generate(_ids(), max_new_tokens=2, **cache_kwargs(model, transformers.DynamicCache()))
 

@@ -29,8 +29,9 @@ from gqakit.cli import convert_main
 from gqakit.convert.calibration import calibrate as calibrate_module
 from gqakit.convert.calibration import streamed as streamed_module
 from gqakit.hf.architectures import find_family
-from gqakit.convert.calibration.calibrate import (STATS, LayerwiseModel, attention_terms, calibrate, layer_path, load_layer,
-                                      logit_error, reference_moments, rope, save_layer, sum_moments)
+from gqakit.convert.calibration.calibrate import (STATS, LayerwiseModel, attention_terms, calibrate, layer_path,
+                                                  load_layer, logit_error, reference_moments, rope, save_layer,
+                                                  sum_moments)
 from gqakit.hf.checkpoint import read_header
 from gqakit.hf.checkpoint import scan_checkpoint
 from gqakit.convert.calibration.streamed import StreamedLinear

@@ -264,7 +264,8 @@ def test_left_padded_generate_matches_rows_alone(model, sinks, window):
     prompt, mask = left_pad(rows)
     kw = dict(max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True,
               pad_token_id=0)
-    out = model.generate(prompt, attention_mask=mask, **cache_kwargs(model, make_cache(sinks, window, model, mask)), **kw)
+    cache = make_cache(sinks, window, model, mask)
+    out = model.generate(prompt, attention_mask=mask, **cache_kwargs(model, cache), **kw)
     for i, row in enumerate(rows):
         alone = model.generate(row[None], **cache_kwargs(model, make_cache(sinks, window, model)), **kw)
         n = alone.sequences.shape[1] - len(row)  # the row alone stops at its EOS

@@ -198,10 +198,13 @@ def test_absurd_sizes_are_planned_in_a_bounded_number_of_evaluations(models, mon
         smaller = [f for f in plan.fixes if f.change.startswith("batch_size=")]
         if batch_size > 1 and smaller:  # the bisection finds the largest micro-batch that fits, as a scan would
             b = int(smaller[0].change.split()[0].split("=")[1])
-            global_batch = batch_size
-            fits = lambda n: memory_plan._total(_cfg(models[name], batch_size=n, seq_len=seq_len,  # noqa: E731
-                                                     sharding=sharding, gradient_accumulation_steps=-(-global_batch // n)),
-                                                8, memory_plan.count_model(models[name]), None) <= 80 * GB
+            model = memory_plan.count_model(models[name])
+
+            def fits(n: int) -> bool:  # the same global batch in micro-batches of n
+                cfg = _cfg(models[name], batch_size=n, seq_len=seq_len, sharding=sharding,
+                           gradient_accumulation_steps=-(-batch_size // n))
+                return memory_plan._total(cfg, 8, model, None) <= 80 * GB
+
             assert b == 1 or (fits(b) and not fits(b + 1))
             checked += b > 1
     assert checked  # at least one case bisected to a micro-batch above 1

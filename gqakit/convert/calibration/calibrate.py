@@ -52,7 +52,8 @@ from torch import nn
 from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures import ArchSpec
 from gqakit.hf.checkpoint import TensorInfo, load_tensor, read_header
-from gqakit.convert.calibration.streamed import BLOCK_BYTES, _missing, _RowReader, _stream, _WindowStates, _write_from, row_blocks
+from gqakit.convert.calibration.streamed import (BLOCK_BYTES, _missing, _RowReader, _stream, _WindowStates, _write_from,
+                                                 row_blocks)
 
 F64 = torch.float64
 STATS = ("input", "mean", "key", "value", "value_mean")
