@@ -44,8 +44,6 @@ TINY = [
 ]
 NOT_RUN = {  # command prefix -> why this test does not run it
     "pip install": "the set-up itself: CI's install step runs it",
-    "git clone": "the set-up itself: the test runs on a copy of this clone",
-    "cd gqakit": "the set-up itself: the test runs in a copy of this clone",
     "python -m venv": "the set-up itself: the test runs in the environment CI installed",
     ". .venv/bin/activate": "the set-up itself: the test runs in the environment CI installed",
     "python -m pytest": "the test suite itself",
