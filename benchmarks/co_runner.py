@@ -1,8 +1,9 @@
 """The bounded co-runner of the `--busy` benchmarks: another torch process doing 1024 x 1024 matmuls on every core
-(whatever OMP_NUM_THREADS says), as a second job on a shared machine does; stopped when the block ends."""
+(whatever OMP_* says: it runs with torch's defaults, not this process's thread settings), as a second job on a shared machine does; stopped when the block ends."""
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -20,7 +21,8 @@ while time.time() < end:
 @contextlib.contextmanager
 def co_running(settle: float = 2.0):
     """Inside this block a co-running torch process keeps every core busy (it is given `settle` seconds first)."""
-    co = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_", "MKL_"))}
+    co = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         time.sleep(settle)
         yield

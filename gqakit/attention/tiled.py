@@ -42,6 +42,19 @@ from gqakit.attention import patterns
 from gqakit.attention.masks import MaskSpec, dense_allowed
 
 _NEG_INF = float("-inf")
+# Keys one fused segment may span (see _Tiles.steps): the largest score tile is block_q * r x SPAN_K.
+SPAN_K = 2048
+
+
+def _fuse(blocks: list[tuple[int, int, bool]], span_k: int | None) -> list[tuple[int, int, bool]]:
+    """Merge adjacent key blocks (k1 == next k0) that agree on needs_mask, up to span_k keys per segment."""
+    out: list[tuple[int, int, bool]] = []
+    for k0, k1, masked in blocks:
+        if out and out[-1][1] == k0 and out[-1][2] == masked and (span_k is None or k1 - out[-1][0] <= span_k):
+            out[-1] = (out[-1][0], k1, masked)
+        else:
+            out.append((k0, k1, masked))
+    return out
 
 
 class _Tiles:
@@ -57,7 +70,7 @@ class _Tiles:
                  key_padding: torch.Tensor | None, extra_mask: Callable | None,
                  block_q: int, block_k: int, device: torch.device, *,
                  attn_mask: torch.Tensor | None = None, softcap: float | None = None,
-                 q_positions: torch.Tensor | None = None):
+                 q_positions: torch.Tensor | None = None, span_k: int | None = SPAN_K):
         self.specs = list(dict.fromkeys(row_specs))  # distinct specs, in row order
         # row j of a position uses specs[row_of[j]]; None: one spec for all rows
         self.row_of = [self.specs.index(s) for s in row_specs] if len(self.specs) > 1 else None
@@ -90,6 +103,10 @@ class _Tiles:
                         and all(spec.block_is_full(a_lo, a_hi, a0, k1 + kv_offset) for spec in self.specs))
                 blocks.append((k0, k1, not full))
             self.plan.append((q0, q1, blocks))
+        # what the loops run: contiguous visited blocks of the same kind (full / masked) fused into one segment
+        # of at most `span_k` keys, so a causal query block is two matmuls (its full run, its diagonal), not one
+        # per key block: on CPU each op is a parallel region, and under load many small ones stall.
+        self.steps = [(q0, q1, _fuse(blocks, span_k)) for q0, q1, blocks in self.plan]
 
     def _dense_live(self, Tq: int, Tk: int, block_q: int, block_k: int) -> list[list[bool]]:
         """[query block][key block] -> does the dense mask allow any entry there (one host sync)."""
@@ -186,7 +203,7 @@ class _TiledAttention(torch.autograd.Function):
         sink = _sink_rows(s_aux, B, G, Tq) if s_aux is not None else None  # (B*G, Tq*r)
         out = qf.new_zeros(B * G, Tq * r, dv)  # rows no block visits stay 0, lse -inf (or the sink)
         lse = sink.clone() if sink is not None else qf.new_full(qf.shape[:2], _NEG_INF)  # (B*G, Tq*r)
-        for q0, q1, blocks in tiles.plan:
+        for q0, q1, blocks in tiles.steps:
             if not blocks:
                 continue
             rows = slice(q0 * r, q1 * r)
@@ -242,7 +259,7 @@ def _backward(q, k, v, out, lse, dout, dlse, scale: float, tiles: _Tiles, s_aux=
     lse_f = _fold_q(lse, G)  # (B*G, Tq*r)
     lse_safe = lse_f.masked_fill(lse_f == _NEG_INF, float("inf"))  # dead rows: exp(s - inf) = 0
     dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
-    for q0, q1, blocks in tiles.plan:
+    for q0, q1, blocks in tiles.steps:
         rows = slice(q0 * r, q1 * r)
         qb, dob, dqb = qf[:, rows], dof[:, rows], dq[:, rows]  # (B*G, n, d|dv)
         lb, db = lse_safe[:, rows, None], delta[:, rows, None]  # (B*G, n, 1)
@@ -275,7 +292,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
                     key_padding: torch.Tensor | None = None, extra_mask: Callable | None = None,
                     block_q: int = 128, block_k: int = 128, return_lse: bool = False,
                     attn_mask: torch.Tensor | None = None, softcap: float | None = None,
-                    s_aux: torch.Tensor | None = None, factorised: bool = True):
+                    s_aux: torch.Tensor | None = None, factorised: bool = True, span_k: int | None = SPAN_K):
     """Exact attention softmax(cap(q k^T * scale) + mask [, s_aux]) v, computed tile by tile.
 
     q (B, H, Tq, d); k (B, G, Tk, d); v (B, G, Tk, dv) with G dividing H (never repeated). Query i
@@ -296,13 +313,16 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     mask (Gemma2). `s_aux` (H,) are per-head sink logits: a key with value 0 in every softmax (gpt-oss).
     Accumulates in fp32 and returns out (B, H, Tq, dv) in q's dtype, plus with `return_lse` the fp32
     log-sum-exp (B, H, Tq), sink included. Fully masked query rows give 0 and lse -inf (with a sink:
-    0 and lse = s_aux). Differentiable in q, k, v and s_aux.
+    0 and lse = s_aux). Differentiable in q, k, v and s_aux. `span_k` caps the keys of one fused step:
+    adjacent visited blocks of the same kind run as one matmul of up to block_q x span_k scores (None: no
+    cap; block_k: one block per step); the result does not depend on it beyond rounding.
     """
-    check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k)
+    check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k, span_k)
     Tq, Tk = q.shape[2], k.shape[2]
     if key_padding is not None:
         key_padding = key_padding.to(device=q.device, dtype=torch.bool)
-    run = functools.partial(_run, scale=float(scale), block_q=block_q, block_k=block_k, softcap=softcap)
+    run = functools.partial(_run, scale=float(scale), block_q=block_q, block_k=block_k, softcap=softcap,
+                            span_k=span_k)
     outs, lses, order = [], [], []
     for heads, groups, rows in _classes(spec, q.shape[1], k.shape[1], Tq, Tk, q_offset, kv_offset, block_q, block_k,
                                         factorised and extra_mask is None and attn_mask is None):
@@ -324,10 +344,10 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
 
 
 def _run(q, k, v, rows, q_offset, kv_offset, key_padding, *, scale, block_q, block_k, softcap=None, s_aux=None,
-         extra_mask=None, attn_mask=None, q_positions=None):
+         extra_mask=None, attn_mask=None, q_positions=None, span_k=SPAN_K):
     """One call of the kernel: every query head of q on `rows` (one spec, or one per row of a group)."""
     tiles = _make_tiles(q, k, v, rows, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k,
-                        attn_mask=attn_mask, softcap=softcap, q_positions=q_positions)
+                        attn_mask=attn_mask, softcap=softcap, q_positions=q_positions, span_k=span_k)
     return _TiledAttention.apply(q, k, v, s_aux, scale, tiles)
 
 
@@ -336,7 +356,8 @@ def tiled_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              scale: float, spec: Spec = MaskSpec(), q_offset: int = 0, kv_offset: int = 0,
                              key_padding: torch.Tensor | None = None, extra_mask: Callable | None = None,
                              block_q: int = 128, block_k: int = 128, attn_mask: torch.Tensor | None = None,
-                             softcap: float | None = None, s_aux: torch.Tensor | None = None):
+                             softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                             span_k: int | None = SPAN_K):
     """(dq, dk, dv) of `tiled_attention` given its out (B, H, Tq, dv), lse (B, H, Tq) and their gradients;
     (dq, dk, dv, ds_aux) when `s_aux` is given.
 
@@ -346,7 +367,7 @@ def tiled_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     low-precision inputs lose accuracy through D = rowsum(dO * O) otherwise. Arguments as in
     `tiled_attention`.
     """
-    check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k)
+    check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k, span_k)
     dlse = torch.zeros_like(lse) if dlse is None else dlse
     grads, order, group_order = [], [], []
     for heads, groups, rows in _classes(spec, q.shape[1], k.shape[1], q.shape[2], k.shape[2], q_offset, kv_offset,
@@ -354,7 +375,7 @@ def tiled_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         p = _slice(heads, groups, q=q, k=k, v=v, s_aux=s_aux, attn_mask=attn_mask, out=out, lse=lse, dout=dout,
                    dlse=dlse)
         tiles = _make_tiles(p["q"], p["k"], p["v"], rows, q_offset, kv_offset, key_padding, extra_mask, block_q,
-                            block_k, attn_mask=p["attn_mask"], softcap=softcap)
+                            block_k, attn_mask=p["attn_mask"], softcap=softcap, span_k=span_k)
         grads.append(_backward(p["q"], p["k"], p["v"], p["out"], p["lse"], p["dout"], p["dlse"], float(scale), tiles,
                                p["s_aux"]))
         order.append(heads)
@@ -460,18 +481,19 @@ def block_plan(spec: Spec, num_heads: int, num_kv_heads: int, q_len: int, kv_len
 
 
 def work(spec: Spec, num_heads: int, num_kv_heads: int, q_len: int, kv_len: int, *, q_offset: int = 0,
-         kv_offset: int = 0, block_q: int = 128, block_k: int = 128, factorised: bool = True) -> dict:
-    """What `tiled_attention` computes for these shapes (no padding): {'steps': tile steps (python iterations,
-    each one batched matmul), 'scores': query-head x key score entries computed in visited tiles}, counting the
-    factorised layouts where they are used."""
+         kv_offset: int = 0, block_q: int = 128, block_k: int = 128, factorised: bool = True,
+         span_k: int | None = SPAN_K) -> dict:
+    """What `tiled_attention` computes for these shapes (no padding): {'steps': fused steps (python iterations,
+    each one batched matmul over up to span_k keys), 'scores': query-head x key score entries computed in visited
+    tiles}, counting the factorised layouts where they are used."""
     steps = scores = 0
 
     def add(rows, n_heads, Tq, Tk, qo, ko, batch=1, q_positions=None):
         nonlocal steps, scores
-        plan = _Tiles(rows, 1, Tq, Tk, qo, ko, None, None, block_q, block_k, torch.device("cpu"),
-                      q_positions=q_positions).plan
-        for q0, q1, blocks in plan:
-            steps += len(blocks)
+        tiles = _Tiles(rows, 1, Tq, Tk, qo, ko, None, None, block_q, block_k, torch.device("cpu"),
+                       q_positions=q_positions, span_k=span_k)
+        steps += sum(len(fused) for _, _, fused in tiles.steps)
+        for q0, q1, blocks in tiles.plan:
             scores += batch * n_heads * (q1 - q0) * sum(k1 - k0 for k0, k1, _ in blocks)
 
     for heads, _, rows in _classes(spec, num_heads, num_kv_heads, q_len, kv_len, q_offset, kv_offset, block_q, block_k,
@@ -494,7 +516,7 @@ def work(spec: Spec, num_heads: int, num_kv_heads: int, q_len: int, kv_len: int,
     return {"steps": steps, "scores": scores}
 
 
-def check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k) -> None:
+def check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k, span_k=SPAN_K) -> None:
     """Shapes and values, as one-line ValueErrors."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"expected q (B, H, Tq, d), k (B, G, Tk, d) and v (B, G, Tk, dv); got q {tuple(q.shape)}, "
@@ -505,6 +527,9 @@ def check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block
                          f"head_dim and num_key_value_heads dividing num_attention_heads={H}")
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
+    if span_k is not None and span_k < block_k:
+        raise ValueError(f"span_k={span_k} is below block_k={block_k}: a fused step spans whole key blocks; pass "
+                         f"span_k >= block_k (span_k=block_k runs one block per step), or None for no cap")
     Tk = k.shape[2]
     if key_padding is not None and tuple(key_padding.shape) != (B, Tk):
         raise ValueError(f"key_padding has shape {tuple(key_padding.shape)}; expected (batch, kv_length) "
@@ -533,7 +558,7 @@ def check_attn_mask(attn_mask: torch.Tensor, B: int, H: int, Tq: int, Tk: int) -
 
 
 def _make_tiles(q, k, v, rows, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k, *,
-                attn_mask=None, softcap=None, q_positions=None) -> _Tiles:
+                attn_mask=None, softcap=None, q_positions=None, span_k=SPAN_K) -> _Tiles:
     """The block plan of one class of heads (shapes already checked); `rows`: a MaskSpec or r row specs."""
     rows = (rows,) if isinstance(rows, MaskSpec) else tuple(rows)
     B, _, Tq, _ = q.shape
@@ -543,4 +568,5 @@ def _make_tiles(q, k, v, rows, q_offset, kv_offset, key_padding, extra_mask, blo
     if attn_mask is not None:
         attn_mask = attn_mask.to(device=q.device).expand(*attn_mask.shape[:2], Tq, Tk)  # a view, no copy
     return _Tiles(rows, B, Tq, Tk, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k, q.device,
-                  attn_mask=attn_mask, softcap=None if softcap is None else float(softcap), q_positions=q_positions)
+                  attn_mask=attn_mask, softcap=None if softcap is None else float(softcap), q_positions=q_positions,
+                  span_k=span_k)

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from gqakit.common.threads import lapack, one_thread
 from gqakit.convert.methods import GROUPINGS
 from gqakit.convert.grams import KeySide, ValueSide, factor, key_side, metric_from_matrix, value_side
 
@@ -119,7 +120,7 @@ def rotation_from_cross(m: torch.Tensor) -> torch.Tensor:
 def orthogonal_from_cross(m: torch.Tensor) -> torch.Tensor:
     """The orthogonal U maximising tr(U^T M) for (..., d, d) M = W S Z^T: U = W Z^T (reflections allowed:
     values may use any orthogonal map)."""
-    w, _, zt = torch.linalg.svd(m)
+    w, _, zt = lapack(torch.linalg.svd, m)
     return w @ zt
 
 
@@ -180,7 +181,7 @@ def transform_keys(q_w, k_w, maps, num_heads: int, num_kv_heads: int, head_dim: 
     r = num_heads // num_kv_heads
     kp = to_pairs(_augment(k_w, k_b), num_kv_heads, head_dim)  # (K, d/2, 2, n)
     qp = to_pairs(_augment(q_w, q_b), num_heads, head_dim).reshape(num_kv_heads, r, head_dim // 2, 2, -1)
-    q_maps = torch.linalg.inv(maps).transpose(-1, -2)  # A^-T, again a scaled rotation
+    q_maps = lapack(torch.linalg.inv, maps).transpose(-1, -2)  # A^-T, again a scaled rotation
     k_new = from_pairs(maps @ kp)
     q_new = from_pairs((q_maps[:, None] @ qp).reshape(num_heads, head_dim // 2, 2, -1))
     (q_out, qb_out), (k_out, kb_out) = _split(q_new, q_b, q_w, q_b), _split(k_new, k_b, k_w, k_b)
@@ -195,7 +196,7 @@ def transform_values(v_w, o_w, maps, num_heads: int, num_kv_heads: int, head_dim
     v = _augment(v_w, v_b).reshape(num_kv_heads, head_dim, -1)  # (K, d, n)
     o = o_w.to(F64).reshape(o_w.shape[0], num_kv_heads, r, head_dim)  # (n, K, r, d)
     v_new = (maps @ v).reshape(num_kv_heads * head_dim, -1)
-    o_new = torch.einsum("nkrd,kde->nkre", o, torch.linalg.inv(maps)).reshape(o_w.shape)
+    o_new = torch.einsum("nkrd,kde->nkre", o, lapack(torch.linalg.inv, maps)).reshape(o_w.shape)
     v_out, vb_out = _split(v_new, v_b, v_w, v_b)
     return v_out, o_new.to(o_w.dtype), vb_out
 
@@ -230,7 +231,7 @@ def _merge_keys(kp, qe, groups, scale, reference, merge, restore, iterations):
     if merge == "pca":  # weighted complex rank-1 fit; invariant to every scaled rotation of the heads
         z = torch.complex(kp[..., 0, :], kp[..., 1, :]).reshape(groups, m, half, n)
         a = (qe.reshape(groups, m, half, 1).sqrt() * z).transpose(1, 2)  # (G, d/2, m, n)
-        v = torch.linalg.svd(a, full_matrices=False).Vh[..., 0, :]  # (G, d/2, n), unit norm
+        v = lapack(torch.linalg.svd, a, full_matrices=False).Vh[..., 0, :]  # (G, d/2, n), unit norm
         v = v * z.abs().pow(2).sum(-1).mean(1).sqrt()[..., None]  # the group's rms key norm per pair
         phase = (v.conj() * z[:, 0]).sum(-1)  # face the group's first head (cosmetic)
         v = v * torch.where(phase.abs() > 0, phase / phase.abs().clamp_min(1e-300), torch.ones_like(phase))[..., None]
@@ -277,7 +278,7 @@ def _merge_values(v, oe, groups, reference, merge, restore, iterations):
     if merge == "pca":  # shared row space that keeps the most of sum_h ||O_h V_h||^2
         # = the top-d right singular vectors of the stacked sqrt(O_h^T O_h) V_h: an (m d) x n SVD, never n x n
         b = (_sqrt_psd(oe) @ v).reshape(groups, m * d, n)
-        w = torch.linalg.svd(b, full_matrices=False).Vh[..., :d, :]  # (G, d, n) orthonormal rows
+        w = lapack(torch.linalg.svd, b, full_matrices=False).Vh[..., :d, :]  # (G, d, n) orthonormal rows
         # Rotate the basis to face the first head (cosmetic; B absorbs any d x d map).
         first = vg_heads[:, 0] / vg_heads[:, 0].norm(dim=(-1, -2), keepdim=True).clamp_min(1e-300)
         w = orthogonal_procrustes(w, first) @ w
@@ -295,12 +296,12 @@ def _merge_values(v, oe, groups, reference, merge, restore, iterations):
 
 def _refit_values(v, vg, m):
     """Least-squares B_h with V_h ~ B_h Vg (B_h = V_h Vg^+)."""
-    return v @ torch.linalg.pinv(vg).repeat_interleave(m, dim=0)  # (K, d, d)
+    return v @ lapack(torch.linalg.pinv, vg).repeat_interleave(m, dim=0)  # (K, d, d)
 
 
 def _sqrt_psd(m: torch.Tensor) -> torch.Tensor:
     """Symmetric square root of (..., d, d) positive semi-definite matrices."""
-    w, u = torch.linalg.eigh(m)
+    w, u = lapack(torch.linalg.eigh, m)
     return (u * w.clamp_min(0).sqrt()[..., None, :]) @ u.transpose(-1, -2)
 
 
@@ -323,9 +324,10 @@ def _value_blocks(gram4: torch.Tensor, root_oe: torch.Tensor):
 
 def _group_cost(key_gram, value_block, heads, head_dim: int) -> tuple[float, float]:
     idx = torch.tensor(list(heads))
-    ev = torch.linalg.eigvalsh(key_gram[:, idx][:, :, idx])  # (d/2, m): the weighted rank-1 fit keeps the top one
+    # (d/2, m): the weighted rank-1 fit keeps the top one
+    ev = lapack(torch.linalg.eigvalsh, key_gram[:, idx][:, :, idx])
     key = (ev.sum(-1) - ev[:, -1]).sum().item()
-    ev = torch.linalg.eigvalsh(value_block(heads))  # the rank-d fit keeps the top d
+    ev = lapack(torch.linalg.eigvalsh, value_block(heads))  # the rank-d fit keeps the top d
     return key, (ev.sum() - ev[-head_dim:].sum()).item()
 
 
@@ -356,6 +358,13 @@ def group_order(key_gram, value_block, key_total: float, val_total: float, num_k
     m = num_kv // groups
     if groups in (1, num_kv):
         return tuple(range(num_kv))
+    with one_thread():  # thousands of small eigvalsh calls: see common/threads.py
+        return _search(key_gram, value_block, key_total, val_total, num_kv, m, head_dim, exhaustive_limit)
+
+
+def _search(key_gram, value_block, key_total: float, val_total: float, num_kv: int, m: int, head_dim: int,
+            exhaustive_limit: int) -> tuple[int, ...]:
+    """`group_order`'s search for groups of m heads."""
     cache: dict[tuple[int, ...], float] = {}
 
     def cost(s):

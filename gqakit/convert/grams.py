@@ -17,6 +17,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from gqakit.common.threads import lapack
+
 F64 = torch.float64
 BLOCK = 256  # rows (and metric columns) per block: 8 MiB of float64 at hidden size 4096
 PSD_TOLERANCE = 1e-6  # a Gram eigenvalue below -tol * the largest means the metric was not a second moment
@@ -171,7 +173,7 @@ def symmetrise_(g: torch.Tensor) -> torch.Tensor:
 def factor(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., r, r) PSD Grams -> (Y, Y^+) with Y Y^T = G: coordinates of the r rows in an r-dim space that keeps
     every inner product, and the pseudo-inverse that turns coordinates back into row combinations."""
-    lam, u = torch.linalg.eigh(g)
+    lam, u = lapack(torch.linalg.eigh, g)
     top = lam.amax(-1, keepdim=True).clamp_min(1e-300)
     if bool((lam < -PSD_TOLERANCE * top).any()):
         raise IndefiniteMetric("the input metric is not positive semi-definite (is it a second moment?)")

@@ -10,7 +10,7 @@ from transformers.masking_utils import sliding_window_overlay
 
 from gqakit.attention.masks import MaskSpec
 from gqakit.attention.reference import eager_reference
-from gqakit.attention.tiled import tiled_attention
+from gqakit.attention.tiled import tiled_attention, work
 
 NEG_INF = float("-inf")
 
@@ -195,15 +195,40 @@ class _LargestOutput(TorchDispatchMode):
         return out
 
 
-def test_no_tq_by_tk_intermediate():
-    """Forward and backward at T=1024 never build a tensor as large as one head's T x T scores."""
+@pytest.mark.parametrize("span_k", [128, 256])
+def test_no_tq_by_tk_intermediate(span_k):
+    """Forward and backward at T=1024 never build a tensor larger than one fused (block_q x span_k) step: far
+    below one head's T x T scores, whatever the length."""
     T, block = 1024, 128
     q, k, v = make_inputs(1, 2, 1, T, T, 16)
     with _LargestOutput() as probe:
-        out = tiled_attention(q, k, v, scale=0.25, block_q=block, block_k=block)
+        out = tiled_attention(q, k, v, scale=0.25, block_q=block, block_k=block, span_k=span_k)
         out.backward(torch.ones_like(out))
-    assert probe.largest <= 2 * block * block  # one (B*G, block_q * H/G, block_k) tile
+    assert probe.largest <= 2 * block * span_k  # one (B*G, block_q * H/G, span_k) fused tile
     assert q.grad is not None and k.grad.shape == k.shape
+
+
+def test_fused_steps_equal_one_block_per_step():
+    """Fusing adjacent key blocks into one matmul changes only rounding: forward and gradients against the
+    one-block-per-step kernel (span_k = block_k), with a window, padding and GQA; and causal T = 1024 runs
+    2 steps per query block (its full run, its diagonal) instead of up to 8."""
+    q, k, v = make_inputs(2, 4, 2, 200, 200, 16)
+    pad = torch.ones(2, 200, dtype=torch.bool)
+    pad[1, :37] = False
+    spec = MaskSpec(window=90)
+    results = []
+    for span in (16, None):
+        for t in (q, k, v):
+            t.grad = None
+        out = tiled_attention(q, k, v, scale=0.25, spec=spec, key_padding=pad, block_q=16, block_k=16, span_k=span)
+        out.backward(torch.cos(out))
+        results.append([out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32: reassociated sums only
+    fused, single = (work(MaskSpec(), 1, 1, 1024, 1024, span_k=s)["steps"] for s in (None, 128))
+    assert (fused, single) == (8 + 7, 36)  # 8 query blocks: the first has only its diagonal
+    with pytest.raises(ValueError, match="span_k=64 is below block_k=128"):
+        tiled_attention(q, k, v, scale=0.25, span_k=64)
 
 
 def test_long_forward_is_quick():
