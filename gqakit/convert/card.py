@@ -33,6 +33,7 @@ def describe_plan(plan: Plan) -> str:
         f"{plan.architecture} ({plan.spec.family}): {plan.num_layers} layers, {plan.num_attention_heads} "
         f"attention heads, head_dim {plan.head_dim}",
         f"K/V heads: {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}, method {plan.method})",
+        *([f"re-hosted: {plan.rehosted.describe()}"] if plan.rehosted else []),
         kv_summary(plan),
         f"tensors: {len(plan.ops)} ({kinds.get('copy', 0)} copied, {kinds.get('cast', 0)} cast, "
         f"{len(plan.ops) - kinds.get('copy', 0) - kinds.get('cast', 0)} regrouped)",
@@ -141,7 +142,7 @@ Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if comm
 
 | | |
 |---|---|
-| architecture | {plan.architecture} |
+| architecture | {plan.architecture}{f" (re-hosted: {plan.rehosted.describe()})" if plan.rehosted else ""} |
 | attention heads | {plan.num_attention_heads} |
 | K/V heads | {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}) |
 | method | {plan.method}{f" (seed {cfg.seed})" if methods.get(plan.method).seeded else ""} |

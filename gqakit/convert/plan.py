@@ -14,8 +14,10 @@ import torch
 
 from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures import ArchSpec, KNorm, find_family, supported_architectures
-from gqakit.hf.checkpoint import DTYPE_NAMES, DTYPES, TensorInfo, assign_shards, shard_names
-from gqakit.hf.fields import ModelFields, read_fields
+from gqakit.hf.checkpoint import DTYPE_NAMES, DTYPES, DerivedTensor, TensorInfo, assign_shards, shard_names
+from gqakit.hf.architectures.refused import refusal
+from gqakit.hf.architectures.rehost import Rehosted, find_rehost, rehost, rehosted_architectures
+from gqakit.hf.fields import ModelFields, architecture_of, read_fields
 from gqakit.convert import methods
 from gqakit.convert.pooling import valid_groups
 
@@ -51,6 +53,8 @@ class Plan:
     source_kv_itemsize: int
     target_kv_itemsize: int
     initializer_range: float = 0.02  # the std of --method random's fresh K/V projections
+    # a source family re-hosted on `architecture`: its target config and tensors, which the writer reads (None: native)
+    rehosted: Rehosted | None = None
 
     @functools.cached_property
     def shards(self) -> list[list[int]]:
@@ -260,10 +264,12 @@ def check_alignable(spec: ArchSpec, arch: str, config: dict, groups: int, kv_hea
     merges heads: refuse, in one line, a model or a G it cannot handle exactly."""
     why = spec.alignable
     if why is None:
-        factor = config.get("partial_rotary_factor")
+        # transformers 5 keeps both inside rope_parameters; older configs at the top level / in rope_scaling
+        rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+        factor = config.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
         if factor not in (None, 1, 1.0):
             why = f"rotates only part of each head (partial_rotary_factor {factor})"
-        elif config.get("rope_scaling") and (config["rope_scaling"] or {}).get("rope_type") == "longrope":
+        elif rope.get("rope_type") == "longrope":
             why = "uses LongRoPE, whose per-pair factors change with the sequence length"
         elif config.get("clip_qkv") is not None:
             why = f"clips q, k and v elementwise (clip_qkv {config['clip_qkv']}), which rotations do not commute with"
@@ -276,16 +282,32 @@ def check_alignable(spec: ArchSpec, arch: str, config: dict, groups: int, kv_hea
                           f"{kv_heads} K/V heads; use --method mean")
 
 
+def check_family(config: dict) -> ArchSpec | None:
+    """The family's table (None for a re-hosted source), or a one-line refusal that names the family: checked
+    before any other field is read, since refused families spell their fields otherwise (n_head, num_heads)."""
+    arch = architecture_of(config)
+    spec = find_family(arch)
+    if spec is None and find_rehost(arch) is None:
+        if (why := refusal(arch, config)) is not None:
+            raise GqakitError(f"cannot convert: {why}")
+        known = sorted({*supported_architectures(), *rehosted_architectures()})
+        raise GqakitError(f"architecture {arch} is not supported; gqakit converts {', '.join(known)}")
+    return spec
+
+
 def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method: str = "mean",
               dtype: str | None = None, max_shard_bytes: int = 5 * 10**9) -> Plan:
-    """Decide every output tensor's name, dtype, shape and recipe. Raises GqakitError on bad input."""
+    """Decide every output tensor's name, dtype, shape and recipe. Raises GqakitError on bad input.
+
+    A re-hosted family (GPT-NeoX, GPT-J) is planned on its target class: `plan.rehosted` then holds the target's
+    config and tensors, which the caller must convert from instead of `config` and `tensors`."""
+    check_family(config)
+    rehosted = rehost(config, tensors)
+    if rehosted is not None:
+        config, tensors = rehosted.config, rehosted.tensors
+    spec = check_family(config)
     fields = read_fields(config)
     arch = fields.architecture
-    spec = find_family(arch)
-    if spec is None:
-        raise GqakitError(
-            f"architecture {arch} is not supported; gqakit converts {', '.join(supported_architectures())}"
-        )
     layerwise = methods.get(method).layerwise
     heads, kv_heads, layers = fields.num_attention_heads, fields.num_key_value_heads, fields.num_hidden_layers
     head_dim = fields.head_dim
@@ -317,7 +339,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         if name in special:
             ops += special[name]
         else:
-            kind = "copy" if target(info) == info.dtype else "cast"
+            kind = "copy" if target(info) == info.dtype and not isinstance(info, DerivedTensor) else "cast"
             ops.append(TensorOp(name, target(info), info.shape, kind, (name,)))
 
     kv_probe = tensors[spec.qkv_proj.format(i=0) + ".weight" if spec.fused else spec.k_proj.format(i=0) + ".weight"]
@@ -326,6 +348,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         num_key_value_heads=kv_heads, groups=groups, head_dim=head_dim, method=method, ops=tuple(ops),
         max_shard_bytes=max_shard_bytes, source_kv_itemsize=DTYPES[kv_probe.dtype].itemsize,
         target_kv_itemsize=DTYPES[target(kv_probe)].itemsize, initializer_range=fields.initializer_range,
+        rehosted=rehosted,
     )
 
 

@@ -27,7 +27,7 @@ from gqakit.hf.checkpoint import DTYPES, ShardWriter, TensorInfo, load_tensor, s
 from gqakit.convert.grams import IndefiniteMetric, Metric, key_side, moment_metric, value_side
 from gqakit.convert import methods
 from gqakit.convert.options import ConvertConfig
-from gqakit.convert.plan import Plan, TensorOp, make_plan
+from gqakit.convert.plan import Plan, TensorOp, check_family, make_plan
 from gqakit.convert.pooling import random_heads, regroup, relative_error
 from gqakit.common.atomic import check_replaceable
 from gqakit.common.memory import release_freed_memory
@@ -103,6 +103,7 @@ def prepare(cfg: ConvertConfig) -> tuple[Plan, dict, dict[str, TensorInfo], Path
     """Validate everything a conversion needs and plan it, before any output is written."""
     model_dir = Path(cfg.model_dir)
     config = read_config(model_dir)
+    check_family(config)  # a refused family is named before anything else is looked at
     out = output_path(model_dir, cfg.output_dir, cfg.groups)
     if cfg.dtype not in dtypes.WITH_AUTO:
         raise GqakitError(f"unknown --dtype {cfg.dtype!r}; choose auto, float32, bfloat16 or float16")
@@ -110,6 +111,8 @@ def prepare(cfg: ConvertConfig) -> tuple[Plan, dict, dict[str, TensorInfo], Path
     max_shard = max_shard_bytes(cfg.max_shard_size)
     tensors = scan_checkpoint(model_dir)
     plan = make_plan(config, tensors, cfg.groups, cfg.method, cfg.dtype, max_shard)
+    if plan.rehosted is not None:  # from here on the checkpoint is the target class's
+        config, tensors = plan.rehosted.config, plan.rehosted.tensors
     if not cfg.dry_run:
         check_output(model_dir, out, cfg.force)
     calibration = None

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,6 +47,15 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class DerivedTensor(TensorInfo):
+    """A tensor computed from stored ones (re-hosting a family on another class: a transpose, a split of a fused
+    projection, a folded norm). `file` and `start` are those of its first source, so plans keep reading in file
+    order; `make()` reads the sources (through `load_tensor`) and returns the tensor. Never byte-copied."""
+
+    make: Callable[[], torch.Tensor] | None = None
 
 
 def _is_count(value) -> bool:
@@ -189,6 +199,12 @@ def load_tensor(info: TensorInfo, name: str) -> torch.Tensor:
     (safetensors' own reader refuses those). Safetensors data is little-endian, as are the hosts torch
     supports.
     """
+    if isinstance(info, DerivedTensor):
+        tensor = info.make()
+        if tuple(tensor.shape) != tuple(info.shape) or tensor.dtype != DTYPES[info.dtype]:
+            raise AssertionError(f"derived tensor '{name}' came out {tensor.dtype} {list(tensor.shape)}, planned "
+                                 f"{info.dtype} {list(info.shape)}")
+        return tensor
     tensor = torch.empty(info.shape, dtype=DTYPES[info.dtype])
     with open(info.file, "rb", buffering=0) as f:
         return read_into(f, tensor, info.start,

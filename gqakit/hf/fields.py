@@ -53,7 +53,8 @@ def positive_int(config: dict, key: str, default: int | None = None) -> int:
                       f"(no quotes, no decimal point) for {key} in config.json")
 
 
-def _architecture(config: dict) -> str:
+def architecture_of(config: dict) -> str:
+    """config.architectures[0], checked."""
     archs = config.get("architectures")
     if archs is None or archs == []:
         raise GqakitError(
@@ -81,7 +82,7 @@ def _initializer_range(config: dict) -> float:
 
 def read_fields(config: dict) -> ModelFields:
     """Every field a conversion reads from config.json, type-checked; raises GqakitError naming the fix."""
-    architecture = _architecture(config)
+    architecture = architecture_of(config)
     heads = positive_int(config, "num_attention_heads")
     kv_heads = positive_int(config, "num_key_value_heads", default=heads)
     layers = positive_int(config, "num_hidden_layers")

@@ -32,6 +32,10 @@ FAMILIES = {
                                                     layer_types=["sliding_attention", "full_attention"]),
     "phi3": lambda: transformers.Phi3Config(**SMALL),
     "olmo2": lambda: transformers.Olmo2Config(**SMALL),
+    "phi": lambda: transformers.PhiConfig(**SMALL),  # also GPT-NeoX / GPT-J re-hosted
+    "starcoder2": lambda: transformers.Starcoder2Config(**SMALL, sliding_window=WINDOW),
+    "granite": lambda: transformers.GraniteConfig(**SMALL, attention_multiplier=0.2),
+    "nemotron": lambda: transformers.NemotronConfig(**SMALL, head_dim=8),
     "cohere": lambda: transformers.CohereConfig(**SMALL),
     "gpt_oss": lambda: transformers.GptOssConfig(**{**SMALL, "intermediate_size": 32}, head_dim=8,
                                                  num_local_experts=2, num_experts_per_tok=1, sliding_window=WINDOW),

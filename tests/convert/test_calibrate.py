@@ -41,7 +41,7 @@ from tiny_models import checkpoint_logits, make_disguised_llama, make_tiny_llama
 ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = ROOT / "gqakit" / "assets" / "austen-mha-8h"
 TEXT = ROOT / "gqakit" / "assets" / "pride_and_prejudice.txt"
-ALIGNABLE = ["llama", "mistral", "qwen2", "gemma", "gemma2", "olmo"]
+ALIGNABLE = ["llama", "mistral", "qwen2", "gemma", "gemma2", "olmo", "starcoder2", "granite"]
 SMALL = ["--calibration-tokens", "256", "--calibration-window", "32"]  # 8 windows, 1 held out
 
 

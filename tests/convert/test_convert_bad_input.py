@@ -75,10 +75,10 @@ def test_groups_incompatible_with_existing_kv_heads(tmp_path, capsys):
 
 def test_unsupported_architecture(src, tmp_path, capsys):
     cfg = json.loads((src / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["architectures"] = ["MadeUpForCausalLM"]  # known-but-refused families: tests/hf/test_rehost.py
     (src / "config.json").write_text(json.dumps(cfg))
-    err = fails(capsys, ["--groups", "2", str(src), "-o", str(tmp_path / "out")], "GPT2LMHeadModel", "not supported")
-    assert "LlamaForCausalLM" in err and "Phi3ForCausalLM" in err
+    err = fails(capsys, ["--groups", "2", str(src), "-o", str(tmp_path / "out")], "MadeUpForCausalLM", "not supported")
+    assert "LlamaForCausalLM" in err and "Phi3ForCausalLM" in err and "GPTNeoXForCausalLM" in err
 
 
 def test_truncated_safetensors(src, tmp_path, capsys):

@@ -10,14 +10,18 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    NemotronConfig,
     Olmo2Config,
     OlmoConfig,
     Phi3Config,
+    PhiConfig,
     Qwen2Config,
     Qwen3Config,
     StableLmConfig,
+    Starcoder2Config,
 )
 
 HIDDEN, HEADS, HEAD_DIM, LAYERS, VOCAB = 32, 4, 8, 2, 64
@@ -46,12 +50,18 @@ FAMILIES = {
     "olmo": (OlmoConfig, dict(), {}),
     "olmo2": (Olmo2Config, dict(), {"knorm_rows": True}),
     "stablelm": (StableLmConfig, dict(qk_layernorm=True, use_qkv_bias=True), {"knorm_mods": True}),
+    "phi": (PhiConfig, dict(), {}),  # partial rotary 0.5, q/k/v/dense biases, one LayerNorm for both branches
+    "starcoder2": (Starcoder2Config, dict(sliding_window=8), {}),  # biases on by default
+    "granite": (GraniteConfig, dict(attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                    logits_scaling=2.0, attention_bias=True), {}),
+    "nemotron": (NemotronConfig, dict(head_dim=HEAD_DIM, attention_bias=True), {}),  # partial rotary, LayerNorm1P
 }
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "olmo": "OlmoForCausalLM",
-    "olmo2": "Olmo2ForCausalLM", "stablelm": "StableLmForCausalLM",
+    "olmo2": "Olmo2ForCausalLM", "stablelm": "StableLmForCausalLM", "phi": "PhiForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM", "granite": "GraniteForCausalLM", "nemotron": "NemotronForCausalLM",
 }
 
 

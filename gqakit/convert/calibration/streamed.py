@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gqakit.common.errors import GqakitError
-from gqakit.hf.checkpoint import DTYPES, TensorInfo, read_into
+from gqakit.hf.checkpoint import DTYPES, DerivedTensor, TensorInfo, read_into
 
 BLOCK_BYTES = 16 << 20  # fp32 bytes of one block of a streamed weight (1,024 rows at hidden size 4,096)
 
@@ -124,6 +124,8 @@ def _stream(root: nn.Module, prefix: str, tensors: dict[str, TensorInfo], what: 
         full = f"{prefix}{name}.weight"
         if full not in tensors:
             raise _missing(full, what)
+        if isinstance(tensors[full], DerivedTensor):
+            continue  # computed, not stored: materialised whole like any other parameter
         owner_name, _, leaf = name.rpartition(".")
         owner = root.get_submodule(owner_name) if owner_name else root
         setattr(owner, leaf, kind(module, tensors[full], full, what))

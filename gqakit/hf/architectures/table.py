@@ -26,6 +26,11 @@ FAMILIES: tuple[ArchSpec, ...] = (
         "olmo2", ("Olmo2ForCausalLM",),
         k_norm=KNorm.SPANS_HEADS, k_norm_weight="model.layers.{i}.self_attn.k_norm.weight",
     ),
+    ArchSpec("phi", ("PhiForCausalLM",), o_proj="model.layers.{i}.self_attn.dense",
+             notes="Phi-1/1.5/2 (and GPT-NeoX / GPT-J re-hosted on it); partial rotary"),
+    ArchSpec("starcoder2", ("Starcoder2ForCausalLM",)),
+    ArchSpec("granite", ("GraniteForCausalLM",)),
+    ArchSpec("nemotron", ("NemotronForCausalLM",)),
     ArchSpec(
         "stablelm", ("StableLmForCausalLM",),
         k_norm=KNorm.ONE_PER_HEAD,

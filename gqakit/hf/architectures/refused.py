@@ -1,0 +1,39 @@
+"""Families gqakit knows and does not convert, each with the reason and what to do: a one-line refusal that names
+the family, never a wrong "add this field" hint read off a config that spells its fields otherwise."""
+from __future__ import annotations
+
+_ALIBI = ("uses ALiBi position biases, and no stock transformers class with grouped K/V heads applies the same "
+          "ALiBi slopes; gqakit does not convert ALiBi models")
+_ENCODER = ("is an encoder: it keeps no KV cache, so grouping its K/V heads saves nothing at inference; gqakit "
+            "converts decoders")
+_NOT_YET = "is not converted by gqakit yet (the supported families are listed in docs/convert.md)"
+_ENC_DEC = _NOT_YET + "; an encoder-decoder needs grouped-K/V classes gqakit does not have yet"
+
+REFUSED: dict[str, str] = {
+    "BloomForCausalLM": _ALIBI,
+    "MptForCausalLM": _ALIBI,
+    "GPT2LMHeadModel": _NOT_YET + "; its MQA form fits GPTBigCodeForCausalLM (multi_query), not yet a target",
+    "OPTForCausalLM": _NOT_YET + "; its MQA form fits GPTBigCodeForCausalLM (multi_query), not yet a target",
+    "T5ForConditionalGeneration": _ENC_DEC,
+    "MT5ForConditionalGeneration": _ENC_DEC,
+    "BartForConditionalGeneration": _ENC_DEC,
+    "BertModel": _ENCODER, "BertForMaskedLM": _ENCODER, "RobertaModel": _ENCODER, "RobertaForMaskedLM": _ENCODER,
+    "DistilBertModel": _ENCODER, "DistilBertForMaskedLM": _ENCODER, "DebertaV2Model": _ENCODER,
+}
+
+
+def falcon_reason(config: dict) -> str | None:
+    """Falcon is refused in every variant for now; the reason depends on the variant."""
+    if config.get("alibi"):
+        return _ALIBI
+    if config.get("multi_query", True) and not config.get("new_decoder_architecture"):
+        return "is already multi-query (one K/V head): there is nothing to group"
+    return _NOT_YET + "; its fused query_key_value interleaves each K/V group's q, k and v rows"
+
+
+def refusal(architecture: str, config: dict) -> str | None:
+    """Why this architecture is refused, as a line that names it, or None when gqakit does not know it."""
+    if architecture in ("FalconForCausalLM", "RWForCausalLM"):
+        return f"{architecture} {falcon_reason(config)}"
+    reason = REFUSED.get(architecture)
+    return f"{architecture} {reason}" if reason else None

@@ -1,0 +1,40 @@
+"""The schema of a re-host mapping and the check that it consumed every source tensor."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+from gqakit.common.errors import GqakitError
+from gqakit.hf.checkpoint import TensorInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class Rehost:
+    """One source family -> one target class."""
+
+    family: str  # the source family, as users name it
+    architectures: tuple[str, ...]  # config.architectures[0] values it takes
+    target: str  # the target class (its ArchSpec is in the architecture table)
+    build: Callable[[dict, dict[str, TensorInfo]], tuple[dict, dict[str, TensorInfo]]]
+    exact: str  # what is exact, for the plan, the card and the docs
+
+
+@dataclasses.dataclass(frozen=True)
+class Rehosted:
+    config: dict  # the target's config.json
+    tensors: dict[str, TensorInfo]  # the target's tensors (stored or derived)
+    rehost: Rehost
+
+    def describe(self) -> str:
+        return f"{self.rehost.family} ({self.rehost.architectures[0]}) re-hosted on {self.rehost.target}: " \
+               f"{self.rehost.exact}"
+
+
+def unused_check(family: str, tensors: dict[str, TensorInfo], used: set[str], buffers: tuple[str, ...] = ()) -> None:
+    """Refuse a source tensor that the mapping neither consumed nor knows as a buffer."""
+    ignorable = [re.compile(p) for p in buffers]
+    for name in sorted(tensors):
+        if name not in used and not any(p.fullmatch(name) for p in ignorable):
+            raise GqakitError(f"tensor '{name}' is not part of the {family} layout gqakit re-hosts; the checkpoint "
+                              f"has a variant gqakit does not know: report it, or remove the tensor if it is unused")

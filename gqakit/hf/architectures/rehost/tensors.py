@@ -1,0 +1,58 @@
+"""Building blocks of the re-host mappings: take stored tensors by name, derive new ones lazily."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from gqakit.common.errors import GqakitError
+from gqakit.hf.checkpoint import DTYPES, DerivedTensor, TensorInfo, load_tensor
+
+
+class Source:
+    """The source checkpoint's tensors; records which ones a mapping used."""
+
+    def __init__(self, family: str, tensors: dict[str, TensorInfo]):
+        self.family, self.tensors, self.used = family, tensors, set()
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
+        if name not in self.tensors:
+            raise GqakitError(f"tensor '{name}' is missing from the {self.family} checkpoint; the weights do not "
+                              "match config.json")
+        info = self.tensors[name]
+        if shape is not None and tuple(info.shape) != tuple(shape):
+            raise GqakitError(f"tensor '{name}' has shape {list(info.shape)} but config.json implies {list(shape)}; "
+                              "the weights do not match the config")
+        self.used.add(name)
+        return info
+
+    def loader(self, name: str, shape: tuple[int, ...] | None = None) -> Callable[[], torch.Tensor]:
+        """A function that reads the tensor (float32) when called; the name is checked now."""
+        info = self.info(name, shape)
+        return lambda: load_tensor(info, name).float()
+
+
+def derived(like: TensorInfo, shape: tuple[int, ...], make: Callable[[], torch.Tensor]) -> DerivedTensor:
+    """A tensor of `like`'s dtype and the given shape, computed by make() (in float32, cast here)."""
+    dtype = DTYPES[like.dtype]
+    return DerivedTensor(file=like.file, dtype=like.dtype, shape=tuple(shape), start=like.start, end=like.end,
+                         make=lambda: make().to(dtype).contiguous())
+
+
+def constant(like: TensorInfo, shape: tuple[int, ...], value: float) -> DerivedTensor:
+    """A tensor of `like`'s dtype filled with value (a norm's unit scale, a bias the source does not have)."""
+    return derived(like, shape, lambda: torch.full(shape, float(value)))
+
+
+def fold_norm(weight: Callable, bias: Callable | None, gamma: Callable, beta: Callable):
+    """Linear(gamma * n + beta) = Linear'(n): W' = W diag(gamma), b' = b + W beta. Returns (W', b') makers."""
+    def w() -> torch.Tensor:
+        return weight() * gamma()[None, :]
+
+    def b() -> torch.Tensor:
+        folded = weight() @ beta()
+        return folded + bias() if bias is not None else folded
+    return w, b

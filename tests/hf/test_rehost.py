@@ -1,0 +1,222 @@
+"""Re-hosted families (GPT-NeoX / Pythia and GPT-J on PhiForCausalLM), end to end, against their own classes.
+
+At G = H the re-hosted model must compute the source's logits (fp32, within 1e-5: the NeoX fold rounds). At
+G < H it must equal a reference built in the SOURCE's own class: each K/V head of the source replaced by its
+group's mean, written here from the source's own tensor layout (NeoX's per-head fused rows, GPT-J's separate
+k/v projections), not from gqakit's mapping code.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPTJConfig, GPTNeoXConfig
+
+from gqakit.cli import convert_main
+
+VOCAB, HIDDEN, HEADS, LAYERS = 64, 32, 4, 2
+D = HIDDEN // HEADS
+IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+
+SOURCES = {
+    "neox": lambda **kw: GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                       num_attention_heads=HEADS, intermediate_size=48, rotary_pct=0.5,
+                                       max_position_embeddings=64, **kw),
+    "neox-nobias": lambda **kw: GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                              num_attention_heads=HEADS, intermediate_size=48, rotary_pct=1.0,
+                                              max_position_embeddings=64, attention_bias=False, **kw),
+    "gptj": lambda **kw: GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, rotary_dim=4,
+                                    n_positions=64, **kw),
+}
+TARGETS = {"neox": "PhiForCausalLM", "neox-nobias": "PhiForCausalLM", "gptj": "PhiForCausalLM",
+           "gpt2": "GPTBigCodeForCausalLM", "opt": "GPTBigCodeForCausalLM"}
+FAMILY = {"neox": "GPT-NeoX", "neox-nobias": "GPT-NeoX", "gptj": "GPT-J", "gpt2": "GPT-2", "opt": "OPT"}
+MQA_ONLY: set[str] = set()
+
+
+def _perturb(model) -> None:
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():  # norms off 1 / 0 and biases off 0, so a dropped fold shows
+            noise = torch.randn(p.shape, generator=gen)
+            p.add_(0.3 * noise) if p.dim() == 1 else p.copy_(noise / math.sqrt(p.shape[-1]))
+
+
+def load(path):
+    model, info = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32,
+                                                       output_loading_info=True)
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert not info[key], (key, info[key])
+    return model.eval()
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+@pytest.fixture(scope="module", params=sorted(SOURCES))
+def source(request, tmp_path_factory):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(SOURCES[request.param](), attn_implementation="eager",
+                                             dtype=torch.float32)
+    _perturb(model)
+    path = tmp_path_factory.mktemp(request.param) / "mha"
+    model.save_pretrained(path)
+    return request.param, path, model.eval()
+
+
+def _mean_heads(rows: torch.Tensor, groups: int) -> torch.Tensor:
+    """(H, d, ...) head blocks -> each replaced by the mean of its contiguous group, as an explicit loop."""
+    r = HEADS // groups
+    out = rows.clone()
+    for g in range(groups):
+        members = [rows[h].double() for h in range(g * r, (g + 1) * r)]
+        mean = (sum(members) / r).to(rows.dtype)
+        for h in range(g * r, (g + 1) * r):
+            out[h] = mean
+    return out
+
+
+def pooled_reference(name: str, model, groups: int):
+    """The source class with every K/V head replaced by its group's mean, from the source's own layout."""
+    ref = copy.deepcopy(model)
+    state = ref.state_dict()
+    with torch.no_grad():
+        for i in range(LAYERS):
+            if name.startswith("neox"):
+                for suffix in ("weight", "bias"):
+                    key = f"gpt_neox.layers.{i}.attention.query_key_value.{suffix}"
+                    if key not in state:
+                        continue
+                    t = state[key].view(HEADS, 3, D, *state[key].shape[1:])  # rows per head: q, k, v
+                    for j in (1, 2):
+                        t[:, j] = _mean_heads(t[:, j].clone(), groups)
+            elif name == "gpt2":  # Conv1D c_attn: (in, out) with output columns [q | k | v]
+                for suffix in ("weight", "bias"):
+                    t = state[f"transformer.h.{i}.attn.c_attn.{suffix}"]
+                    cols = t.T if suffix == "weight" else t[:, None]  # (3n, in)
+                    for j in (1, 2):
+                        block = cols[j * HIDDEN:(j + 1) * HIDDEN]
+                        block.copy_(_mean_heads(block.reshape(HEADS, D, -1).clone(), groups).reshape(HIDDEN, -1))
+            else:
+                prefix = "model.decoder.layers" if name == "opt" else "transformer.h"
+                attn = "self_attn" if name == "opt" else "attn"
+                for role in ("k_proj", "v_proj"):
+                    for suffix in ("weight", "bias"):
+                        key = f"{prefix}.{i}.{attn}.{role}.{suffix}"
+                        if key in state:
+                            t = state[key]
+                            t.copy_(_mean_heads(t.view(HEADS, D, *t.shape[1:]).clone(), groups).view(t.shape))
+    return ref.eval()
+
+
+@pytest.mark.parametrize("groups", [4, 2, 1])
+def test_rehosted_conversion(source, groups, tmp_path):
+    name, path, model = source
+    out = tmp_path / "out"
+    if name in MQA_ONLY and 1 < groups < HEADS:
+        assert convert_main([str(path), "--groups", str(groups), "-o", str(out), "--quiet"]) == 2
+        assert not out.exists()
+        return
+    assert convert_main([str(path), "--groups", str(groups), "-o", str(out), "--quiet"]) == 0
+    converted = load(out)
+    assert type(converted).__name__ == TARGETS[name]
+    assert converted.config.num_key_value_heads == groups
+    if name in MQA_ONLY:
+        assert converted.config.multi_query == (groups == 1)
+        for block in converted.transformer.h:
+            assert block.attn.c_attn.weight.shape == (HIDDEN + 2 * groups * D, HIDDEN)
+    else:
+        for layer in converted.model.layers:
+            assert layer.self_attn.k_proj.weight.shape == (groups * D, HIDDEN)
+    got, want_mha = logits(converted), logits(model)
+    if groups == HEADS:
+        torch.testing.assert_close(got, want_mha, atol=1e-5, rtol=0)
+        return
+    want = logits(pooled_reference(name, model, groups))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (got - want_mha).abs().max() > 1e-3  # pooling changed the function: the comparison is not vacuous
+    card = (out / "README.md").read_text()
+    assert "re-hosted" in card and FAMILY[name] in card
+
+
+def test_dry_run_names_the_mapping(source, capsys):
+    name, path, _ = source
+    capsys.readouterr()
+    assert convert_main([str(path), "--groups", "1", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert f"{TARGETS[name]} (" in text
+    assert f"re-hosted: {FAMILY[name]}" in text
+
+
+def test_aligned_refuses_partial_rotary_of_the_target(source, capsys):
+    """Phi rotates part of each head (GPT-J rotary_dim 4 of 8, NeoX rotary_pct 0.5): aligned must refuse, read off
+    transformers 5's rope_parameters (a 1.0 factor is allowed to proceed past this check)."""
+    name, path, _ = source
+    if name == "neox-nobias" or name in MQA_ONLY:
+        pytest.skip("full rotary" if name == "neox-nobias" else "fused c_attn: aligned refuses it for that")
+    capsys.readouterr()
+    assert convert_main([str(path), "--groups", "2", "--method", "aligned", "--dry-run", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "partial_rotary_factor" in err and "--method mean" in err, err
+
+
+def test_an_unknown_tensor_is_refused_not_dropped(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    model = AutoModelForCausalLM.from_config(SOURCES["gptj"]())
+    model.save_pretrained(tmp_path / "m")
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    weights["transformer.h.0.attn.extra_gate.weight"] = torch.zeros(2)
+    save_file(weights, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert convert_main([str(tmp_path / "m"), "--groups", "2", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "transformer.h.0.attn.extra_gate.weight" in err and "GPT-J" in err
+    assert not (tmp_path / "m-gqa2").exists()
+
+
+def _config_only(tmp_path, config: dict):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("config, needles", [
+    ({"architectures": ["GPT2LMHeadModel"], "n_head": 12, "n_embd": 768, "n_layer": 12},
+     ["GPT2LMHeadModel", "GPTBigCode"]),
+    ({"architectures": ["T5ForConditionalGeneration"], "num_heads": 8, "d_model": 512},
+     ["T5ForConditionalGeneration", "encoder-decoder"]),
+    ({"architectures": ["BloomForCausalLM"], "n_head": 8}, ["BloomForCausalLM", "ALiBi"]),
+    ({"architectures": ["BertModel"], "num_attention_heads": 12}, ["BertModel", "encoder", "no KV cache"]),
+    ({"architectures": ["FalconForCausalLM"], "alibi": True}, ["FalconForCausalLM", "ALiBi"]),
+    ({"architectures": ["FalconForCausalLM"], "multi_query": True}, ["FalconForCausalLM", "already multi-query"]),
+    ({"architectures": ["FalconForCausalLM"], "new_decoder_architecture": True, "num_kv_heads": 8},
+     ["FalconForCausalLM", "query_key_value"]),
+])
+def test_known_families_are_refused_by_name(tmp_path, capsys, config, needles):
+    """A family gqakit does not convert is named with its reason, never told to 'add' a field it spells
+    otherwise (GPT-2's n_head, T5's num_heads)."""
+    folder = _config_only(tmp_path, config)
+    capsys.readouterr()
+    assert convert_main([str(folder), "--groups", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "add it" not in err and "num_attention_heads" not in err, err
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_neox_without_parallel_residual_is_refused(tmp_path, capsys):
+    model = AutoModelForCausalLM.from_config(SOURCES["neox"](use_parallel_residual=False))
+    model.save_pretrained(tmp_path / "seq")
+    capsys.readouterr()
+    assert convert_main([str(tmp_path / "seq"), "--groups", "2", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "use_parallel_residual" in err, err
+
