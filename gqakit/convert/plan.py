@@ -55,6 +55,9 @@ class Plan:
     initializer_range: float = 0.02  # the std of --method random's fresh K/V projections
     # a source family re-hosted on `architecture`: its target config and tensors, which the writer reads (None: native)
     rehosted: Rehosted | None = None
+    # row order of a fused QKV projection before and after: "blocks" [q | k | v], or "heads" [q_h, k_h, v_h] per
+    # head (GPTBigCode's MHA form, which holds only G = H)
+    qkv_layout: tuple[str, str] = ("blocks", "blocks")
 
     @functools.cached_property
     def shards(self) -> list[list[int]]:
@@ -306,12 +309,15 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
     if rehosted is not None:
         config, tensors = rehosted.config, rehosted.tensors
     spec = check_family(config)
-    fields = read_fields(config)
+    fields = read_fields(config, spec.config_names, spec.multi_query_key)
     arch = fields.architecture
     layerwise = methods.get(method).layerwise
     heads, kv_heads, layers = fields.num_attention_heads, fields.num_key_value_heads, fields.num_hidden_layers
     head_dim = fields.head_dim
     check_groups(groups, heads, kv_heads)
+    if spec.multi_query_key and groups not in (1, heads):
+        raise GqakitError(f"{arch} holds one K/V head ({spec.multi_query_key}) or all {heads}, no stock class a "
+                          f"grouping in between; use --groups 1 (MQA) or --groups {heads}")
     if layerwise:
         check_alignable(spec, arch, config, groups, kv_heads, head_dim, method)
     check_layers(spec, tensors, layers)
@@ -348,8 +354,15 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         num_key_value_heads=kv_heads, groups=groups, head_dim=head_dim, method=method, ops=tuple(ops),
         max_shard_bytes=max_shard_bytes, source_kv_itemsize=DTYPES[kv_probe.dtype].itemsize,
         target_kv_itemsize=DTYPES[target(kv_probe)].itemsize, initializer_range=fields.initializer_range,
-        rehosted=rehosted,
+        rehosted=rehosted, qkv_layout=qkv_layouts(spec, kv_heads, groups),
     )
+
+
+def qkv_layouts(spec: ArchSpec, kv_heads: int, groups: int) -> tuple[str, str]:
+    """The fused projection's row order before and after (see Plan.qkv_layout)."""
+    if spec.multi_query_key is None:
+        return ("blocks", "blocks")
+    return tuple("blocks" if n == 1 else "heads" for n in (kv_heads, groups))
 
 
 def total_bytes(plan: Plan) -> int:

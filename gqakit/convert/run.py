@@ -321,20 +321,35 @@ def compute(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], std: float
             errors.setdefault(op.layer, {})[op.role] = relative_error(t, new, plan.num_key_value_heads)
         return new.to(out_dtype)
     if op.kind == "qkv":
-        q_rows = plan.num_attention_heads * plan.head_dim
-        kv_rows = plan.num_key_value_heads * plan.head_dim
-        q, k, v = t.split([q_rows, kv_rows, kv_rows], dim=0)  # rows: [q | k | v]
+        q, k, v = split_qkv(t, plan.num_attention_heads, plan.num_key_value_heads, plan.head_dim, plan.qkv_layout[0])
         k2 = _regroup_rows(k, plan, std, seed, op.name + ".k")
         v2 = _regroup_rows(v, plan, std, seed, op.name + ".v")
         if op.role:
             errors.setdefault(op.layer, {}).update(
                 k=relative_error(k, k2, plan.num_key_value_heads), v=relative_error(v, v2, plan.num_key_value_heads))
-        return torch.cat([q, k2, v2], dim=0).to(out_dtype)
+        return join_qkv(q, k2, v2, plan.groups, plan.qkv_layout[1]).to(out_dtype)
     raise AssertionError(f"unknown op kind {op.kind}")
+
+
+def split_qkv(t: torch.Tensor, heads: int, kv_heads: int, head_dim: int, layout: str):
+    """A fused projection's rows (weight or bias) -> (q, k, v) rows, each head's head_dim rows contiguous."""
+    if layout == "heads":  # [q_h, k_h, v_h] per head (kv_heads == heads)
+        per = t.reshape(heads, 3, head_dim, *t.shape[1:])
+        return tuple(per[:, j].reshape(heads * head_dim, *t.shape[1:]) for j in range(3))
+    return t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=0)  # [q | k | v]
+
+
+def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, layout: str) -> torch.Tensor:
+    """Inverse of `split_qkv` for the output's layout."""
+    if layout == "heads":
+        return torch.stack([x.reshape(groups, -1, *x.shape[1:]) for x in (q, k, v)], dim=1).reshape(-1, *q.shape[1:])
+    return torch.cat([q, k, v], dim=0)
 
 
 def new_config(config: dict, plan: Plan, dtype: str) -> dict:
     config = dict(config)
+    if plan.spec.multi_query_key:  # the class reads its K/V head count from this flag
+        config[plan.spec.multi_query_key] = plan.groups == 1
     config["num_key_value_heads"] = plan.groups
     config["head_dim"] = plan.head_dim
     if dtype != "auto":

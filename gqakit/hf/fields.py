@@ -80,11 +80,23 @@ def _initializer_range(config: dict) -> float:
                       "write e.g. 0.02 for initializer_range in config.json")
 
 
-def read_fields(config: dict) -> ModelFields:
-    """Every field a conversion reads from config.json, type-checked; raises GqakitError naming the fix."""
+def read_fields(config: dict, names: tuple[tuple[str, str], ...] = (), multi_query_key: str | None = None
+                ) -> ModelFields:
+    """Every field a conversion reads from config.json, type-checked; raises GqakitError naming the fix.
+    `names` maps common field names to a family's own spelling (GPTBigCode's n_head); with `multi_query_key`
+    the K/V head count is 1 where that boolean is true (its default) and every head where it is false."""
+    spelled = dict(names)
+    config = {**config, **{common: config.get(own) for common, own in spelled.items() if own in config}}
     architecture = architecture_of(config)
     heads = positive_int(config, "num_attention_heads")
-    kv_heads = positive_int(config, "num_key_value_heads", default=heads)
+    if multi_query_key is not None:
+        flag = config.get(multi_query_key, True)
+        if not isinstance(flag, bool):
+            raise GqakitError(f"config.json has {multi_query_key} {_shown(flag)}, which is not true or false; "
+                              f"write true or false for {multi_query_key} in config.json")
+        kv_heads = 1 if flag else heads
+    else:
+        kv_heads = positive_int(config, "num_key_value_heads", default=heads)
     layers = positive_int(config, "num_hidden_layers")
     if config.get("head_dim") is not None:
         head_dim = positive_int(config, "head_dim")

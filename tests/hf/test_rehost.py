@@ -1,19 +1,21 @@
-"""Re-hosted families (GPT-NeoX / Pythia and GPT-J on PhiForCausalLM), end to end, against their own classes.
+"""Re-hosted families (GPT-NeoX / Pythia and GPT-J on Phi or Nemotron, GPT-2 and OPT on GPTBigCode), end to end,
+against their own classes.
 
 At G = H the re-hosted model must compute the source's logits (fp32, within 1e-5: the NeoX fold rounds). At
 G < H it must equal a reference built in the SOURCE's own class: each K/V head of the source replaced by its
-group's mean, written here from the source's own tensor layout (NeoX's per-head fused rows, GPT-J's separate
-k/v projections), not from gqakit's mapping code.
+group's mean, written here from the source's own tensor layout (NeoX's per-head fused rows, GPT-J's and OPT's
+separate k/v projections, GPT-2's Conv1D columns), not from gqakit's mapping code.
 """
 from __future__ import annotations
 
 import copy
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPTJConfig, GPTNeoXConfig
+from transformers import AutoModelForCausalLM, GPT2Config, GPTJConfig, GPTNeoXConfig, OPTConfig
 
 from gqakit.cli import convert_main
 
@@ -30,11 +32,19 @@ SOURCES = {
                                               max_position_embeddings=64, attention_bias=False, **kw),
     "gptj": lambda **kw: GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, rotary_dim=4,
                                     n_positions=64, **kw),
+    "gpt2": lambda **kw: GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64,
+                                    bos_token_id=1, eos_token_id=2, **kw),
+    "opt": lambda **kw: OPTConfig(**{**dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                            num_attention_heads=HEADS, ffn_dim=48, word_embed_proj_dim=HIDDEN,
+                                            max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                                            eos_token_id=2), **kw}),
 }
-TARGETS = {"neox": "PhiForCausalLM", "neox-nobias": "PhiForCausalLM", "gptj": "PhiForCausalLM",
+TARGETS = {"neox": "PhiForCausalLM", "neox-nobias": "PhiForCausalLM", "neox-seq": "NemotronForCausalLM",
+           "gptj": "PhiForCausalLM",
            "gpt2": "GPTBigCodeForCausalLM", "opt": "GPTBigCodeForCausalLM"}
-FAMILY = {"neox": "GPT-NeoX", "neox-nobias": "GPT-NeoX", "gptj": "GPT-J", "gpt2": "GPT-2", "opt": "OPT"}
-MQA_ONLY: set[str] = set()
+FAMILY = {"neox": "GPT-NeoX", "neox-nobias": "GPT-NeoX", "neox-seq": "GPT-NeoX", "gptj": "GPT-J", "gpt2": "GPT-2",
+          "opt": "OPT"}
+MQA_ONLY = {"gpt2", "opt"}  # GPTBigCode holds G = 1 or G = H only
 
 
 def _perturb(model) -> None:
@@ -188,8 +198,6 @@ def _config_only(tmp_path, config: dict):
 
 
 @pytest.mark.parametrize("config, needles", [
-    ({"architectures": ["GPT2LMHeadModel"], "n_head": 12, "n_embd": 768, "n_layer": 12},
-     ["GPT2LMHeadModel", "GPTBigCode"]),
     ({"architectures": ["T5ForConditionalGeneration"], "num_heads": 8, "d_model": 512},
      ["T5ForConditionalGeneration", "encoder-decoder"]),
     ({"architectures": ["BloomForCausalLM"], "n_head": 8}, ["BloomForCausalLM", "ALiBi"]),
@@ -212,6 +220,64 @@ def test_known_families_are_refused_by_name(tmp_path, capsys, config, needles):
         assert needle in err, err
 
 
+def test_mqa_only_targets_refuse_a_middle_g_in_one_line(source, capsys):
+    name, path, _ = source
+    if name not in MQA_ONLY:
+        pytest.skip("any G")
+    capsys.readouterr()
+    assert convert_main([str(path), "--groups", "2", "--dry-run", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "GPTBigCodeForCausalLM" in err and "--groups 1" in err, err
+
+
+@pytest.mark.parametrize("name, overrides, needle", [
+    ("opt", dict(do_layer_norm_before=False), "do_layer_norm_before"),
+    ("opt", dict(word_embed_proj_dim=16), "word_embed_proj_dim"),
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+])
+def test_variants_without_a_stock_target_are_refused(tmp_path, capsys, name, overrides, needle):
+    model = AutoModelForCausalLM.from_config(SOURCES[name](**overrides))
+    model.save_pretrained(tmp_path / "m")
+    capsys.readouterr()
+    assert convert_main([str(tmp_path / "m"), "--groups", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_rehosted_mqa_uptrains_and_evaluates(tmp_path, capsys, sharding):
+    """A re-hosted GPT-2 converted to MQA is an ordinary GPTBigCode checkpoint: `gqakit uptrain` (DDP and FSDP,
+    which wraps its blocks) trains it, and `gqakit eval ppl` scores the result (eager and tiled agree)."""
+    from transformers import AutoTokenizer
+
+    from gqakit.cli import main
+
+    assets = Path(__file__).resolve().parents[2] / "gqakit" / "assets"
+    tok = AutoTokenizer.from_pretrained(assets / "austen-mha-8h")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4,
+                                                        n_positions=128, bos_token_id=None, eos_token_id=None))
+    model.save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    assert convert_main([str(tmp_path / "gpt2"), "--groups", "1", "-o", str(tmp_path / "mqa"), "--quiet"]) == 0
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "uptrain_embedded.yaml"
+    assert main(["uptrain", str(recipe), f"model={tmp_path / 'mqa'}", f"output_dir={tmp_path / 'up'}", "teacher=null",
+                 "steps=1", "seq_len=32", "batch_size=2", "eval_sequences=1", f"sharding={sharding}",
+                 f"data=[{assets / 'pride_and_prejudice.txt'}]", f"eval_data=[{assets / 'heldout_emma.txt'}]",
+                 "--quiet"]) == 0
+    trained = load(tmp_path / "up")
+    assert type(trained).__name__ == "GPTBigCodeForCausalLM" and trained.config.multi_query
+    scores = []
+    for attention in ("default", "tiled"):
+        capsys.readouterr()
+        assert main(["eval", "ppl", str(tmp_path / "up"), "--text", str(assets / "heldout_emma.txt"), "--max-tokens",
+                     "256", "--max-length", "64", "--attention", attention,
+                     "--output", str(tmp_path / f"eval-{attention}")]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if "perplexity" in x and ":" in x)
+        scores.append(float(line.split("perplexity")[1].split()[0]))
+    assert math.isfinite(scores[0]) and scores[0] == pytest.approx(scores[1], rel=1e-4)
+
+
 def test_neox_without_parallel_residual_is_refused(tmp_path, capsys):
     model = AutoModelForCausalLM.from_config(SOURCES["neox"](use_parallel_residual=False))
     model.save_pretrained(tmp_path / "seq")
@@ -219,4 +285,3 @@ def test_neox_without_parallel_residual_is_refused(tmp_path, capsys):
     assert convert_main([str(tmp_path / "seq"), "--groups", "2", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "use_parallel_residual" in err, err
-

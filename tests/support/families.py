@@ -10,6 +10,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
+    GPTBigCodeConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -55,6 +56,9 @@ FAMILIES = {
     "granite": (GraniteConfig, dict(attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5,
                                     logits_scaling=2.0, attention_bias=True), {}),
     "nemotron": (NemotronConfig, dict(head_dim=HEAD_DIM, attention_bias=True), {}),  # partial rotary, LayerNorm1P
+    # MHA form (multi_query false): fused c_attn rows per head [q_h, k_h, v_h]; converts to G = 1 or H only
+    "gpt_bigcode": (GPTBigCodeConfig, dict(multi_query=False, n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS,
+                                           n_positions=64, n_inner=48), {"bigcode": True}),
 }
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -62,12 +66,14 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "olmo": "OlmoForCausalLM",
     "olmo2": "Olmo2ForCausalLM", "stablelm": "StableLmForCausalLM", "phi": "PhiForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM", "granite": "GraniteForCausalLM", "nemotron": "NemotronForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM",
 }
 
 
 def _config(family: str, **overrides):
-    cls, extra, _ = FAMILIES[family]
-    return cls(**{**COMMON, **extra, **overrides})
+    cls, extra, layout = FAMILIES[family]
+    common = {k: v for k, v in COMMON.items() if not layout.get("bigcode") or k in ("vocab_size",) or "token" in k}
+    return cls(**{**common, **extra, **overrides})
 
 
 def _perturb_(model: torch.nn.Module, seed: int) -> None:

@@ -12,8 +12,6 @@ _ENC_DEC = _NOT_YET + "; an encoder-decoder needs grouped-K/V classes gqakit doe
 REFUSED: dict[str, str] = {
     "BloomForCausalLM": _ALIBI,
     "MptForCausalLM": _ALIBI,
-    "GPT2LMHeadModel": _NOT_YET + "; its MQA form fits GPTBigCodeForCausalLM (multi_query), not yet a target",
-    "OPTForCausalLM": _NOT_YET + "; its MQA form fits GPTBigCodeForCausalLM (multi_query), not yet a target",
     "T5ForConditionalGeneration": _ENC_DEC,
     "MT5ForConditionalGeneration": _ENC_DEC,
     "BartForConditionalGeneration": _ENC_DEC,

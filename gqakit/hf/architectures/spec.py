@@ -39,6 +39,12 @@ class ArchSpec:
     # Extra weights of each per-head norm module (e.g. a LayerNorm bias), same template scheme.
     k_norm_extra: tuple[str, ...] = ()
     notes: str = ""
+    # config.json keys this family spells its own way: (transformers' common name, this family's key)
+    config_names: tuple[tuple[str, str], ...] = ()
+    # A family that holds K/V heads only as MQA or as MHA, picked by this boolean config key (GPTBigCode's
+    # multi_query): true keeps one K/V head with fused rows [q | k | v]; false keeps every head with fused rows
+    # per head [q_h, k_h, v_h]. Only G = 1 and G = H exist.
+    multi_query_key: str | None = None
 
     @property
     def fused(self) -> bool:

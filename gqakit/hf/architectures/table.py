@@ -29,6 +29,13 @@ FAMILIES: tuple[ArchSpec, ...] = (
     ArchSpec("phi", ("PhiForCausalLM",), o_proj="model.layers.{i}.self_attn.dense",
              notes="Phi-1/1.5/2 (and GPT-NeoX / GPT-J re-hosted on it); partial rotary"),
     ArchSpec("starcoder2", ("Starcoder2ForCausalLM",)),
+    ArchSpec(
+        "gpt_bigcode", ("GPTBigCodeForCausalLM",),
+        k_proj=None, v_proj=None, qkv_proj="transformer.h.{i}.attn.c_attn",
+        q_proj="transformer.h.{i}.attn.q_attn", o_proj="transformer.h.{i}.attn.c_proj",
+        config_names=(("num_attention_heads", "n_head"), ("num_hidden_layers", "n_layer"), ("hidden_size", "n_embd")),
+        multi_query_key="multi_query", notes="MQA or MHA only (GPT-2 and OPT are re-hosted on it)",
+    ),
     ArchSpec("granite", ("GraniteForCausalLM",)),
     ArchSpec("nemotron", ("NemotronForCausalLM",)),
     ArchSpec(

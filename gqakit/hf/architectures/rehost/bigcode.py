@@ -1,0 +1,164 @@
+"""GPT-2 and OPT -> GPTBigCodeForCausalLM, the stock class that holds their MQA form (G = 1) and MHA (G = H).
+
+GPTBigCode is GPT-2's block (LayerNorm, attention, LayerNorm, MLP, learned positions, tied head) with
+`multi_query`: true keeps one K/V head with the fused rows [q | k | v], false keeps every head with rows per
+head [q_h, k_h, v_h]. Both sources are re-expressed as its MHA form; the conversion then pools to MQA (a G
+between 1 and H has no stock class and is refused).
+
+- GPT-2's Conv1D weights are stored (in, out): they are transposed. Its fused c_attn columns [q | k | v] are
+  reordered per head.
+- OPT's separate q/k/v projections are fused per head; its learned positions are offset by 2 (rows 2.. are
+  kept). OPT derives positions from the attention mask, GPTBigCode from the cache position: they agree unless a
+  batch is left-padded, where the re-hosted model needs explicit `position_ids` (as any GPT-2-like model).
+Exact: transposes, reorders, a slice and renames.
+"""
+from __future__ import annotations
+
+import torch
+
+from gqakit.common.errors import GqakitError
+from gqakit.hf.architectures.rehost.base import Rehost, unused_check
+from gqakit.hf.architectures.rehost.tensors import Source, constant, derived
+from gqakit.hf.checkpoint import TensorInfo
+
+
+def per_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows (H*d, ...) of q, k and v -> GPTBigCode's MHA c_attn rows, per head [q_h, k_h, v_h]: (3*H*d, ...)."""
+    d = q.shape[0] // heads
+    return torch.stack([t.reshape(heads, d, *t.shape[1:]) for t in (q, k, v)], dim=1).reshape(3 * q.shape[0],
+                                                                                            *q.shape[1:])
+
+
+def _bigcode_config(*, vocab, positions, n, heads, layers, inner, act, eps, init, scale, dropout, tie, tokens) -> dict:
+    return {
+        "architectures": ["GPTBigCodeForCausalLM"], "model_type": "gpt_bigcode", "multi_query": False,
+        "vocab_size": vocab, "n_positions": positions, "n_embd": n, "n_head": heads, "n_layer": layers,
+        "n_inner": inner, "activation_function": act, "layer_norm_epsilon": eps, "initializer_range": init,
+        "scale_attn_weights": scale, "resid_pdrop": dropout[0], "embd_pdrop": dropout[1], "attn_pdrop": dropout[2],
+        "attention_softmax_in_fp32": True, "scale_attention_softmax_in_fp32": True, "tie_word_embeddings": tie,
+        "use_cache": True, **tokens,
+    }
+
+
+def _tied_head(s: Source, tie: bool, vocab: int, n: int, out: dict) -> None:
+    """GPTBigCode ties its head to wte: a stored head must then be that same matrix (checked when streamed is
+    too late, so a tied source's duplicate is taken as known); an untied source has no stock target."""
+    if not tie:
+        raise GqakitError(f"{s.family} with tie_word_embeddings false has a separate lm_head, which "
+                          "GPTBigCodeForCausalLM (tied) cannot hold; gqakit re-hosts tied checkpoints only")
+    if s.has("lm_head.weight"):
+        s.info("lm_head.weight", (vocab, n))  # the tied copy transformers may save; GPTBigCode re-ties it
+
+
+def build_gpt2(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
+    from transformers import AutoConfig
+
+    src = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "auto_map"})
+    for flag, why in (("scale_attn_by_inverse_layer_idx", "scales each layer's scores by 1/(layer+1)"),
+                      ("add_cross_attention", "has cross-attention")):
+        if getattr(src, flag, False):
+            raise GqakitError(f"GPT-2 with {flag} true {why}, which GPTBigCodeForCausalLM does not; gqakit "
+                              f"re-hosts GPT-2 without it")
+    n, H, L = src.n_embd, src.n_head, src.n_layer
+    if n % H:
+        raise GqakitError(f"GPT-2 n_embd {n} is not divisible by n_head {H}; fix config.json")
+    inner = src.n_inner if src.n_inner is not None else 4 * n
+    s = Source("GPT-2", tensors)
+    out: dict[str, TensorInfo] = {
+        "transformer.wte.weight": s.info("transformer.wte.weight", (src.vocab_size, n)),
+        "transformer.wpe.weight": s.info("transformer.wpe.weight", (src.n_positions, n)),
+        "transformer.ln_f.weight": s.info("transformer.ln_f.weight", (n,)),
+        "transformer.ln_f.bias": s.info("transformer.ln_f.bias", (n,)),
+    }
+    _tied_head(s, src.tie_word_embeddings, src.vocab_size, n, out)
+    for i in range(L):
+        p = f"transformer.h.{i}."
+        for norm in ("ln_1", "ln_2"):
+            for kind in ("weight", "bias"):
+                out[p + f"{norm}.{kind}"] = s.info(p + f"{norm}.{kind}", (n,))
+        w_info, w = s.info(p + "attn.c_attn.weight", (n, 3 * n)), s.loader(p + "attn.c_attn.weight")
+        b_info, b = s.info(p + "attn.c_attn.bias", (3 * n,)), s.loader(p + "attn.c_attn.bias")
+        out[p + "attn.c_attn.weight"] = derived(w_info, (3 * n, n), lambda w=w: per_head(*w().T.split(n), H))
+        out[p + "attn.c_attn.bias"] = derived(b_info, (3 * n,), lambda b=b: per_head(*b().split(n), H))
+        for name, shape in (("attn.c_proj", (n, n)), ("mlp.c_fc", (n, inner)), ("mlp.c_proj", (inner, n))):
+            info, load = s.info(p + name + ".weight", shape), s.loader(p + name + ".weight")
+            out[p + name + ".weight"] = derived(info, shape[::-1], lambda load=load: load().T)  # Conv1D: (in, out)
+            out[p + name + ".bias"] = s.info(p + name + ".bias", (shape[1],))
+    unused_check("GPT-2", tensors, s.used, (r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",))
+    tokens = {k: getattr(src, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return _bigcode_config(vocab=src.vocab_size, positions=src.n_positions, n=n, heads=H, layers=L, inner=inner,
+                           act=src.activation_function, eps=src.layer_norm_epsilon, init=src.initializer_range,
+                           scale=src.scale_attn_weights, dropout=(src.resid_pdrop, src.embd_pdrop, src.attn_pdrop),
+                           tie=True, tokens=tokens), out
+
+
+def build_opt(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
+    from transformers import AutoConfig
+
+    src = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "auto_map"})
+    n, H, L = src.hidden_size, src.num_attention_heads, src.num_hidden_layers
+    if not src.do_layer_norm_before:
+        raise GqakitError("OPT with do_layer_norm_before false (OPT-350m) normalises after each block, which "
+                          "GPTBigCodeForCausalLM does not; gqakit re-hosts the pre-norm OPT models")
+    if src.word_embed_proj_dim != n:
+        raise GqakitError(f"OPT with word_embed_proj_dim {src.word_embed_proj_dim} != hidden_size {n} projects its "
+                          "embeddings in and out, which GPTBigCodeForCausalLM cannot hold; gqakit re-hosts OPT "
+                          "models without project_in / project_out")
+    if getattr(src, "_remove_final_layer_norm", False):
+        raise GqakitError("OPT with _remove_final_layer_norm true has no final LayerNorm, which "
+                          "GPTBigCodeForCausalLM always applies; gqakit re-hosts OPT with its final norm")
+    if n % H:
+        raise GqakitError(f"OPT hidden_size {n} is not divisible by num_attention_heads {H}; fix config.json")
+    inner, P = src.ffn_dim, src.max_position_embeddings
+    s = Source("OPT", tensors)
+    d = "model.decoder."
+    pos_info, pos = s.info(d + "embed_positions.weight", (P + 2, n)), s.loader(d + "embed_positions.weight")
+    out: dict[str, TensorInfo] = {
+        "transformer.wte.weight": s.info(d + "embed_tokens.weight", (src.vocab_size, n)),
+        "transformer.wpe.weight": derived(pos_info, (P, n), lambda: pos()[2:]),  # OPT's positions start at 2
+    }
+
+    def norm(source: str, target: str, like: TensorInfo) -> None:
+        if src.layer_norm_elementwise_affine:
+            out[target + ".weight"] = s.info(source + ".weight", (n,))
+            out[target + ".bias"] = s.info(source + ".bias", (n,))
+        else:
+            out[target + ".weight"], out[target + ".bias"] = constant(like, (n,), 1.0), constant(like, (n,), 0.0)
+
+    def linear(source: str, target: str, shape: tuple[int, int]) -> None:
+        out[target + ".weight"] = s.info(source + ".weight", shape)
+        out[target + ".bias"] = (s.info(source + ".bias", (shape[0],)) if src.enable_bias
+                                 else constant(out[target + ".weight"], (shape[0],), 0.0))
+
+    like = out["transformer.wte.weight"]
+    norm(d + "final_layer_norm", "transformer.ln_f", like)
+    _tied_head(s, src.tie_word_embeddings, src.vocab_size, n, out)
+    for i in range(L):
+        a, t = f"{d}layers.{i}.", f"transformer.h.{i}."
+        norm(a + "self_attn_layer_norm", t + "ln_1", like)
+        norm(a + "final_layer_norm", t + "ln_2", like)
+        ws = [s.loader(a + f"self_attn.{r}_proj.weight", (n, n)) for r in "qkv"]
+        w_info = s.info(a + "self_attn.q_proj.weight")
+        out[t + "attn.c_attn.weight"] = derived(w_info, (3 * n, n), lambda ws=ws: per_head(*(f() for f in ws), H))
+        if src.enable_bias:
+            bs = [s.loader(a + f"self_attn.{r}_proj.bias", (n,)) for r in "qkv"]
+            out[t + "attn.c_attn.bias"] = derived(w_info, (3 * n,), lambda bs=bs: per_head(*(f() for f in bs), H))
+        else:
+            out[t + "attn.c_attn.bias"] = constant(w_info, (3 * n,), 0.0)
+        linear(a + "self_attn.out_proj", t + "attn.c_proj", (n, n))
+        linear(a + "fc1", t + "mlp.c_fc", (inner, n))
+        linear(a + "fc2", t + "mlp.c_proj", (n, inner))
+    unused_check("OPT", tensors, s.used)
+    tokens = {k: getattr(src, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return _bigcode_config(vocab=src.vocab_size, positions=P, n=n, heads=H, layers=L, inner=inner,
+                           act=src.activation_function, eps=1e-5, init=src.init_std, scale=True,
+                           dropout=(src.dropout, src.dropout, src.attention_dropout), tie=True, tokens=tokens), out
+
+
+REHOSTS = (
+    Rehost("GPT-2", ("GPT2LMHeadModel",), "GPTBigCodeForCausalLM", build_gpt2,
+           "exact: Conv1D weights transposed, c_attn reordered per head; MQA (G = 1) or MHA (G = H) only"),
+    Rehost("OPT", ("OPTForCausalLM",), "GPTBigCodeForCausalLM", build_opt,
+           "exact: q/k/v fused per head, positions offset by 2 dropped; MQA (G = 1) or MHA (G = H) only; "
+           "left-padded batches need explicit position_ids"),
+)
