@@ -50,6 +50,8 @@ def describe_plan(plan: Plan) -> str:
         lines.append(f"  {name}: {_gb(size)}")
     if not plan.exact:
         lines.append("note: " + exactness_note(plan))
+    if plan.spec.runtime_note:
+        lines.append("note: " + plan.spec.runtime_note)
     return "\n".join(lines)
 
 
@@ -151,7 +153,8 @@ Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if comm
 | dtype | {cfg.dtype} |
 {_method_rows(cfg, plan, calibration)}
 Query head h uses K/V head h // {plan.num_attention_heads // plan.groups} (contiguous groups, as `repeat_kv` expects).
-{"" if plan.exact else chr(10) + "**Note:** " + exactness_note(plan) + chr(10)}
+{"" if plan.exact else chr(10) + "**Note:** " + exactness_note(plan) + chr(10)}{
+chr(10) + "**Runtime:** " + plan.spec.runtime_note + chr(10) if plan.spec.runtime_note else ""}
 {_error_heading(plan, held)}
 
 | layer | k_proj | v_proj |{" held-out logits |" if held else ""}{" held-out logits, mean-pooled |" if compared else ""}

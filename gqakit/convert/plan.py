@@ -55,8 +55,8 @@ class Plan:
     initializer_range: float = 0.02  # the std of --method random's fresh K/V projections
     # a source family re-hosted on `architecture`: its target config and tensors, which the writer reads (None: native)
     rehosted: Rehosted | None = None
-    # row order of a fused QKV projection before and after: "blocks" [q | k | v], or "heads" [q_h, k_h, v_h] per
-    # head (GPTBigCode's MHA form, which holds only G = H)
+    # row order of a fused QKV projection before and after: "blocks" [q | k | v], "heads" [q_h, k_h, v_h] per head
+    # (GPTBigCode's MHA form, which holds only G = H), or "groups" (ArchSpec.qkv_layout)
     qkv_layout: tuple[str, str] = ("blocks", "blocks")
 
     @functools.cached_property
@@ -289,10 +289,10 @@ def check_family(config: dict) -> ArchSpec | None:
     """The family's table (None for a re-hosted source), or a one-line refusal that names the family: checked
     before any other field is read, since refused families spell their fields otherwise (n_head, num_heads)."""
     arch = architecture_of(config)
+    if (why := refusal(arch, config)) is not None:  # a variant of a supported family may be refused too (Falcon)
+        raise GqakitError(f"cannot convert: {why}")
     spec = find_family(arch)
     if spec is None and find_rehost(arch) is None:
-        if (why := refusal(arch, config)) is not None:
-            raise GqakitError(f"cannot convert: {why}")
         known = sorted({*supported_architectures(), *rehosted_architectures()})
         raise GqakitError(f"architecture {arch} is not supported; gqakit converts {', '.join(known)}")
     return spec
@@ -361,7 +361,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
 def qkv_layouts(spec: ArchSpec, kv_heads: int, groups: int) -> tuple[str, str]:
     """The fused projection's row order before and after (see Plan.qkv_layout)."""
     if spec.multi_query_key is None:
-        return ("blocks", "blocks")
+        return (spec.qkv_layout, spec.qkv_layout)
     return tuple("blocks" if n == 1 else "heads" for n in (kv_heads, groups))
 
 

@@ -333,16 +333,26 @@ def compute(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], std: float
 
 def split_qkv(t: torch.Tensor, heads: int, kv_heads: int, head_dim: int, layout: str):
     """A fused projection's rows (weight or bias) -> (q, k, v) rows, each head's head_dim rows contiguous."""
+    rest = t.shape[1:]
     if layout == "heads":  # [q_h, k_h, v_h] per head (kv_heads == heads)
-        per = t.reshape(heads, 3, head_dim, *t.shape[1:])
-        return tuple(per[:, j].reshape(heads * head_dim, *t.shape[1:]) for j in range(3))
+        per = t.reshape(heads, 3, head_dim, *rest)
+        return tuple(per[:, j].reshape(heads * head_dim, *rest) for j in range(3))
+    if layout == "groups":  # per K/V head: its heads / kv_heads query heads, its key, its value
+        per = t.reshape(kv_heads, heads // kv_heads + 2, head_dim, *rest)
+        return (per[:, :-2].reshape(heads * head_dim, *rest), per[:, -2].reshape(kv_heads * head_dim, *rest),
+                per[:, -1].reshape(kv_heads * head_dim, *rest))
     return t.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=0)  # [q | k | v]
 
 
 def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, layout: str) -> torch.Tensor:
     """Inverse of `split_qkv` for the output's layout."""
+    rest = q.shape[1:]
     if layout == "heads":
-        return torch.stack([x.reshape(groups, -1, *x.shape[1:]) for x in (q, k, v)], dim=1).reshape(-1, *q.shape[1:])
+        return torch.stack([x.reshape(groups, -1, *rest) for x in (q, k, v)], dim=1).reshape(-1, *rest)
+    if layout == "groups":
+        d = k.shape[0] // groups
+        parts = [q.reshape(groups, -1, d, *rest), k.reshape(groups, 1, d, *rest), v.reshape(groups, 1, d, *rest)]
+        return torch.cat(parts, dim=1).reshape(-1, *rest)
     return torch.cat([q, k, v], dim=0)
 
 
@@ -350,8 +360,12 @@ def new_config(config: dict, plan: Plan, dtype: str) -> dict:
     config = dict(config)
     if plan.spec.multi_query_key:  # the class reads its K/V head count from this flag
         config[plan.spec.multi_query_key] = plan.groups == 1
+    for common, own in plan.spec.config_names:  # and this family spells it its own way
+        if common == "num_key_value_heads":
+            config[own] = plan.groups
     config["num_key_value_heads"] = plan.groups
-    config["head_dim"] = plan.head_dim
+    if plan.spec.head_dim_field:
+        config["head_dim"] = plan.head_dim
     if dtype != "auto":
         config["dtype"] = dtype
         config.pop("torch_dtype", None)

@@ -40,13 +40,29 @@ def _kv_names(model) -> list[str]:
     return prefixes
 
 
+def _attention_names(model) -> list[str]:
+    """Per layer, the prefix of the attention module (the parent of o_proj in the architecture table: `self_attn`,
+    GPTBigCode's `attn`, Falcon's `self_attention`); [] for a family outside the tables."""
+    from gqakit.hf.architectures import find_family
+
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    spec = find_family(arch)
+    if spec is None:
+        return []
+    return [spec.o_proj.format(i=i).rsplit(".", 1)[0] + "." for i in range(model.config.num_hidden_layers)]
+
+
 def select_trainable(model, which: str) -> tuple[int, int]:
     """Freeze all but `which` ('all', 'attention' or 'kv'); returns (trainable, total) parameter counts."""
     if which == "kv":
         prefixes = tuple(_kv_names(model))
         train = lambda name: name.startswith(prefixes)  # noqa: E731
     elif which == "attention":
-        train = lambda name: ".self_attn." in name  # noqa: E731
+        prefixes = tuple(_attention_names(model))
+        if prefixes:
+            train = lambda name: name.startswith(prefixes)  # noqa: E731
+        else:
+            train = lambda name: ".self_attn." in name  # noqa: E731
     else:
         train = lambda name: True  # noqa: E731
     trainable = total = 0

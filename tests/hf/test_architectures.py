@@ -93,6 +93,14 @@ def reference_model(model, family: str, kv_heads: int, groups: int, method: str 
             per[:, 1], per[:, 2] = (r.view(heads, d, *t.shape[1:]) for r in rows)
             new[name] = per.reshape(t.shape)
             touched += 1
+        elif re.search(r"\.self_attention\.query_key_value\.(weight|bias)$", name):  # Falcon: per K/V head [q.., k, v]
+            assert layout.get("falcon")
+            per = t.view(kv_heads, heads // kv_heads + 2, d, *t.shape[1:]).clone()
+            for j in (-2, -1):
+                pooled = _pool_rows(per[:, j].reshape(kv_heads * d, *t.shape[1:]), kv_heads, groups, method)
+                per[:, j] = pooled.view(kv_heads, d, *t.shape[1:])
+            new[name] = per.reshape(t.shape)
+            touched += 1
         elif layout.get("knorm_rows") and re.search(r"\.self_attn\.k_norm\.weight$", name):
             assert t.shape == (kv_heads * d,)
             new[name] = _pool_rows(t, kv_heads, groups, method)
@@ -104,7 +112,8 @@ def reference_model(model, family: str, kv_heads: int, groups: int, method: str 
             members = [state[f"{prefix}{j}.{kind}"].double() for j in range(g * r, (g + 1) * r)]
             new[name] = (members[0] if method == "first" else sum(members) / r).to(t.dtype)
             touched += 1
-    assert touched >= LAYERS * (1 if layout.get("fused") or layout.get("bigcode") else 2)  # K/V really changed
+    one = layout.get("fused") or layout.get("bigcode") or layout.get("falcon")
+    assert touched >= LAYERS * (1 if one else 2)  # the K/V tensors really changed
     state.update(new)
     ref = copy.deepcopy(model)
     missing, unexpected = ref.load_state_dict(state, strict=False)
@@ -116,6 +125,11 @@ def check_shapes(model, family: str, groups: int) -> None:
     layout = FAMILIES[family][2]
     assert model.config.num_key_value_heads == groups
     d = HEAD_DIM
+    if layout.get("falcon"):
+        assert model.config.num_kv_heads == groups
+        for block in model.transformer.h:
+            assert block.self_attention.query_key_value.weight.shape == (HEADS * d + 2 * groups * d, HIDDEN)
+        return
     if layout.get("bigcode"):
         assert model.config.multi_query == (groups == 1)
         for block in model.transformer.h:
@@ -248,3 +262,19 @@ def test_regroup_existing_gqa_llama(tmp_path):
     assert expanded.config.num_key_value_heads == 8
     assert expanded.model.layers[0].self_attn.k_proj.weight.shape == (8 * 4, HIDDEN)
     torch.testing.assert_close(logits(expanded), want, atol=1e-6, rtol=0)
+
+
+def test_falcon_plan_and_card_say_its_runtime_caches_every_head(tmp_path, capsys):
+    """transformers' Falcon broadcasts K/V to every query head before caching (measured here on the converted
+    MQA model), so the plan and the card must say that its own runtime gains no cache memory."""
+    src = make_model("falcon", tmp_path / "mha")
+    capsys.readouterr()
+    assert convert_main([str(src), "--groups", "1", "--dry-run"]) == 0
+    assert "keeps the MHA cache size" in capsys.readouterr().out
+    convert(src, tmp_path / "mqa", 1)
+    assert "keeps the MHA cache size" in (tmp_path / "mqa" / "README.md").read_text()
+    model = load(tmp_path / "mqa")
+    assert model.config.num_kv_heads == 1
+    with torch.no_grad():
+        cache = model(input_ids=INPUT_IDS, use_cache=True).past_key_values
+    assert cache.layers[0].keys.shape[1] == HEADS  # every query head's copy, not the 1 K/V head

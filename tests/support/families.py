@@ -9,6 +9,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    FalconConfig,
     GemmaConfig,
     GPTBigCodeConfig,
     GraniteConfig,
@@ -57,6 +58,9 @@ FAMILIES = {
                                     logits_scaling=2.0, attention_bias=True), {}),
     "nemotron": (NemotronConfig, dict(head_dim=HEAD_DIM, attention_bias=True), {}),  # partial rotary, LayerNorm1P
     # MHA form (multi_query false): fused c_attn rows per head [q_h, k_h, v_h]; converts to G = 1 or H only
+    # new_decoder_architecture: fused rows per K/V head [its query heads, k, v]; parallel attention, two norms
+    "falcon": (FalconConfig, dict(new_decoder_architecture=True, num_kv_heads=HEADS, bias=True, alibi=False),
+               {"falcon": True}),
     "gpt_bigcode": (GPTBigCodeConfig, dict(multi_query=False, n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS,
                                            n_positions=64, n_inner=48), {"bigcode": True}),
 }
@@ -66,7 +70,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "olmo": "OlmoForCausalLM",
     "olmo2": "Olmo2ForCausalLM", "stablelm": "StableLmForCausalLM", "phi": "PhiForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM", "granite": "GraniteForCausalLM", "nemotron": "NemotronForCausalLM",
-    "gpt_bigcode": "GPTBigCodeForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM", "falcon": "FalconForCausalLM",
 }
 
 

@@ -21,17 +21,22 @@ REFUSED: dict[str, str] = {
 
 
 def falcon_reason(config: dict) -> str | None:
-    """Falcon is refused in every variant for now; the reason depends on the variant."""
+    """Falcon converts natively with new_decoder_architecture (grouped K/V heads); the other variants are refused."""
     if config.get("alibi"):
         return _ALIBI
-    if config.get("multi_query", True) and not config.get("new_decoder_architecture"):
+    if config.get("new_decoder_architecture"):
+        return None
+    if config.get("multi_query", True):
         return "is already multi-query (one K/V head): there is nothing to group"
-    return _NOT_YET + "; its fused query_key_value interleaves each K/V group's q, k and v rows"
+    return ("without new_decoder_architecture keeps every K/V head with no field for fewer (grouped K/V needs the "
+            "new decoder architecture, a different block); gqakit does not convert it")
 
 
 def refusal(architecture: str, config: dict) -> str | None:
-    """Why this architecture is refused, as a line that names it, or None when gqakit does not know it."""
+    """Why this architecture is refused, as a line that names it, or None when gqakit converts it (or does not know
+    it)."""
     if architecture in ("FalconForCausalLM", "RWForCausalLM"):
-        return f"{architecture} {falcon_reason(config)}"
+        why = falcon_reason(config)
+        return f"{architecture} {why}" if why else None
     reason = REFUSED.get(architecture)
     return f"{architecture} {reason}" if reason else None

@@ -45,6 +45,13 @@ class ArchSpec:
     # multi_query): true keeps one K/V head with fused rows [q | k | v]; false keeps every head with fused rows
     # per head [q_h, k_h, v_h]. Only G = 1 and G = H exist.
     multi_query_key: str | None = None
+    # Row order of the fused projection: "blocks" [q | k | v]; "groups": per K/V head, its H/K query heads, then its
+    # key, then its value (Falcon's new_decoder_architecture)
+    qkv_layout: str = "blocks"
+    # What the plan and the card must say about the family's runtime (Falcon's cache holds every head anyway)
+    runtime_note: str = ""
+    # Whether config.json may carry an explicit head_dim (Falcon derives it, as a read-only property)
+    head_dim_field: bool = True
 
     @property
     def fused(self) -> bool:

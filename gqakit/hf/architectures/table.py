@@ -37,6 +37,15 @@ FAMILIES: tuple[ArchSpec, ...] = (
         multi_query_key="multi_query", notes="MQA or MHA only (GPT-2 and OPT are re-hosted on it)",
     ),
     ArchSpec("granite", ("GraniteForCausalLM",)),
+    ArchSpec(
+        "falcon", ("FalconForCausalLM",),
+        k_proj=None, v_proj=None, qkv_proj="transformer.h.{i}.self_attention.query_key_value",
+        q_proj="transformer.h.{i}.self_attention.q_proj", o_proj="transformer.h.{i}.self_attention.dense",
+        config_names=(("num_key_value_heads", "num_kv_heads"),), qkv_layout="groups", head_dim_field=False,
+        notes="new_decoder_architecture only (refused otherwise, see refused.py)",
+        runtime_note=("transformers' Falcon expands K and V to every query head before its cache, so its own "
+                      "runtime keeps the MHA cache size; the saving needs a runtime that caches K/V heads (e.g. vLLM)"),
+    ),
     ArchSpec("nemotron", ("NemotronForCausalLM",)),
     ArchSpec(
         "stablelm", ("StableLmForCausalLM",),

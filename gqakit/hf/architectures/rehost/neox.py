@@ -1,4 +1,5 @@
-"""GPT-NeoX / Pythia with parallel residual -> PhiForCausalLM (any number of K/V heads).
+"""GPT-NeoX / Pythia with parallel residual -> PhiForCausalLM, without -> NemotronForCausalLM (any number of K/V
+heads; the sequential mapping is `build_sequential`).
 
 Both compute x + attn(norm_a(x)) + mlp(norm_b(x)) with partial rotary (rotate_half on the first dims of each
 head). NeoX has two LayerNorms, Phi one (`input_layernorm`) feeding both branches: each NeoX norm's scale and
@@ -14,12 +15,17 @@ from gqakit.hf.architectures.rehost.tensors import Source, constant, derived, fo
 from gqakit.hf.checkpoint import TensorInfo
 
 
-def _config(src) -> dict:
-    """The Phi config.json of a normalised GPTNeoXConfig."""
+def _rope(src) -> dict:
     rope = dict(src.rope_parameters or {})
     if rope.get("rope_type", "default") != "default":
         raise GqakitError(f"GPT-NeoX with rope_type {rope['rope_type']!r} is not re-hosted (only the default "
-                          "rotary has been checked exact on Phi); use a checkpoint with default RoPE")
+                          "rotary has been checked exact on the targets); use a checkpoint with default RoPE")
+    return rope
+
+
+def _config(src) -> dict:
+    """The Phi config.json of a normalised GPTNeoXConfig."""
+    rope = _rope(src)
     return {
         "architectures": ["PhiForCausalLM"], "model_type": "phi",
         "vocab_size": src.vocab_size, "hidden_size": src.hidden_size, "intermediate_size": src.intermediate_size,
@@ -38,8 +44,7 @@ def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str,
 
     src = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "auto_map"})
     if not src.use_parallel_residual:
-        raise GqakitError("GPT-NeoX without use_parallel_residual is not re-hosted yet (its target would be "
-                          "NemotronForCausalLM); convert a parallel-residual checkpoint (every Pythia model is one)")
+        return build_sequential(src, tensors)
     n, H, L = src.hidden_size, src.num_attention_heads, src.num_hidden_layers
     if n % H:
         raise GqakitError(f"GPT-NeoX hidden_size {n} is not divisible by num_attention_heads {H}; fix config.json")
@@ -93,5 +98,61 @@ def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str,
     return _config(src), out
 
 
-REHOSTS = (Rehost("GPT-NeoX", ("GPTNeoXForCausalLM",), "PhiForCausalLM", build,
-                  "exact up to the rounding of the two LayerNorms folded into the linears that read them"),)
+def build_sequential(src, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
+    """GPT-NeoX without parallel residual -> NemotronForCausalLM: x + attn(ln1(x)), then + mlp(ln2(x)), the same
+    blocks; Nemotron's LayerNorm1P stores scale - 1. Exact up to the rounding of that subtraction."""
+    n, H, L, inter = src.hidden_size, src.num_attention_heads, src.num_hidden_layers, src.intermediate_size
+    if n % H:
+        raise GqakitError(f"GPT-NeoX hidden_size {n} is not divisible by num_attention_heads {H}; fix config.json")
+    d = n // H
+    s = Source("GPT-NeoX", tensors)
+    out: dict[str, TensorInfo] = {"model.embed_tokens.weight": s.info("gpt_neox.embed_in.weight", (src.vocab_size, n))}
+
+    def norm_1p(source: str, target: str) -> None:  # LayerNorm1P computes (weight + 1) * x_hat + bias
+        info, gamma = s.info(source + ".weight", (n,)), s.loader(source + ".weight")
+        out[target + ".weight"] = derived(info, (n,), lambda gamma=gamma: gamma() - 1.0)
+        out[target + ".bias"] = s.info(source + ".bias", (n,))
+
+    norm_1p("gpt_neox.final_layer_norm", "model.norm")
+    head = next((h for h in ("lm_head.weight", "embed_out.weight") if s.has(h)), None)
+    if head is not None:
+        out["lm_head.weight"] = s.info(head, (src.vocab_size, n))
+    elif not src.tie_word_embeddings:
+        s.info("lm_head.weight")  # refuses: missing
+    for i in range(L):
+        a, t = f"gpt_neox.layers.{i}.", f"model.layers.{i}."
+        norm_1p(a + "input_layernorm", t + "input_layernorm")
+        norm_1p(a + "post_attention_layernorm", t + "post_attention_layernorm")
+        suffixes = ("weight", "bias") if src.attention_bias else ("weight",)
+        for suffix in suffixes:
+            shape = (3 * n, n) if suffix == "weight" else (3 * n,)
+            info, fused = s.info(a + f"attention.query_key_value.{suffix}", shape), \
+                s.loader(a + f"attention.query_key_value.{suffix}")
+            for j, role in enumerate("qkv"):  # rows per head: [q | k | v] of head_dim each
+                out[t + f"self_attn.{role}_proj.{suffix}"] = derived(
+                    info, (n, *shape[1:]),
+                    lambda j=j, fused=fused, rest=shape[1:]: fused().view(H, 3, d, *rest)[:, j].reshape(n, *rest))
+            dense_shape = (n, n) if suffix == "weight" else (n,)
+            out[t + f"self_attn.o_proj.{suffix}"] = s.info(a + f"attention.dense.{suffix}", dense_shape)
+        for source, target, shape in (("dense_h_to_4h", "up_proj", (inter, n)),
+                                      ("dense_4h_to_h", "down_proj", (n, inter))):
+            out[t + f"mlp.{target}.weight"] = s.info(a + f"mlp.{source}.weight", shape)
+            out[t + f"mlp.{target}.bias"] = s.info(a + f"mlp.{source}.bias", (shape[0],))
+    unused_check("GPT-NeoX", tensors, s.used,
+                 (r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)",))
+    rope = _rope(src)
+    return {
+        "architectures": ["NemotronForCausalLM"], "model_type": "nemotron",
+        "vocab_size": src.vocab_size, "hidden_size": n, "intermediate_size": inter, "num_hidden_layers": L,
+        "num_attention_heads": H, "num_key_value_heads": H, "head_dim": d, "hidden_act": src.hidden_act,
+        "max_position_embeddings": src.max_position_embeddings, "initializer_range": src.initializer_range,
+        "norm_eps": src.layer_norm_eps, "use_cache": True, "tie_word_embeddings": src.tie_word_embeddings,
+        "rope_parameters": rope, "attention_bias": src.attention_bias, "mlp_bias": True,
+        "attention_dropout": src.attention_dropout,
+        "bos_token_id": src.bos_token_id, "eos_token_id": src.eos_token_id, "pad_token_id": src.pad_token_id,
+    }, out
+
+
+REHOSTS = (Rehost("GPT-NeoX", ("GPTNeoXForCausalLM",), "PhiForCausalLM (parallel residual) or NemotronForCausalLM",
+                  build, "exact up to the rounding of the LayerNorms folded into the linears that read them "
+                  "(Phi) or stored as scale - 1 (Nemotron)"),)
