@@ -52,7 +52,14 @@ def describe_plan(plan: Plan) -> str:
         lines.append("note: " + exactness_note(plan))
     if plan.spec.runtime_note:
         lines.append("note: " + plan.spec.runtime_note)
+    if plan.own_class:
+        lines.append("note: " + own_class_note(plan))
     return "\n".join(lines)
+
+
+def own_class_note(plan: Plan) -> str:
+    return (f"the output is gqakit's own {plan.own_class[1]} (model_type {plan.own_class[0]}): run `import gqakit` "
+            "before loading it with transformers' Auto classes (no remote code, nothing else needed)")
 
 
 def exactness_note(plan: Plan) -> str:
@@ -154,7 +161,8 @@ Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if comm
 {_method_rows(cfg, plan, calibration)}
 Query head h uses K/V head h // {plan.num_attention_heads // plan.groups} (contiguous groups, as `repeat_kv` expects).
 {"" if plan.exact else chr(10) + "**Note:** " + exactness_note(plan) + chr(10)}{
-chr(10) + "**Runtime:** " + plan.spec.runtime_note + chr(10) if plan.spec.runtime_note else ""}
+chr(10) + "**Runtime:** " + plan.spec.runtime_note + chr(10) if plan.spec.runtime_note else ""}{
+chr(10) + "**Loading:** " + own_class_note(plan) + chr(10) if plan.own_class else ""}
 {_error_heading(plan, held)}
 
 | layer | k_proj | v_proj |{" held-out logits |" if held else ""}{" held-out logits, mean-pooled |" if compared else ""}

@@ -80,6 +80,15 @@ class Plan:
         return "pool" if self.groups < self.num_key_value_heads else "expand"
 
     @property
+    def own_class(self) -> tuple[str, str, str] | None:
+        """gqakit's class that the output needs (model_type, architecture, K/V field), or None for a stock one."""
+        if self.spec.grouped_class and 1 < self.groups < self.num_attention_heads:
+            return self.spec.grouped_class
+        if self.spec.family.startswith("gqakit_"):
+            return (self.spec.family, self.architecture, dict(self.spec.config_names)["num_key_value_heads"])
+        return None
+
+    @property
     def exact(self) -> bool:
         """Does the output compute exactly the mean of each group's keys (or the same function)?"""
         if self.method == "random":
@@ -315,7 +324,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
     heads, kv_heads, layers = fields.num_attention_heads, fields.num_key_value_heads, fields.num_hidden_layers
     head_dim = fields.head_dim
     check_groups(groups, heads, kv_heads)
-    if spec.multi_query_key and groups not in (1, heads):
+    if spec.multi_query_key and spec.grouped_class is None and groups not in (1, heads):
         raise GqakitError(f"{arch} holds one K/V head ({spec.multi_query_key}) or all {heads}, no stock class a "
                           f"grouping in between; use --groups 1 (MQA) or --groups {heads}")
     if layerwise:
@@ -354,15 +363,16 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         num_key_value_heads=kv_heads, groups=groups, head_dim=head_dim, method=method, ops=tuple(ops),
         max_shard_bytes=max_shard_bytes, source_kv_itemsize=DTYPES[kv_probe.dtype].itemsize,
         target_kv_itemsize=DTYPES[target(kv_probe)].itemsize, initializer_range=fields.initializer_range,
-        rehosted=rehosted, qkv_layout=qkv_layouts(spec, kv_heads, groups),
+        rehosted=rehosted, qkv_layout=qkv_layouts(spec, heads, kv_heads, groups),
     )
 
 
-def qkv_layouts(spec: ArchSpec, kv_heads: int, groups: int) -> tuple[str, str]:
+def qkv_layouts(spec: ArchSpec, heads: int, kv_heads: int, groups: int) -> tuple[str, str]:
     """The fused projection's row order before and after (see Plan.qkv_layout)."""
     if spec.multi_query_key is None:
         return (spec.qkv_layout, spec.qkv_layout)
-    return tuple("blocks" if n == 1 else "heads" for n in (kv_heads, groups))
+    # the stock MHA form (every head) has rows per head; MQA and gqakit's grouped class: [q | k | v] blocks
+    return tuple("heads" if n == heads > 1 else "blocks" for n in (kv_heads, groups))
 
 
 def total_bytes(plan: Plan) -> int:

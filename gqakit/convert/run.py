@@ -360,6 +360,12 @@ def new_config(config: dict, plan: Plan, dtype: str) -> dict:
     config = dict(config)
     if plan.spec.multi_query_key:  # the class reads its K/V head count from this flag
         config[plan.spec.multi_query_key] = plan.groups == 1
+    if plan.own_class:  # a G no stock class holds: gqakit's own class, registered by `import gqakit`
+        model_type, architecture, kv_key = plan.own_class
+        config.update(model_type=model_type, architectures=[architecture])
+        config[kv_key] = plan.groups
+        if plan.spec.multi_query_key:
+            config[plan.spec.multi_query_key] = False
     for common, own in plan.spec.config_names:  # and this family spells it its own way
         if common == "num_key_value_heads":
             config[own] = plan.groups

@@ -84,6 +84,10 @@ def reference_model(model, family: str, kv_heads: int, groups: int, method: str 
             new[name] = torch.cat([q, _pool_rows(k, kv_heads, groups, method),
                                    _pool_rows(v, kv_heads, groups, method)])
             touched += 1
+        elif layout.get("grouped_bigcode") and re.search(r"\.attn\.c_attn\.(weight|bias)$", name):  # [q | k | v]
+            q, k, v = t[:heads * d], t[heads * d:(heads + kv_heads) * d], t[(heads + kv_heads) * d:]
+            new[name] = torch.cat([q, _pool_rows(k, kv_heads, groups, method), _pool_rows(v, kv_heads, groups, method)])
+            touched += 1
         elif re.search(r"\.attn\.c_attn\.(weight|bias)$", name):  # GPTBigCode MHA: rows per head [q_h, k_h, v_h]
             assert layout.get("bigcode") and kv_heads == heads
             per = t.view(heads, 3, d, *t.shape[1:])
@@ -112,7 +116,7 @@ def reference_model(model, family: str, kv_heads: int, groups: int, method: str 
             members = [state[f"{prefix}{j}.{kind}"].double() for j in range(g * r, (g + 1) * r)]
             new[name] = (members[0] if method == "first" else sum(members) / r).to(t.dtype)
             touched += 1
-    one = layout.get("fused") or layout.get("bigcode") or layout.get("falcon")
+    one = layout.get("fused") or layout.get("bigcode") or layout.get("falcon") or layout.get("grouped_bigcode")
     assert touched >= LAYERS * (1 if one else 2)  # the K/V tensors really changed
     state.update(new)
     ref = copy.deepcopy(model)
@@ -130,8 +134,10 @@ def check_shapes(model, family: str, groups: int) -> None:
         for block in model.transformer.h:
             assert block.self_attention.query_key_value.weight.shape == (HEADS * d + 2 * groups * d, HIDDEN)
         return
-    if layout.get("bigcode"):
-        assert model.config.multi_query == (groups == 1)
+    if layout.get("bigcode") or layout.get("grouped_bigcode"):
+        own = layout.get("grouped_bigcode") or 1 < groups < HEADS
+        assert type(model).__name__ == ("GroupedGPTBigCodeForCausalLM" if own else "GPTBigCodeForCausalLM")
+        assert model.config.multi_query == (groups == 1 and not own)
         for block in model.transformer.h:
             assert block.attn.c_attn.weight.shape == (HEADS * d + 2 * groups * d, HIDDEN)
         return
@@ -184,10 +190,6 @@ def test_perturbation_is_visible(family_model):
 def test_mean_conversion(family_model, groups, tmp_path):
     family, src, original = family_model
     out = tmp_path / f"g{groups}"
-    if FAMILIES[family][2].get("bigcode") and 1 < groups < HEADS:  # no stock class holds it: refused
-        assert convert_main([str(src), "--groups", str(groups), "-o", str(out), "--quiet"]) == 2
-        assert not out.exists()
-        return
     convert(src, out, groups)
     converted = load(out)
     check_shapes(converted, family, groups)

@@ -26,6 +26,8 @@ from transformers import (
     Starcoder2Config,
 )
 
+from gqakit.hf.models.grouped_bigcode import GroupedGPTBigCodeConfig  # noqa: E402  (gqakit's own class)
+
 HIDDEN, HEADS, HEAD_DIM, LAYERS, VOCAB = 32, 4, 8, 2, 64
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 COMMON = dict(
@@ -58,6 +60,10 @@ FAMILIES = {
                                     logits_scaling=2.0, attention_bias=True), {}),
     "nemotron": (NemotronConfig, dict(head_dim=HEAD_DIM, attention_bias=True), {}),  # partial rotary, LayerNorm1P
     # MHA form (multi_query false): fused c_attn rows per head [q_h, k_h, v_h]; converts to G = 1 or H only
+    # gqakit's own grouped GPTBigCode, here with every K/V head: fused c_attn rows [q | k | v]
+    "gqakit_gpt_bigcode": (GroupedGPTBigCodeConfig, dict(kv_heads=HEADS, n_embd=HIDDEN, n_head=HEADS,
+                                                         n_layer=LAYERS, n_positions=64, n_inner=48),
+                           {"grouped_bigcode": True}),
     # new_decoder_architecture: fused rows per K/V head [its query heads, k, v]; parallel attention, two norms
     "falcon": (FalconConfig, dict(new_decoder_architecture=True, num_kv_heads=HEADS, bias=True, alibi=False),
                {"falcon": True}),
@@ -71,12 +77,14 @@ ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM", "stablelm": "StableLmForCausalLM", "phi": "PhiForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM", "granite": "GraniteForCausalLM", "nemotron": "NemotronForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM", "falcon": "FalconForCausalLM",
+    "gqakit_gpt_bigcode": "GroupedGPTBigCodeForCausalLM",
 }
 
 
 def _config(family: str, **overrides):
     cls, extra, layout = FAMILIES[family]
-    common = {k: v for k, v in COMMON.items() if not layout.get("bigcode") or k in ("vocab_size",) or "token" in k}
+    own_names = layout.get("bigcode") or layout.get("grouped_bigcode")
+    common = {k: v for k, v in COMMON.items() if not own_names or k in ("vocab_size",) or "token" in k}
     return cls(**{**common, **extra, **overrides})
 
 

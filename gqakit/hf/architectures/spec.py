@@ -50,6 +50,9 @@ class ArchSpec:
     qkv_layout: str = "blocks"
     # What the plan and the card must say about the family's runtime (Falcon's cache holds every head anyway)
     runtime_note: str = ""
+    # gqakit's own class for a G the family's stock class cannot hold (GPTBigCode: 1 < G < H):
+    # (model_type, architecture, the config key of its K/V head count)
+    grouped_class: tuple[str, str, str] | None = None
     # Whether config.json may carry an explicit head_dim (Falcon derives it, as a read-only property)
     head_dim_field: bool = True
 

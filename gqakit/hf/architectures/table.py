@@ -34,7 +34,17 @@ FAMILIES: tuple[ArchSpec, ...] = (
         k_proj=None, v_proj=None, qkv_proj="transformer.h.{i}.attn.c_attn",
         q_proj="transformer.h.{i}.attn.q_attn", o_proj="transformer.h.{i}.attn.c_proj",
         config_names=(("num_attention_heads", "n_head"), ("num_hidden_layers", "n_layer"), ("hidden_size", "n_embd")),
-        multi_query_key="multi_query", notes="MQA or MHA only (GPT-2 and OPT are re-hosted on it)",
+        multi_query_key="multi_query",
+        grouped_class=("gqakit_gpt_bigcode", "GroupedGPTBigCodeForCausalLM", "kv_heads"),
+        notes="stock: MQA or MHA; 1 < G < H: gqakit's GroupedGPTBigCodeForCausalLM (GPT-2 and OPT re-host on it)",
+    ),
+    ArchSpec(
+        "gqakit_gpt_bigcode", ("GroupedGPTBigCodeForCausalLM",),
+        k_proj=None, v_proj=None, qkv_proj="transformer.h.{i}.attn.c_attn",
+        q_proj="transformer.h.{i}.attn.q_attn", o_proj="transformer.h.{i}.attn.c_proj",
+        config_names=(("num_attention_heads", "n_head"), ("num_hidden_layers", "n_layer"), ("hidden_size", "n_embd"),
+                      ("num_key_value_heads", "kv_heads")),
+        notes="gqakit's own grouped GPTBigCode (gqakit/hf/models/grouped_bigcode.py): import gqakit to load it",
     ),
     ArchSpec("granite", ("GraniteForCausalLM",)),
     ArchSpec(
