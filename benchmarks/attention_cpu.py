@@ -13,6 +13,7 @@ Causal attention, batch 1, 8 query heads, head_dim 64, forward + backward, side 
     python benchmarks/attention_cpu.py --seq 1024 4096 --repeats 3 --block 128
     python benchmarks/attention_cpu.py --kv-heads 2 --threads 1     # GQA, one thread
     python benchmarks/attention_cpu.py --seq 1024 4096 --skip-memory --busy   # (b) also beside a co-runner
+    python benchmarks/attention_cpu.py --seq 1024 4096 --skip-memory --span-k 128   # one key block per step
 
 `--busy` times table (b) twice in one run: quiet, then while a bounded co-runner (another torch process doing
 1024 x 1024 matmuls on every core, stopped at the end) shares the CPU, as a second job on a shared
@@ -49,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths T")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median reported)")
     p.add_argument("--block", type=int, default=128, help="block_q = block_k of the tiled kernel")
+    p.add_argument("--span-k", type=int, default=None,
+                   help="keys per fused tiled step (default: the kernel's SPAN_K; --span-k equal to --block runs one "
+                        "key block per step, the kernel before fusing)")
     p.add_argument("--heads", type=int, default=8, help="num_attention_heads")
     p.add_argument("--kv-heads", type=int, default=8, help="num_key_value_heads (8 = MHA, 1 = MQA)")
     p.add_argument("--head-dim", type=int, default=64)
@@ -83,7 +87,7 @@ def run_case(args, impl: str, q, k, v, spec: MaskSpec = MaskSpec()) -> tuple[flo
         t.grad = None
     start = time.perf_counter()
     if impl == "tiled":
-        out = tiled_attention(q, k, v, scale=scale, spec=spec, block_q=args.block, block_k=args.block)
+        out = tiled_attention(q, k, v, scale=scale, spec=spec, block_q=args.block, block_k=args.block, **span(args))
     elif impl == "sdpa":
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                              enable_gqa=args.kv_heads != args.heads)
@@ -92,6 +96,11 @@ def run_case(args, impl: str, q, k, v, spec: MaskSpec = MaskSpec()) -> tuple[flo
     mid = time.perf_counter()
     out.backward(torch.ones_like(out))
     return mid - start, time.perf_counter() - start
+
+
+def span(args) -> dict:
+    """The tiled kernel's span_k keyword, when --span-k is given."""
+    return {} if args.span_k is None else {"span_k": args.span_k}
 
 
 def eager_gb(args, T: int) -> float:
@@ -114,6 +123,8 @@ def memory_table(args) -> list[str]:
     rows = ["| T | tiled MiB | eager MiB | sdpa MiB | eager / tiled |", "|---|---|---|---|---|"]
     passthrough = ["--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--head-dim",
                    str(args.head_dim), "--block", str(args.block)]
+    if args.span_k is not None:
+        passthrough += ["--span-k", str(args.span_k)]
     if args.threads:
         passthrough += ["--threads", str(args.threads)]
     for T in args.seq:
@@ -199,7 +210,8 @@ def main(argv=None) -> None:
         return worker(args)
     print(f"`python {shlex.join(sys.argv)}`\n")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch 1, {args.heads} heads, "
-          f"{args.kv_heads} K/V heads, head_dim {args.head_dim}, fp32, causal; tiled block {args.block}; "
+          f"{args.kv_heads} K/V heads, head_dim {args.head_dim}, fp32, causal; tiled block {args.block}"
+          f"{'' if args.span_k is None else f', span_k {args.span_k}'}; "
           f"median of {args.repeats}\n")
 
     q, k, v = make_inputs(args, min(args.seq))  # sanity: the kernel agrees with sdpa
