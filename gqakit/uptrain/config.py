@@ -59,6 +59,7 @@ class UptrainConfig:
     teacher: str | None = None
     distill_weight: float = option(0.5, at_least=0, at_most=1)  # loss = (1-w) CE + w T^2 KL(teacher || student)
     distill_temperature: float = option(1.0, above=0)
+    distill_top_k: int | None = option(None, at_least=1)  # keep only the teacher's k largest logits per position
     # compute
     mixed_precision: str = option("no", choices=MIXED_PRECISION)  # accelerate's autocast; weights stay fp32
     gradient_checkpointing: bool = False
@@ -195,10 +196,17 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
             why = "fuses them with Q" if spec is not None else "is not in gqakit's architecture tables"
             raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} {why}; use "
                               "trainable=attention or trainable=all")
+    if cfg.teacher is None and cfg.distill_top_k is not None:
+        raise GqakitError(f"distill_top_k={cfg.distill_top_k} needs a teacher to distil from; set teacher=PATH "
+                          "(the model the student was converted from) or drop distill_top_k")
     if cfg.teacher is not None:
         from gqakit.hf.folder import model_folder
 
         teacher = model_folder(cfg.teacher).config
+        vocab = teacher.get("vocab_size")
+        if cfg.distill_top_k is not None and isinstance(vocab, int) and cfg.distill_top_k > vocab:
+            raise GqakitError(f"distill_top_k={cfg.distill_top_k} exceeds the teacher's vocab_size {vocab}; use at "
+                              f"most {vocab} (or null for the full distribution)")
         if teacher.get("vocab_size") != model_config.get("vocab_size"):
             raise GqakitError(f"teacher {cfg.teacher} has vocab_size {teacher.get('vocab_size')} but the model "
                               f"{model_config.get('vocab_size')}; distil from the model the student was converted from")

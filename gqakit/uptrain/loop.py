@@ -24,7 +24,7 @@ from gqakit.common.errors import GqakitError
 from gqakit.uptrain import modeling
 from gqakit.uptrain.config import UptrainConfig, check, resolve_budget
 from gqakit.uptrain.data.batches import BatchOrder, load_training_data
-from gqakit.uptrain.loss import cross_entropy_sum, distillation_sum
+from gqakit.uptrain.loss import cross_entropy_sum, distillation_sum, teacher_top_k, top_k_distillation_sum
 from gqakit.uptrain.memory_plan import check_fits
 from gqakit.uptrain.run.metrics import MetricsLog, plot
 from gqakit.attention.registration import apply_attention
@@ -39,10 +39,22 @@ from gqakit.uptrain.run.checkpoints import (CHECKPOINTS, checkpoint_dirs, load_c
 from gqakit.uptrain.data.token_build import load_tokenizer
 
 
-def _sums(model, teacher, seqs: torch.Tensor, temperature: float, sp: SequenceParallel, autocast):
+def _sums(model, teacher, seqs: torch.Tensor, temperature: float, sp: SequenceParallel, autocast,
+          top_k: int | None = None):
     """(cross-entropy sum, distillation sum or None) of this rank's share of sequences (B, T + 1);
-    call it inside `sp.attention()`."""
+    call it inside `sp.attention()`. With `top_k`, the teacher runs first and only its k largest logits per
+    position are kept: its full logits are gone before the student's exist."""
     inputs, targets, positions = sp.shard(seqs)
+    if teacher is not None and top_k is not None:
+        with torch.no_grad(), autocast():
+            teacher_logits = teacher(input_ids=inputs, position_ids=positions, use_cache=False).logits
+        if hasattr(teacher, "reshard"):
+            teacher.reshard()
+        probs, indices = teacher_top_k(teacher_logits, top_k, temperature)
+        del teacher_logits
+        logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+        ce = cross_entropy_sum(logits, targets)
+        return ce, top_k_distillation_sum(logits, probs, indices, targets, temperature)
     logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits  # (B, T_local, V)
     ce = cross_entropy_sum(logits, targets)
     kd = None
@@ -242,7 +254,8 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
             last = micro == cfg.gradient_accumulation_steps - 1
             # backward inside the attention context: gradient checkpointing re-runs the forward
             with _gradient_sync(how, accelerator, model, last), sp.attention():
-                ce, kd = _sums(model, teacher, seqs, cfg.distill_temperature, sp, accelerator.autocast)
+                ce, kd = _sums(model, teacher, seqs, cfg.distill_temperature, sp, accelerator.autocast,
+                               cfg.distill_top_k)
                 loss = _combine(ce, kd, cfg.distill_weight) * accelerator.num_processes / budget.tokens_per_step
                 accelerator.backward(loss)
             sums[0] += ce.detach().double()

@@ -37,6 +37,10 @@ row size, the busiest rank's share under FSDP2 (dim 0 split into W equal, padded
                                          backward their fp32 gradient and the logits' (3 x 4 bytes)
   distillation     (c + 28) n V          with a teacher: its logits, and the KL's fp32 tensors at its peak
                                          (7 x 4 bytes, two of which it keeps for backward)
+                   8 n V + 16 n k        with distill_top_k = k: the student's fp32 log-softmax (kept for
+                                         backward) and its gradient, the teacher's top-k fp32 probabilities and
+                                         int64 indices; the teacher's full logits exist only during its forward,
+                                         which runs before the student's (smaller than the backward phase)
 
 A and F are the bytes per token autograd keeps for one decoder layer and for the final norm and head:
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (eq. 2,
@@ -274,7 +278,12 @@ def _lines(cfg: UptrainConfig, world: int, m: ModelCount, t: ModelCount | None) 
     lines.append(Line("activations", activation_bytes(m, cfg, ckpt), f"{act_dtype}, {how[ckpt]}", "backward"))
     other = Line("activations", activation_bytes(m, cfg, not ckpt), how[not ckpt])
     lines.append(Line("logits", 12 * n * V, f"fp32 log-probs + 2 gradients, {n:,} tokens x {V:,}", "backward"))
-    if t is not None:
+    if t is not None and cfg.distill_top_k is not None:
+        k = min(cfg.distill_top_k, V)
+        lines.append(Line("distillation", 8 * n * V + 16 * n * k,
+                          f"top-{k}: the student's fp32 log-softmax and its gradient, {n:,} x {V:,}, + the teacher's "
+                          f"top-k probabilities and indices", "backward"))
+    elif t is not None:
         lines.append(Line("distillation", (c + 28) * n * V, f"teacher logits + the KL's fp32 tensors, {n:,} x {V:,}",
                           "backward"))
     return lines, other

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from gqakit.common.options import load_recipe
 from gqakit.uptrain import UptrainConfig, uptrain
 from gqakit.uptrain.data.batches import BatchOrder, pack
-from gqakit.uptrain.loss import IGNORE, cross_entropy_sum, distillation_sum
+from gqakit.uptrain.loss import IGNORE, cross_entropy_sum, distillation_sum, teacher_top_k, top_k_distillation_sum
 from gqakit.uptrain.modeling import lr_factor
 from uptrain_tiny import make_text, make_uptrain_model, write_recipe
 
@@ -59,6 +59,34 @@ def test_batch_order_splits_the_same_global_batch(dp, accum):
         assert sorted(parts) == sorted(together)
     epoch0 = [i for s in range(5) for i in single.indices(s, 0, 0)][:50]
     assert sorted(epoch0) == list(range(50))  # an epoch is a permutation
+
+
+def test_top_k_distillation_equals_full_kd_at_k_vocab_and_an_explicit_loop_below():
+    torch.manual_seed(0)
+    V, tau = 11, 2.0
+    student, teacher = torch.randn(2, 5, V), torch.randn(2, 5, V)
+    targets = torch.randint(0, V, (2, 5))
+    targets[0, 2] = IGNORE
+    full = distillation_sum(student, teacher, targets, tau)
+    at_v = top_k_distillation_sum(student, *teacher_top_k(teacher, V, tau), targets, tau)
+    assert at_v.item() == pytest.approx(full.item(), rel=1e-6)  # fp32: the same sum in another order
+    k = 3
+    expected = 0.0
+    for b in range(2):
+        for t in range(5):
+            if targets[b, t] == IGNORE:
+                continue
+            top = sorted(range(V), key=lambda i: -float(teacher[b, t, i]))[:k]
+            p = torch.softmax(teacher[b, t, top] / tau, -1)
+            log_q = torch.log_softmax(student[b, t] / tau, -1)[top]
+            expected += tau**2 * float((p * (p.log() - log_q)).sum())
+    got = top_k_distillation_sum(student, *teacher_top_k(teacher, k, tau), targets, tau)
+    assert got.item() == pytest.approx(expected, rel=1e-5)
+    assert got.item() != pytest.approx(full.item(), rel=1e-3)  # k < V really is another loss
+    # gradients reach the student
+    s = student.clone().requires_grad_()
+    top_k_distillation_sum(s, *teacher_top_k(teacher, k, tau), targets, tau).backward()
+    assert s.grad.abs().sum() > 0 and (s.grad[0, 2] == 0).all()  # IGNORE positions get none
 
 
 def test_distillation_sum_matches_an_explicit_loop():
@@ -154,6 +182,39 @@ def test_distillation_from_the_model_itself_is_zero_at_the_start(tiny, tmp_path)
     uptrain(cfg, on_step=grab)
     assert first[1]["kd"] == pytest.approx(0.0, abs=1e-5)
     assert first[1]["loss"] == pytest.approx(0.5 * first[1]["ce"], rel=1e-5)
+
+
+def test_top_k_distillation_at_the_vocabulary_equals_full_kd_and_smaller_k_runs(tiny, tmp_path):
+    """distill_top_k = vocab_size is full KD (same kd every step, same weights); a small k trains too, with
+    its own (non-negative) loss; the plan counts its smaller distillation buffers; no teacher: refused."""
+    from gqakit.common.errors import GqakitError
+    from gqakit.uptrain.memory_plan import plan_memory
+
+    vocab = json.loads((tiny["model"] / "config.json").read_text())["vocab_size"]
+    rows: dict[str, dict] = {}
+    for name, k in (("full", None), ("all", vocab), ("few", 4)):
+        rows[name] = {}
+        cfg = _cfg(tiny, tmp_path / name, steps=2, teacher=str(tiny["model"]), distill_weight=0.5, lr=1.0e-2,
+                   distill_top_k=k)
+        uptrain(cfg, on_step=lambda step, row, model, name=name: rows[name].setdefault(step, row))
+    for step in (1, 2):
+        assert rows["all"][step]["kd"] == pytest.approx(rows["full"][step]["kd"], rel=1e-5, abs=1e-6)
+    assert rows["full"][2]["kd"] > 1e-4  # after an update the student differs from the teacher
+    assert rows["few"][2]["kd"] >= 0
+    wa, wb = (load_file(tmp_path / x / "run" / "model.safetensors") for x in ("full", "all"))
+    # Tolerance 1e-4 = lr x 1e-2: the two losses are the same sum in another order, but Adam divides each element
+    # by its own RMS, so an embedding row with a near-zero gradient moves by up to ~lr x its relative rounding
+    # difference (2.3e-5 measured here at lr 1e-2, which the kd check above needs to move the student).
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-4, rtol=0) for k in wa)
+    card = (tmp_path / "few" / "run" / "README.md").read_text()
+    assert "top 4 logits" in card
+    kd = {k: plan_memory(_cfg(tiny, tmp_path / f"plan{k}", teacher=str(tiny["model"]), distill_top_k=k), 1)
+          ["distillation"] for k in (None, 4)}
+    assert 0 < kd[4] < kd[None]
+    with pytest.raises(GqakitError, match="needs a teacher"):
+        uptrain(_cfg(tiny, tmp_path / "none", steps=1, distill_top_k=4))
+    with pytest.raises(GqakitError, match="exceeds the teacher's vocab_size"):
+        uptrain(_cfg(tiny, tmp_path / "big", steps=1, teacher=str(tiny["model"]), distill_top_k=vocab + 1))
 
 
 def test_accumulation_equals_a_bigger_batch(tiny, tmp_path):

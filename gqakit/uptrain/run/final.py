@@ -38,7 +38,9 @@ def _card(source: Path, record: dict) -> str:
         f"({budget['source']}) |",
         f"| data | {', '.join(cfg['data'])} |",
         "| loss | " + (f"(1 - w) x cross-entropy + w x T^2 x KL(teacher &#124;&#124; student), w={cfg['distill_weight']}, "
-                       f"T={cfg['distill_temperature']}, teacher `{cfg['teacher']}`" if cfg.get("teacher")
+                       f"T={cfg['distill_temperature']}, teacher `{cfg['teacher']}`"
+                       + (f", the teacher's top {cfg['distill_top_k']} logits per position"
+                          if cfg.get("distill_top_k") else "") if cfg.get("teacher")
                        else "cross-entropy") + " |",
         f"| optimiser | AdamW lr {cfg['lr']}, warmup {record['warmup_steps']} steps, cosine to "
         f"{cfg['min_lr_ratio']} x lr, weight decay {cfg['weight_decay']} |",
