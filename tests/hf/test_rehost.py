@@ -175,6 +175,25 @@ def test_aligned_refuses_partial_rotary_of_the_target(source, capsys):
     assert len(err.splitlines()) == 1 and "partial_rotary_factor" in err and "--method mean" in err, err
 
 
+def test_weights_saved_from_the_base_class_convert(source, tmp_path):
+    """The hub's gpt2 weights were saved from GPT2Model (`wte.weight`, `h.0...`: no `transformer.`), OPT's from
+    OPTModel (`decoder.*`); neither has the tied head."""
+    from safetensors.torch import load_file, save_file
+
+    name, path, model = source
+    if name not in MQA_ONLY:
+        pytest.skip("GPT-2 and OPT")
+    prefix = {"gpt2": "transformer.", "opt": "model."}[name]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    weights = load_file(path / "model.safetensors")
+    save_file({k.removeprefix(prefix): v for k, v in weights.items() if not k.startswith("lm_head")},
+              bare / "model.safetensors", metadata={"format": "pt"})
+    (bare / "config.json").write_text((path / "config.json").read_text())
+    assert convert_main([str(bare), "--groups", "4", "-o", str(tmp_path / "out"), "--quiet"]) == 0
+    torch.testing.assert_close(logits(load(tmp_path / "out")), logits(model), atol=1e-5, rtol=0)
+
+
 def test_an_unknown_tensor_is_refused_not_dropped(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 

@@ -18,7 +18,7 @@ import torch
 
 from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures.rehost.base import Rehost, unused_check
-from gqakit.hf.architectures.rehost.tensors import Source, constant, derived
+from gqakit.hf.architectures.rehost.tensors import Source, base_prefix, constant, derived
 from gqakit.hf.checkpoint import TensorInfo
 
 
@@ -64,27 +64,28 @@ def build_gpt2(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict
         raise GqakitError(f"GPT-2 n_embd {n} is not divisible by n_head {H}; fix config.json")
     inner = src.n_inner if src.n_inner is not None else 4 * n
     s = Source("GPT-2", tensors)
+    b = base_prefix("GPT-2", tensors, "wte.weight", ("transformer.", ""))  # the hub's gpt2 weights have none
     out: dict[str, TensorInfo] = {
-        "transformer.wte.weight": s.info("transformer.wte.weight", (src.vocab_size, n)),
-        "transformer.wpe.weight": s.info("transformer.wpe.weight", (src.n_positions, n)),
-        "transformer.ln_f.weight": s.info("transformer.ln_f.weight", (n,)),
-        "transformer.ln_f.bias": s.info("transformer.ln_f.bias", (n,)),
+        "transformer.wte.weight": s.info(b + "wte.weight", (src.vocab_size, n)),
+        "transformer.wpe.weight": s.info(b + "wpe.weight", (src.n_positions, n)),
+        "transformer.ln_f.weight": s.info(b + "ln_f.weight", (n,)),
+        "transformer.ln_f.bias": s.info(b + "ln_f.bias", (n,)),
     }
     _tied_head(s, src.tie_word_embeddings, src.vocab_size, n, out)
     for i in range(L):
-        p = f"transformer.h.{i}."
+        p, a = f"transformer.h.{i}.", f"{b}h.{i}."  # target, source
         for norm in ("ln_1", "ln_2"):
             for kind in ("weight", "bias"):
-                out[p + f"{norm}.{kind}"] = s.info(p + f"{norm}.{kind}", (n,))
-        w_info, w = s.info(p + "attn.c_attn.weight", (n, 3 * n)), s.loader(p + "attn.c_attn.weight")
-        b_info, b = s.info(p + "attn.c_attn.bias", (3 * n,)), s.loader(p + "attn.c_attn.bias")
+                out[p + f"{norm}.{kind}"] = s.info(a + f"{norm}.{kind}", (n,))
+        w_info, w = s.info(a + "attn.c_attn.weight", (n, 3 * n)), s.loader(a + "attn.c_attn.weight")
+        bias_info, bias = s.info(a + "attn.c_attn.bias", (3 * n,)), s.loader(a + "attn.c_attn.bias")
         out[p + "attn.c_attn.weight"] = derived(w_info, (3 * n, n), lambda w=w: per_head(*w().T.split(n), H))
-        out[p + "attn.c_attn.bias"] = derived(b_info, (3 * n,), lambda b=b: per_head(*b().split(n), H))
+        out[p + "attn.c_attn.bias"] = derived(bias_info, (3 * n,), lambda bias=bias: per_head(*bias().split(n), H))
         for name, shape in (("attn.c_proj", (n, n)), ("mlp.c_fc", (n, inner)), ("mlp.c_proj", (inner, n))):
-            info, load = s.info(p + name + ".weight", shape), s.loader(p + name + ".weight")
+            info, load = s.info(a + name + ".weight", shape), s.loader(a + name + ".weight")
             out[p + name + ".weight"] = derived(info, shape[::-1], lambda load=load: load().T)  # Conv1D: (in, out)
-            out[p + name + ".bias"] = s.info(p + name + ".bias", (shape[1],))
-    unused_check("GPT-2", tensors, s.used, (r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",))
+            out[p + name + ".bias"] = s.info(a + name + ".bias", (shape[1],))
+    unused_check("GPT-2", tensors, s.used, (r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",))
     tokens = {k: getattr(src, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     return _bigcode_config(vocab=src.vocab_size, positions=src.n_positions, n=n, heads=H, layers=L, inner=inner,
                            act=src.activation_function, eps=src.layer_norm_epsilon, init=src.initializer_range,
@@ -111,7 +112,7 @@ def build_opt(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[
         raise GqakitError(f"OPT hidden_size {n} is not divisible by num_attention_heads {H}; fix config.json")
     inner, P = src.ffn_dim, src.max_position_embeddings
     s = Source("OPT", tensors)
-    d = "model.decoder."
+    d = base_prefix("OPT", tensors, "embed_tokens.weight", ("model.decoder.", "decoder."))
     pos_info, pos = s.info(d + "embed_positions.weight", (P + 2, n)), s.loader(d + "embed_positions.weight")
     out: dict[str, TensorInfo] = {
         "transformer.wte.weight": s.info(d + "embed_tokens.weight", (src.vocab_size, n)),

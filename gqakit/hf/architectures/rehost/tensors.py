@@ -56,3 +56,12 @@ def fold_norm(weight: Callable, bias: Callable | None, gamma: Callable, beta: Ca
         folded = weight() @ beta()
         return folded + bias() if bias is not None else folded
     return w, b
+
+
+def base_prefix(family: str, tensors: dict[str, TensorInfo], probe: str, prefixes: tuple[str, ...]) -> str:
+    """The prefix this checkpoint stores its base model under: a checkpoint saved from the base class (GPT-2's
+    hub weights: `wte.weight`) has none, one saved from the LM class has it (`transformer.wte.weight`)."""
+    for prefix in prefixes:
+        if prefix + probe in tensors:
+            return prefix
+    raise GqakitError(f"the {family} checkpoint has no '{prefixes[0]}{probe}'; the weights do not match config.json")
