@@ -41,6 +41,14 @@ class AttentionOptionError(GqakitError, ValueError):
     """A bad attention kind, option or pattern: the message names the fix on one line."""
 
 
+def dropout_refusal(module, kernel: str) -> str:
+    """The one-line refusal of attention dropout, naming the field this model's config spells it with."""
+    config = getattr(module, "config", None)
+    fields = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+    name = next((f for f in fields if config is not None and hasattr(config, f)), "attention_dropout")
+    return f"{kernel} has no attention dropout; set config.{name} = 0.0 to train with it"
+
+
 def _index(name: str, value, allow_none: bool = False):
     """An int field (numpy / torch ints accepted), or a one-line error naming it."""
     if value is None and allow_none:

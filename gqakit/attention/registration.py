@@ -20,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from gqakit.attention import patterns
 from gqakit.attention.flex import attention_forward
 from gqakit.attention.hf_masks import TiledMask, gqakit_mask, uses_alibi
-from gqakit.attention.masks import AttentionOptionError, MaskSpec
+from gqakit.attention.masks import AttentionOptionError, MaskSpec, dropout_refusal
 from gqakit.attention.options import mask_spec, normalise_options, stored_options
 from gqakit.common.attention_kinds import CONFIG_KEY, DEFAULT, KINDS
 
@@ -121,8 +121,7 @@ def _make_attention(kind: str):
         Honours `softcap` (Gemma2), `s_aux` (gpt-oss sink logits), `is_causal` / the module's causality,
         a caller's 4-D bool or additive float mask, and cu_seq_lens packing; refuses the rest."""
         if dropout and module.training:
-            raise AttentionOptionError(
-                "gqakit attention has no attention dropout; set config.attention_dropout = 0.0 to train with it")
+            raise AttentionOptionError(dropout_refusal(module, "gqakit attention"))
         _refuse_unsupported(module, attention_mask, kwargs)
         options = stored_options(module.config, kind)
         dense = None

@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from gqakit.attention.masks import MaskSpec
-from gqakit.attention.masks import AttentionOptionError
+from gqakit.attention.masks import AttentionOptionError, dropout_refusal
 from gqakit.attention.registration import check_model
 from gqakit.attention.ring_layout import (  # noqa: F401 (re-exported)
     RingGroups, RingLayout, check_ring_size, ring_batch, ring_groups)
@@ -369,7 +369,7 @@ def ring_attention_function(module: torch.nn.Module, query: torch.Tensor, key: t
         raise AttentionOptionError("attention 'gqakit_ring' runs only inside `with ring_context(layout, group, "
                                    "spec):`; wrap the forward (and the backward when using gradient checkpointing)")
     if dropout and module.training:
-        raise AttentionOptionError("gqakit_ring has no attention dropout; set config.attention_dropout = 0.0")
+        raise AttentionOptionError(dropout_refusal(module, "gqakit_ring"))
     for name in RING_UNSUPPORTED:  # what the tiled kernel implements but the ring's merge by lse does not (yet)
         if kwargs.get(name) is not None:
             raise AttentionOptionError(f"{type(module).__name__} passes {name}, which ring attention does not "

@@ -36,6 +36,9 @@ FAMILIES = {
     "starcoder2": lambda: transformers.Starcoder2Config(**SMALL, sliding_window=WINDOW),
     "granite": lambda: transformers.GraniteConfig(**SMALL, attention_multiplier=0.2),
     "nemotron": lambda: transformers.NemotronConfig(**SMALL, head_dim=8),
+    "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                                         multi_query=True, attn_pdrop=0.0, resid_pdrop=0.0,
+                                                         embd_pdrop=0.0),  # also GPT-2 / OPT re-hosted at MQA
     "cohere": lambda: transformers.CohereConfig(**SMALL),
     "gpt_oss": lambda: transformers.GptOssConfig(**{**SMALL, "intermediate_size": 32}, head_dim=8,
                                                  num_local_experts=2, num_experts_per_tok=1, sliding_window=WINDOW),
@@ -67,6 +70,9 @@ def _run(model, ids):
 REFUSED = {
     "stablelm": lambda: transformers.StableLmConfig(**SMALL, qk_layernorm=True),
     "bloom": lambda: transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4),
+    "falcon": lambda: transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                                                alibi=False),  # its own attention code, not the interface
 }
 
 
@@ -92,3 +98,14 @@ def test_tiled_equals_eager_for_every_family(family):
     for name, ref in ref_grads.items():
         err = (grads[name] - ref).abs().max().item()
         assert err <= 1e-4 * max(ref.abs().max().item(), 1e-6), (family, name, err)
+
+
+def test_the_dropout_refusal_names_the_family_s_own_field():
+    """GPTBigCode (GPT-2 / OPT re-hosted) spells attention dropout attn_pdrop: the one-line refusal says so."""
+    from gqakit.common.errors import GqakitError
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.GPTBigCodeConfig(
+        vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=64, attn_pdrop=0.1))
+    model = use(model, "tiled").train()
+    with pytest.raises(GqakitError, match=r"set config\.attn_pdrop = 0\.0"):
+        model(torch.randint(0, 64, (1, 8)))
