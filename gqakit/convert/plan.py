@@ -81,11 +81,11 @@ class Plan:
 
     @property
     def own_class(self) -> tuple[str, str, str] | None:
-        """gqakit's class that the output needs (model_type, architecture, K/V field), or None for a stock one."""
-        if self.spec.grouped_class and 1 < self.groups < self.num_attention_heads:
-            return self.spec.grouped_class
-        if self.spec.family.startswith("gqakit_"):
-            return (self.spec.family, self.architecture, dict(self.spec.config_names)["num_key_value_heads"])
+        """gqakit's class that the output needs (model_type, architecture, K/V field), or None for a stock one: a
+        family whose stock class holds only MQA or MHA needs it for 1 < G < H; gqakit's own class always."""
+        grouped = self.spec.grouped_class
+        if grouped and (self.spec.multi_query_key is None or 1 < self.groups < self.num_attention_heads):
+            return grouped
         return None
 
     @property
@@ -311,13 +311,13 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
               dtype: str | None = None, max_shard_bytes: int = 5 * 10**9) -> Plan:
     """Decide every output tensor's name, dtype, shape and recipe. Raises GqakitError on bad input.
 
-    A re-hosted family (GPT-NeoX, GPT-J) is planned on its target class: `plan.rehosted` then holds the target's
-    config and tensors, which the caller must convert from instead of `config` and `tensors`."""
-    check_family(config)
+    A re-hosted family (GPT-NeoX, GPT-J, GPT-2, OPT) is planned on its target class: `plan.rehosted` then holds the
+    target's config and tensors, which the caller must convert from instead of `config` and `tensors`."""
+    spec = check_family(config)
     rehosted = rehost(config, tensors)
     if rehosted is not None:
         config, tensors = rehosted.config, rehosted.tensors
-    spec = check_family(config)
+        spec = check_family(config)
     fields = read_fields(config, spec.config_names, spec.multi_query_key)
     arch = fields.architecture
     layerwise = methods.get(method).layerwise

@@ -364,8 +364,6 @@ def new_config(config: dict, plan: Plan, dtype: str) -> dict:
         model_type, architecture, kv_key = plan.own_class
         config.update(model_type=model_type, architectures=[architecture])
         config[kv_key] = plan.groups
-        if plan.spec.multi_query_key:
-            config[plan.spec.multi_query_key] = False
     for common, own in plan.spec.config_names:  # and this family spells it its own way
         if common == "num_key_value_heads":
             config[own] = plan.groups

@@ -80,6 +80,14 @@ def _initializer_range(config: dict) -> float:
                       "write e.g. 0.02 for initializer_range in config.json")
 
 
+def config_object(config: dict):
+    """transformers' config object for a config.json dict (its model_type picks the class; `auto_map`, remote
+    code's entry point, is dropped: gqakit never runs remote code)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**{k: v for k, v in config.items() if k != "auto_map"})
+
+
 def read_fields(config: dict, names: tuple[tuple[str, str], ...] = (), multi_query_key: str | None = None
                 ) -> ModelFields:
     """Every field a conversion reads from config.json, type-checked; raises GqakitError naming the fix.

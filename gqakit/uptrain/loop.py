@@ -45,25 +45,21 @@ def _sums(model, teacher, seqs: torch.Tensor, temperature: float, sp: SequencePa
     call it inside `sp.attention()`. With `top_k`, the teacher runs first and only its k largest logits per
     position are kept: its full logits are gone before the student's exist."""
     inputs, targets, positions = sp.shard(seqs)
-    if teacher is not None and top_k is not None:
+
+    def teacher_logits():
         with torch.no_grad(), autocast():
-            teacher_logits = teacher(input_ids=inputs, position_ids=positions, use_cache=False).logits
-        if hasattr(teacher, "reshard"):
-            teacher.reshard()
-        probs, indices = teacher_top_k(teacher_logits, top_k, temperature)
-        del teacher_logits
-        logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
-        ce = cross_entropy_sum(logits, targets)
-        return ce, top_k_distillation_sum(logits, probs, indices, targets, temperature)
-    logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits  # (B, T_local, V)
-    ce = cross_entropy_sum(logits, targets)
-    kd = None
-    if teacher is not None:
-        with torch.no_grad(), autocast():
-            teacher_logits = teacher(input_ids=inputs, position_ids=positions, use_cache=False).logits
+            out = teacher(input_ids=inputs, position_ids=positions, use_cache=False).logits
         if hasattr(teacher, "reshard"):  # FSDP keeps a root gathered after a forward without backward
             teacher.reshard()
-        kd = distillation_sum(logits, teacher_logits, targets, temperature)
+        return out
+
+    if teacher is not None and top_k is not None:
+        probs, indices = teacher_top_k(teacher_logits(), top_k, temperature)  # the full logits die here
+        logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+        return cross_entropy_sum(logits, targets), top_k_distillation_sum(logits, probs, indices, targets, temperature)
+    logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits  # (B, T_local, V)
+    ce = cross_entropy_sum(logits, targets)
+    kd = None if teacher is None else distillation_sum(logits, teacher_logits(), targets, temperature)
     return ce, kd
 
 

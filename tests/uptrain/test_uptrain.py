@@ -61,6 +61,21 @@ def test_batch_order_splits_the_same_global_batch(dp, accum):
     assert sorted(epoch0) == list(range(50))  # an epoch is a permutation
 
 
+def _explicit_kd(student, teacher, targets, tau: float, k: int | None = None) -> float:
+    """tau^2 sum over kept positions of sum_i p_i (log p_i - log q_i), one position at a time: p the teacher's
+    softmax over its k largest logits (all of them when k is None), q the student's full softmax."""
+    expected = 0.0
+    for b in range(targets.shape[0]):
+        for t in range(targets.shape[1]):
+            if targets[b, t] == IGNORE:
+                continue
+            top = sorted(range(teacher.shape[-1]), key=lambda i: -float(teacher[b, t, i]))[:k]
+            p = torch.softmax(teacher[b, t, top] / tau, -1)
+            log_q = torch.log_softmax(student[b, t] / tau, -1)[top]
+            expected += tau**2 * float((p * (p.log() - log_q)).sum())
+    return expected
+
+
 def test_top_k_distillation_equals_full_kd_at_k_vocab_and_an_explicit_loop_below():
     torch.manual_seed(0)
     V, tau = 11, 2.0
@@ -71,15 +86,7 @@ def test_top_k_distillation_equals_full_kd_at_k_vocab_and_an_explicit_loop_below
     at_v = top_k_distillation_sum(student, *teacher_top_k(teacher, V, tau), targets, tau)
     assert at_v.item() == pytest.approx(full.item(), rel=1e-6)  # fp32: the same sum in another order
     k = 3
-    expected = 0.0
-    for b in range(2):
-        for t in range(5):
-            if targets[b, t] == IGNORE:
-                continue
-            top = sorted(range(V), key=lambda i: -float(teacher[b, t, i]))[:k]
-            p = torch.softmax(teacher[b, t, top] / tau, -1)
-            log_q = torch.log_softmax(student[b, t] / tau, -1)[top]
-            expected += tau**2 * float((p * (p.log() - log_q)).sum())
+    expected = _explicit_kd(student, teacher, targets, tau, k)
     got = top_k_distillation_sum(student, *teacher_top_k(teacher, k, tau), targets, tau)
     assert got.item() == pytest.approx(expected, rel=1e-5)
     assert got.item() != pytest.approx(full.item(), rel=1e-3)  # k < V really is another loss
@@ -95,14 +102,7 @@ def test_distillation_sum_matches_an_explicit_loop():
     targets = torch.randint(0, 11, (2, 5))
     targets[1, 3] = IGNORE
     tau = 2.0
-    expected = 0.0
-    for b in range(2):
-        for t in range(5):
-            if targets[b, t] == IGNORE:
-                continue
-            p = torch.softmax(teacher[b, t] / tau, -1)
-            q = torch.softmax(student[b, t] / tau, -1)
-            expected += tau**2 * float((p * (p.log() - q.log())).sum())
+    expected = _explicit_kd(student, teacher, targets, tau)
     assert distillation_sum(student, teacher, targets, tau).item() == pytest.approx(expected, rel=1e-5)
     assert distillation_sum(teacher, teacher, targets, tau).item() == pytest.approx(0.0, abs=1e-5)
     ce = sum(-torch.log_softmax(student[b, t], -1)[targets[b, t]].item()

@@ -52,6 +52,7 @@ from torch import nn
 from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures import ArchSpec
 from gqakit.hf.checkpoint import TensorInfo, load_tensor, read_header
+from gqakit.hf.fields import config_object
 from gqakit.convert.calibration.streamed import (BLOCK_BYTES, _missing, _RowReader, _stream, _WindowStates, _write_from,
                                                  row_blocks)
 
@@ -211,9 +212,9 @@ class LayerwiseModel:
 
     def __init__(self, config: dict, spec: ArchSpec, tensors: dict[str, TensorInfo], device="cpu"):
         from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "auto_map"})
+        cfg = config_object(config)
         with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (RoPE tables, scales) real
             self.model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
         self.model.eval()

@@ -50,8 +50,8 @@ class ArchSpec:
     qkv_layout: str = "blocks"
     # What the plan and the card must say about the family's runtime (Falcon's cache holds every head anyway)
     runtime_note: str = ""
-    # gqakit's own class for a G the family's stock class cannot hold (GPTBigCode: 1 < G < H):
-    # (model_type, architecture, the config key of its K/V head count)
+    # gqakit's own class for a G the family's stock class cannot hold (GPTBigCode: 1 < G < H), or, on a family
+    # without multi_query_key, the gqakit class the family itself is: (model_type, architecture, its K/V head key)
     grouped_class: tuple[str, str, str] | None = None
     # Whether config.json may carry an explicit head_dim (Falcon derives it, as a read-only property)
     head_dim_field: bool = True

@@ -44,6 +44,7 @@ FAMILIES: tuple[ArchSpec, ...] = (
         q_proj="transformer.h.{i}.attn.q_attn", o_proj="transformer.h.{i}.attn.c_proj",
         config_names=(("num_attention_heads", "n_head"), ("num_hidden_layers", "n_layer"), ("hidden_size", "n_embd"),
                       ("num_key_value_heads", "kv_heads")),
+        grouped_class=("gqakit_gpt_bigcode", "GroupedGPTBigCodeForCausalLM", "kv_heads"),
         notes="gqakit's own grouped GPTBigCode (gqakit/hf/models/grouped_bigcode.py): import gqakit to load it",
     ),
     ArchSpec("granite", ("GraniteForCausalLM",)),

@@ -31,6 +31,25 @@ class Rehosted:
                f"{self.rehost.exact}"
 
 
+def source_config(config: dict):
+    """The source's normalised transformers config (legacy keys such as rotary_pct mapped to today's)."""
+    from gqakit.hf.fields import config_object
+
+    return config_object(config)
+
+
+def head_dim_of(family: str, hidden: int, heads: int, hidden_key: str, heads_key: str) -> int:
+    """hidden / heads, or a one-line refusal naming the family's own keys."""
+    if hidden % heads:
+        raise GqakitError(f"{family} {hidden_key} {hidden} is not divisible by {heads_key} {heads}; fix config.json")
+    return hidden // heads
+
+
+def token_ids(src) -> dict:
+    """The special-token ids a target config carries over."""
+    return {k: getattr(src, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
 def unused_check(family: str, tensors: dict[str, TensorInfo], used: set[str], buffers: tuple[str, ...] = ()) -> None:
     """Refuse a source tensor that the mapping neither consumed nor knows as a buffer."""
     ignorable = [re.compile(p) for p in buffers]

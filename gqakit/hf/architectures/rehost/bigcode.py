@@ -2,8 +2,8 @@
 
 GPTBigCode is GPT-2's block (LayerNorm, attention, LayerNorm, MLP, learned positions, tied head) with
 `multi_query`: true keeps one K/V head with the fused rows [q | k | v], false keeps every head with rows per
-head [q_h, k_h, v_h]. Both sources are re-expressed as its MHA form; the conversion then pools to MQA (a G
-between 1 and H has no stock class and is refused).
+head [q_h, k_h, v_h]. Both sources are re-expressed as its MHA form; the conversion then pools to MQA, or to
+gqakit's own grouped class for a G between 1 and H (no stock class holds it).
 
 - GPT-2's Conv1D weights are stored (in, out): they are transposed. Its fused c_attn columns [q | k | v] are
   reordered per head.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from gqakit.common.errors import GqakitError
-from gqakit.hf.architectures.rehost.base import Rehost, unused_check
+from gqakit.hf.architectures.rehost.base import Rehost, head_dim_of, source_config, token_ids, unused_check
 from gqakit.hf.architectures.rehost.tensors import Source, base_prefix, constant, derived
 from gqakit.hf.checkpoint import TensorInfo
 
@@ -40,9 +40,9 @@ def _bigcode_config(*, vocab, positions, n, heads, layers, inner, act, eps, init
     }
 
 
-def _tied_head(s: Source, tie: bool, vocab: int, n: int, out: dict) -> None:
-    """GPTBigCode ties its head to wte: a stored head must then be that same matrix (checked when streamed is
-    too late, so a tied source's duplicate is taken as known); an untied source has no stock target."""
+def _tied_head(s: Source, tie: bool, vocab: int, n: int) -> None:
+    """GPTBigCode ties its head to wte, as a tied source does: a stored head is the copy transformers may save, taken
+    as known (not written); an untied source has no target that can hold its head."""
     if not tie:
         raise GqakitError(f"{s.family} with tie_word_embeddings false has a separate lm_head, which "
                           "GPTBigCodeForCausalLM (tied) cannot hold; gqakit re-hosts tied checkpoints only")
@@ -51,17 +51,14 @@ def _tied_head(s: Source, tie: bool, vocab: int, n: int, out: dict) -> None:
 
 
 def build_gpt2(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
-    from transformers import AutoConfig
-
-    src = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "auto_map"})
+    src = source_config(config)
     for flag, why in (("scale_attn_by_inverse_layer_idx", "scales each layer's scores by 1/(layer+1)"),
                       ("add_cross_attention", "has cross-attention")):
         if getattr(src, flag, False):
             raise GqakitError(f"GPT-2 with {flag} true {why}, which GPTBigCodeForCausalLM does not; gqakit "
                               f"re-hosts GPT-2 without it")
     n, H, L = src.n_embd, src.n_head, src.n_layer
-    if n % H:
-        raise GqakitError(f"GPT-2 n_embd {n} is not divisible by n_head {H}; fix config.json")
+    head_dim_of("GPT-2", n, H, "n_embd", "n_head")
     inner = src.n_inner if src.n_inner is not None else 4 * n
     s = Source("GPT-2", tensors)
     b = base_prefix("GPT-2", tensors, "wte.weight", ("transformer.", ""))  # the hub's gpt2 weights have none
@@ -71,7 +68,7 @@ def build_gpt2(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict
         "transformer.ln_f.weight": s.info(b + "ln_f.weight", (n,)),
         "transformer.ln_f.bias": s.info(b + "ln_f.bias", (n,)),
     }
-    _tied_head(s, src.tie_word_embeddings, src.vocab_size, n, out)
+    _tied_head(s, src.tie_word_embeddings, src.vocab_size, n)
     for i in range(L):
         p, a = f"transformer.h.{i}.", f"{b}h.{i}."  # target, source
         for norm in ("ln_1", "ln_2"):
@@ -86,17 +83,14 @@ def build_gpt2(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict
             out[p + name + ".weight"] = derived(info, shape[::-1], lambda load=load: load().T)  # Conv1D: (in, out)
             out[p + name + ".bias"] = s.info(a + name + ".bias", (shape[1],))
     unused_check("GPT-2", tensors, s.used, (r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",))
-    tokens = {k: getattr(src, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     return _bigcode_config(vocab=src.vocab_size, positions=src.n_positions, n=n, heads=H, layers=L, inner=inner,
                            act=src.activation_function, eps=src.layer_norm_epsilon, init=src.initializer_range,
                            scale=src.scale_attn_weights, dropout=(src.resid_pdrop, src.embd_pdrop, src.attn_pdrop),
-                           tie=True, tokens=tokens), out
+                           tie=True, tokens=token_ids(src)), out
 
 
 def build_opt(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
-    from transformers import AutoConfig
-
-    src = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "auto_map"})
+    src = source_config(config)
     n, H, L = src.hidden_size, src.num_attention_heads, src.num_hidden_layers
     if not src.do_layer_norm_before:
         raise GqakitError("OPT with do_layer_norm_before false (OPT-350m) normalises after each block, which "
@@ -108,8 +102,7 @@ def build_opt(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[
     if getattr(src, "_remove_final_layer_norm", False):
         raise GqakitError("OPT with _remove_final_layer_norm true has no final LayerNorm, which "
                           "GPTBigCodeForCausalLM always applies; gqakit re-hosts OPT with its final norm")
-    if n % H:
-        raise GqakitError(f"OPT hidden_size {n} is not divisible by num_attention_heads {H}; fix config.json")
+    head_dim_of("OPT", n, H, "hidden_size", "num_attention_heads")
     inner, P = src.ffn_dim, src.max_position_embeddings
     s = Source("OPT", tensors)
     d = base_prefix("OPT", tensors, "embed_tokens.weight", ("model.decoder.", "decoder."))
@@ -133,7 +126,7 @@ def build_opt(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[
 
     like = out["transformer.wte.weight"]
     norm(d + "final_layer_norm", "transformer.ln_f", like)
-    _tied_head(s, src.tie_word_embeddings, src.vocab_size, n, out)
+    _tied_head(s, src.tie_word_embeddings, src.vocab_size, n)
     for i in range(L):
         a, t = f"{d}layers.{i}.", f"transformer.h.{i}."
         norm(a + "self_attn_layer_norm", t + "ln_1", like)
@@ -150,16 +143,17 @@ def build_opt(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[
         linear(a + "fc1", t + "mlp.c_fc", (inner, n))
         linear(a + "fc2", t + "mlp.c_proj", (n, inner))
     unused_check("OPT", tensors, s.used)
-    tokens = {k: getattr(src, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     return _bigcode_config(vocab=src.vocab_size, positions=P, n=n, heads=H, layers=L, inner=inner,
                            act=src.activation_function, eps=1e-5, init=src.init_std, scale=True,
-                           dropout=(src.dropout, src.dropout, src.attention_dropout), tie=True, tokens=tokens), out
+                           dropout=(src.dropout, src.dropout, src.attention_dropout), tie=True,
+                           tokens=token_ids(src)), out
 
 
 REHOSTS = (
     Rehost("GPT-2", ("GPT2LMHeadModel",), "GPTBigCodeForCausalLM", build_gpt2,
-           "exact: Conv1D weights transposed, c_attn reordered per head; MQA (G = 1) or MHA (G = H) only"),
+           "exact: Conv1D weights transposed, c_attn reordered per head; 1 < G < H goes on to gqakit's "
+           "GroupedGPTBigCodeForCausalLM"),
     Rehost("OPT", ("OPTForCausalLM",), "GPTBigCodeForCausalLM", build_opt,
-           "exact: q/k/v fused per head, positions offset by 2 dropped; MQA (G = 1) or MHA (G = H) only; "
-           "left-padded batches need explicit position_ids"),
+           "exact: q/k/v fused per head, positions offset by 2 dropped; 1 < G < H goes on to gqakit's "
+           "GroupedGPTBigCodeForCausalLM; left-padded batches need explicit position_ids"),
 )

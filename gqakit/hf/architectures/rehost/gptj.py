@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from gqakit.common.errors import GqakitError
-from gqakit.hf.architectures.rehost.base import Rehost, unused_check
+from gqakit.hf.architectures.rehost.base import Rehost, head_dim_of, source_config, token_ids, unused_check
 from gqakit.hf.architectures.rehost.tensors import Source, constant, derived
 from gqakit.hf.checkpoint import TensorInfo
 
@@ -23,13 +23,9 @@ def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
 
 
 def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
-    from transformers import AutoConfig
-
-    src = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "auto_map"})
+    src = source_config(config)
     n, H, L = src.n_embd, src.n_head, src.n_layer
-    if n % H:
-        raise GqakitError(f"GPT-J n_embd {n} is not divisible by n_head {H}; fix config.json")
-    d = n // H
+    d = head_dim_of("GPT-J", n, H, "n_embd", "n_head")
     rot = src.rotary_dim if src.rotary_dim is not None else d
     if rot % 2 or not 0 < rot <= d:
         raise GqakitError(f"GPT-J rotary_dim {rot} must be even and at most the head_dim {d}; fix config.json")
@@ -73,8 +69,7 @@ def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str,
         "layer_norm_eps": src.layer_norm_epsilon, "use_cache": True, "tie_word_embeddings": src.tie_word_embeddings,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rot / d},
         "attention_dropout": src.attn_pdrop, "resid_pdrop": src.resid_pdrop, "embd_pdrop": src.embd_pdrop,
-        "qk_layernorm": False,
-        "bos_token_id": src.bos_token_id, "eos_token_id": src.eos_token_id, "pad_token_id": src.pad_token_id,
+        "qk_layernorm": False, **token_ids(src),
     }
     return new, out
 

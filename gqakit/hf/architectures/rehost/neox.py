@@ -5,14 +5,19 @@ Both compute x + attn(norm_a(x)) + mlp(norm_b(x)) with partial rotary (rotate_ha
 head). NeoX has two LayerNorms, Phi one (`input_layernorm`) feeding both branches: each NeoX norm's scale and
 shift are folded into the linears that read it (W diag(gamma), b + W beta), and Phi's norm keeps scale 1, shift
 0, the same eps. The fused `query_key_value` holds rows per head in the order q, k, v; it is split into Phi's
-q/k/v projections. Exact up to the float rounding of the fold (about 1e-6 in fp32 on the test models).
+q/k/v projections. Exact up to the float rounding of the fold (fp32 logits within 1e-5 of the source in
+tests/hf/test_rehost.py).
 """
 from __future__ import annotations
 
 from gqakit.common.errors import GqakitError
-from gqakit.hf.architectures.rehost.base import Rehost, unused_check
+from gqakit.hf.architectures.rehost.base import Rehost, head_dim_of, source_config, token_ids, unused_check
 from gqakit.hf.architectures.rehost.tensors import Source, constant, derived, fold_norm
 from gqakit.hf.checkpoint import TensorInfo
+
+
+# old checkpoints store the causal mask and rotary tables as buffers: the target class rebuilds them
+BUFFERS = (r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)",)
 
 
 def _rope(src) -> dict:
@@ -34,31 +39,31 @@ def _config(src) -> dict:
         "max_position_embeddings": src.max_position_embeddings, "initializer_range": src.initializer_range,
         "layer_norm_eps": src.layer_norm_eps, "use_cache": True, "tie_word_embeddings": src.tie_word_embeddings,
         "rope_parameters": rope, "attention_dropout": src.attention_dropout, "resid_pdrop": src.hidden_dropout,
-        "embd_pdrop": src.hidden_dropout, "qk_layernorm": False,
-        "bos_token_id": src.bos_token_id, "eos_token_id": src.eos_token_id, "pad_token_id": src.pad_token_id,
+        "embd_pdrop": src.hidden_dropout, "qk_layernorm": False, **token_ids(src),
     }
 
 
-def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
-    from transformers import AutoConfig
-
-    src = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "auto_map"})
-    if not src.use_parallel_residual:
-        return build_sequential(src, tensors)
-    n, H, L = src.hidden_size, src.num_attention_heads, src.num_hidden_layers
-    if n % H:
-        raise GqakitError(f"GPT-NeoX hidden_size {n} is not divisible by num_attention_heads {H}; fix config.json")
-    d, inter = n // H, src.intermediate_size
-    s = Source("GPT-NeoX", tensors)
-    out: dict[str, TensorInfo] = {}
-    out["model.embed_tokens.weight"] = s.info("gpt_neox.embed_in.weight", (src.vocab_size, n))
-    out["model.final_layernorm.weight"] = s.info("gpt_neox.final_layer_norm.weight", (n,))
-    out["model.final_layernorm.bias"] = s.info("gpt_neox.final_layer_norm.bias", (n,))
+def _head(s: Source, src, n: int, out: dict) -> None:
+    """The untied output head (stored as `lm_head` or, in older checkpoints, `embed_out`); none when tied."""
     head = next((h for h in ("lm_head.weight", "embed_out.weight") if s.has(h)), None)
     if head is not None:
         out["lm_head.weight"] = s.info(head, (src.vocab_size, n))
     elif not src.tie_word_embeddings:
         s.info("lm_head.weight")  # refuses: missing
+
+
+def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
+    src = source_config(config)
+    if not src.use_parallel_residual:
+        return build_sequential(src, tensors)
+    n, H, L = src.hidden_size, src.num_attention_heads, src.num_hidden_layers
+    d, inter = head_dim_of("GPT-NeoX", n, H, "hidden_size", "num_attention_heads"), src.intermediate_size
+    s = Source("GPT-NeoX", tensors)
+    out: dict[str, TensorInfo] = {}
+    out["model.embed_tokens.weight"] = s.info("gpt_neox.embed_in.weight", (src.vocab_size, n))
+    out["model.final_layernorm.weight"] = s.info("gpt_neox.final_layer_norm.weight", (n,))
+    out["model.final_layernorm.bias"] = s.info("gpt_neox.final_layer_norm.bias", (n,))
+    _head(s, src, n, out)
     out["lm_head.bias"] = constant(out["model.embed_tokens.weight"], (src.vocab_size,), 0.0)  # Phi's head has one
     for i in range(L):
         a, t = f"gpt_neox.layers.{i}.", f"model.layers.{i}."
@@ -92,9 +97,7 @@ def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str,
         norm = tensors[a + "input_layernorm.weight"]
         out[t + "input_layernorm.weight"] = constant(norm, (n,), 1.0)
         out[t + "input_layernorm.bias"] = constant(norm, (n,), 0.0)
-    # old checkpoints store the causal mask and rotary tables as buffers: rebuilt by the target class
-    unused_check("GPT-NeoX", tensors, s.used,
-                 (r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)",))
+    unused_check("GPT-NeoX", tensors, s.used, BUFFERS)
     return _config(src), out
 
 
@@ -102,9 +105,7 @@ def build_sequential(src, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[st
     """GPT-NeoX without parallel residual -> NemotronForCausalLM: x + attn(ln1(x)), then + mlp(ln2(x)), the same
     blocks; Nemotron's LayerNorm1P stores scale - 1. Exact up to the rounding of that subtraction."""
     n, H, L, inter = src.hidden_size, src.num_attention_heads, src.num_hidden_layers, src.intermediate_size
-    if n % H:
-        raise GqakitError(f"GPT-NeoX hidden_size {n} is not divisible by num_attention_heads {H}; fix config.json")
-    d = n // H
+    d = head_dim_of("GPT-NeoX", n, H, "hidden_size", "num_attention_heads")
     s = Source("GPT-NeoX", tensors)
     out: dict[str, TensorInfo] = {"model.embed_tokens.weight": s.info("gpt_neox.embed_in.weight", (src.vocab_size, n))}
 
@@ -114,11 +115,7 @@ def build_sequential(src, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[st
         out[target + ".bias"] = s.info(source + ".bias", (n,))
 
     norm_1p("gpt_neox.final_layer_norm", "model.norm")
-    head = next((h for h in ("lm_head.weight", "embed_out.weight") if s.has(h)), None)
-    if head is not None:
-        out["lm_head.weight"] = s.info(head, (src.vocab_size, n))
-    elif not src.tie_word_embeddings:
-        s.info("lm_head.weight")  # refuses: missing
+    _head(s, src, n, out)
     for i in range(L):
         a, t = f"gpt_neox.layers.{i}.", f"model.layers.{i}."
         norm_1p(a + "input_layernorm", t + "input_layernorm")
@@ -138,18 +135,15 @@ def build_sequential(src, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[st
                                       ("dense_4h_to_h", "down_proj", (n, inter))):
             out[t + f"mlp.{target}.weight"] = s.info(a + f"mlp.{source}.weight", shape)
             out[t + f"mlp.{target}.bias"] = s.info(a + f"mlp.{source}.bias", (shape[0],))
-    unused_check("GPT-NeoX", tensors, s.used,
-                 (r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)",))
-    rope = _rope(src)
+    unused_check("GPT-NeoX", tensors, s.used, BUFFERS)
     return {
         "architectures": ["NemotronForCausalLM"], "model_type": "nemotron",
         "vocab_size": src.vocab_size, "hidden_size": n, "intermediate_size": inter, "num_hidden_layers": L,
         "num_attention_heads": H, "num_key_value_heads": H, "head_dim": d, "hidden_act": src.hidden_act,
         "max_position_embeddings": src.max_position_embeddings, "initializer_range": src.initializer_range,
         "norm_eps": src.layer_norm_eps, "use_cache": True, "tie_word_embeddings": src.tie_word_embeddings,
-        "rope_parameters": rope, "attention_bias": src.attention_bias, "mlp_bias": True,
-        "attention_dropout": src.attention_dropout,
-        "bos_token_id": src.bos_token_id, "eos_token_id": src.eos_token_id, "pad_token_id": src.pad_token_id,
+        "rope_parameters": _rope(src), "attention_bias": src.attention_bias, "mlp_bias": True,
+        "attention_dropout": src.attention_dropout, **token_ids(src),
     }, out
 
 
