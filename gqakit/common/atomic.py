@@ -152,6 +152,42 @@ def sigterm_as_interrupt() -> Iterator[None]:
         _restore(signal.SIGTERM, previous)
 
 
+def _interrupt_for(signum: int) -> KeyboardInterrupt:
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM inside the block are held until it ends, then raised as usual. For writes that run
+    through C++ (torch's checkpoint writer calls back into Python): an exception raised inside such a callback
+    comes back as an unrelated RuntimeError ("unexpected pos"), so a stop would read as a failed write. A
+    second signal raises at once (an impatient user still gets out); whatever the block then fails with, the
+    interrupt is what propagates."""
+    if not _in_main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum, frame):
+        pending.append(signum)
+        if len(pending) > 1:
+            raise _interrupt_for(pending[0])
+
+    held = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, hold) for s in held}
+    try:
+        yield
+    except BaseException:
+        if pending:
+            raise _interrupt_for(pending[0]) from None
+        raise
+    finally:
+        for s in held:
+            _restore(s, previous[s])
+    if pending:
+        raise _interrupt_for(pending[0])
+
+
 @contextmanager
 def _interrupts_held() -> Iterator[None]:
     """Ctrl-C and SIGTERM are ignored for the few renames that publish a finished output: landing

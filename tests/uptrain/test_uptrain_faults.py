@@ -225,3 +225,39 @@ def test_an_interrupt_inside_a_checkpoint_write_is_a_stop_not_a_failed_write(tmp
         checkpoints.save_checkpoint(tmp_path, 3, model=model, optimizer=optimizer, trainer_state={}, rank_state={},
                                     rank=0, recipe={}, is_main=True, barrier=lambda: None, keep=2)
     assert not any((tmp_path / "checkpoints").iterdir())
+
+
+def _signalled_save(then_fail: bool):
+    """A stand-in for dcp.save that receives SIGTERM midway, as torch's C++ writer does when a stop lands
+    inside one of its Python callbacks: the exception raised there comes back as an unrelated RuntimeError."""
+    def save(tensors, storage_writer, no_dist):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            Path(storage_writer.path).mkdir(parents=True, exist_ok=True)
+            (Path(storage_writer.path) / "data").write_bytes(b"x")
+        except KeyboardInterrupt:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+        if then_fail:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    return save
+
+
+@pytest.mark.parametrize("then_fail", [False, True], ids=["write-completes", "write-fails"])
+def test_sigterm_during_a_checkpoint_write_is_a_stop(tmp_path, monkeypatch, then_fail):
+    """CI caught SIGTERM landing inside DCP's C++ writer: the stop came back as 'writing checkpoint failed',
+    exit 2. A stop is held until the write ends: a write that completes is published (the newest checkpoint
+    is kept), one that fails leaves no torn folder; either way the interrupt is what propagates."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from gqakit.common.atomic import Terminated, sigterm_as_interrupt
+    from gqakit.uptrain.run import checkpoints
+
+    monkeypatch.setattr(dcp, "save", _signalled_save(then_fail))
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with sigterm_as_interrupt(), pytest.raises(Terminated):
+        checkpoints.save_checkpoint(tmp_path, 3, model=model, optimizer=optimizer, trainer_state={}, rank_state={},
+                                    rank=0, recipe={}, is_main=True, barrier=lambda: None, keep=2)
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ([] if then_fail else ["step-000003"])

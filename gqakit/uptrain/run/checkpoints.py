@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gqakit.common.atomic import publish
+from gqakit.common.atomic import interrupts_deferred, publish
 from gqakit.common.errors import GqakitError
 
 CHECKPOINTS = "checkpoints"
@@ -124,30 +124,31 @@ def save_checkpoint(output_dir: Path, step: int, *, model, optimizer, trainer_st
         tmp.mkdir(parents=True)
     barrier()
     tensors, param_groups = _dcp_state(model, optimizer)
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp / "state"), overwrite=True),
-                     no_dist=_single())
+    with interrupts_deferred():  # a stop mid-write would reach DCP's C++ writer and come back as a RuntimeError
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp / "state"), overwrite=True),
+                         no_dist=_single())
+            if is_main:
+                (tmp / "trainer.json").write_text(json.dumps({**trainer_state, "param_groups": param_groups}))
+            (tmp / f"rank-{rank:05d}.json").write_text(json.dumps({**rank_state, "rng": rng_state()}))
+        except (OSError, RuntimeError, CheckpointException) as e:  # DCP reports a full disk as CheckpointException
+            shutil.rmtree(tmp, ignore_errors=True)
+            interrupt = _interrupt_inside(e)
+            if interrupt is not None:  # Ctrl-C or SIGTERM while DCP wrote: a stop, not a failed write
+                raise interrupt from None
+            raise _write_failed(output_dir, final.name, e) from None
+        except KeyboardInterrupt:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        barrier()
         if is_main:
-            (tmp / "trainer.json").write_text(json.dumps({**trainer_state, "param_groups": param_groups}))
-        (tmp / f"rank-{rank:05d}.json").write_text(json.dumps({**rank_state, "rng": rng_state()}))
-    except (OSError, RuntimeError, CheckpointException) as e:  # DCP reports a full disk as CheckpointException
-        shutil.rmtree(tmp, ignore_errors=True)
-        interrupt = _interrupt_inside(e)
-        if interrupt is not None:  # Ctrl-C or SIGTERM while DCP wrote: a stop, not a failed write
-            raise interrupt from None
-        raise _write_failed(output_dir, final.name, e) from None
-    except KeyboardInterrupt:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    barrier()
-    if is_main:
-        (tmp / "recipe.json").write_text(json.dumps(recipe, indent=2))  # last: marks the folder complete
-        publish(tmp, final, force=True)  # an older folder of this step (a rerun) is swapped out
-        for old in checkpoint_dirs(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
+            (tmp / "recipe.json").write_text(json.dumps(recipe, indent=2))  # last: marks the folder complete
+            publish(tmp, final, force=True)  # an older folder of this step (a rerun) is swapped out
+            for old in checkpoint_dirs(output_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        barrier()
     return final
 
 
