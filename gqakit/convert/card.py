@@ -9,6 +9,7 @@ from gqakit import __version__
 from gqakit.hf.checkpoint import DTYPES
 from gqakit.convert import methods
 from gqakit.convert.plan import Plan, total_bytes
+from gqakit.convert.transfer import PARAMS, TransferOptions
 
 
 def _gb(n: int) -> str:
@@ -86,6 +87,14 @@ positions, weights only, biases aside) and the same for values with O_j V_h (0: 
 (0 means the group's heads were identical or nothing was pooled)."""
 
 
+_TRANSFER_NOTE = """
+The k_proj, v_proj and logit columns measure the fit merge that training started from. The last three
+columns are the relative error of the layer's attention output (o_proj included) against the original's on
+the held-out calibration windows, sqrt(sum ||y' - y||^2 / sum ||y||^2), before and after training, and the
+training steps taken (the same windows stop training early, and the best-scoring weights are kept).
+"""
+
+
 def _method_rows(cfg, plan: Plan, calibration) -> str:
     method = methods.get(plan.method)
     if not method.layerwise:
@@ -93,6 +102,9 @@ def _method_rows(cfg, plan: Plan, calibration) -> str:
     rows = [f"| merge | {method.card_note} |",
             f"| grouping | {cfg.grouping or 'similarity'} (K/V heads that share a group; q_proj rows and o_proj columns "
             "permuted with them, so contiguous `repeat_kv` holds) |"]
+    if method.transfer:
+        rows.append(f"| transfer | trained {', '.join(PARAMS[cfg.transfer_params or 'kv'])}; at most "
+                    f"{cfg.transfer_steps or TransferOptions.steps} steps per layer |")
     if calibration is None:
         rows.append("| calibration | none (weights only) |")
     else:
@@ -135,10 +147,13 @@ def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]],
     name = "MQA" if plan.groups == 1 else f"GQA-{plan.groups}"
     held = calibration is not None
     compared = held and any("logits_mean" in e for e in errors.values())
+    trained = any("transfer_before" in e for e in errors.values())
     rows = "\n".join(
         f"| {layer} | {e.get('k', float('nan')):.4f} | {e.get('v', float('nan')):.4f} |"
         + (f" {e.get('logits', float('nan')):.4f} |" if held else "")
         + (f" {e.get('logits_mean', float('nan')):.4f} |" if compared else "")
+        + (f" {e.get('transfer_before', float('nan')):.4f} | {e.get('transfer_after', float('nan')):.4f} |"
+           f" {int(e.get('transfer_steps', 0))} |" if trained else "")
         for layer, e in sorted(errors.items())
     )
     text = f"""---
@@ -165,8 +180,11 @@ chr(10) + "**Runtime:** " + plan.spec.runtime_note + chr(10) if plan.spec.runtim
 chr(10) + "**Loading:** " + own_class_note(plan) + chr(10) if plan.own_class else ""}
 {_error_heading(plan, held)}
 
-| layer | k_proj | v_proj |{" held-out logits |" if held else ""}{" held-out logits, mean-pooled |" if compared else ""}
-|---|---|---|{"---|" if held else ""}{"---|" if compared else ""}
+{_TRANSFER_NOTE if trained else ""}
+| layer | k_proj | v_proj |{" held-out logits |" if held else ""}{
+" held-out logits, mean-pooled |" if compared else ""}{
+" held-out attention output, fit start | after transfer | steps |" if trained else ""}
+|---|---|---|{"---|" if held else ""}{"---|" if compared else ""}{"---|---|---|" if trained else ""}
 {rows}
 {_against_mean(plan, errors, held)}"""
     path.write_text(readable(text), encoding="utf-8")

@@ -23,7 +23,7 @@ class ConvertConfig:
                               "(default: mean)")
     dtype: str = option("auto", choices=dtypes.WITH_AUTO,
                         help="dtype of the output weights (default: keep each tensor's dtype)")
-    seed: int = option(0, help="seed for --method random (default: 0)")
+    seed: int = option(0, help="seed for --method random and transfer (default: 0)")
     max_shard_size: str = option("5GB", help="largest output shard (default: 5GB)")
     force: bool = option(False, help="replace an existing output folder")
     dry_run: bool = option(False, help="print the plan and write nothing")
@@ -42,3 +42,8 @@ class ConvertConfig:
     text_column: str | None = option(None, help="dataset column holding the calibration text (default: text)")
     calibration_device: str | None = option(None, help="device that runs calibration, one layer at a time "
                                                        "(default: cpu; e.g. cuda)")
+    transfer_params: str | None = option(None, choices=("kv", "qkvo"),
+                                         help="transfer: which merged projections are trained, K/V only or also Q "
+                                              "and O (default: kv)")
+    transfer_steps: int | None = option(None, help="transfer: most training steps per layer, 4 windows each; "
+                                                   "held-out windows stop it earlier (default: 200)")

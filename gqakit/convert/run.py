@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from gqakit.common import dtypes
 from gqakit.common.errors import GqakitError
 from gqakit.convert.align import GROUPINGS, check_merge_options, coordinates, merge_coordinates, permute_kv_heads
-from gqakit.convert.calibration.calibrate import StoredMoment, calibrate, load_layer, logit_error
+from gqakit.convert.calibration.calibrate import LayerInputs, StoredMoment, calibrate, load_layer, logit_error
 from gqakit.convert.calibration.data import CalibrationData, load_calibration
 from gqakit.convert.card import write_card
 from gqakit.common.atomic import atomic_output
@@ -29,6 +29,7 @@ from gqakit.convert import methods
 from gqakit.convert.options import ConvertConfig
 from gqakit.convert.plan import Plan, TensorOp, check_family, make_plan
 from gqakit.convert.pooling import random_heads, regroup, relative_error
+from gqakit.convert.transfer import TransferOptions, transfer_merged_layer
 from gqakit.common.atomic import check_replaceable
 from gqakit.common.memory import release_freed_memory
 from gqakit.common.sizes import parse_size
@@ -97,6 +98,19 @@ def check_method_options(cfg: ConvertConfig) -> None:
                         ("--calibration-window", cfg.calibration_window)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise GqakitError(f"{flag} must be a positive number of tokens, got {value!r}")
+    if not method.transfer:
+        given = [flag for flag, value in (("--transfer-params", cfg.transfer_params),
+                                          ("--transfer-steps", cfg.transfer_steps)) if value is not None]
+        if given:
+            raise GqakitError(f"{given[0]} is used only by --method {' or '.join(methods.TRANSFER)}; drop it")
+    transfer_options(cfg)  # its own checks
+
+
+def transfer_options(cfg: ConvertConfig) -> TransferOptions:
+    given = {"params": cfg.transfer_params, "steps": cfg.transfer_steps}
+    if isinstance(cfg.transfer_steps, bool) or not isinstance(cfg.transfer_steps, (int, type(None))):
+        raise GqakitError(f"--transfer-steps must be a whole number of steps, got {cfg.transfer_steps!r}")
+    return TransferOptions(seed=cfg.seed, **{k: v for k, v in given.items() if v is not None})
 
 
 def prepare(cfg: ConvertConfig) -> tuple[Plan, dict, dict[str, TensorInfo], Path, CalibrationData | None]:
@@ -263,6 +277,7 @@ class LayerMerge:
 
     grouping: str = "similarity"
     stats: Path | None = None  # layer-NNNNN.safetensors files written by the calibration pass
+    transferred: bool = False  # the layers were merged and trained during calibration: read transferred-NNNNN files
 
 
 def _read_stats(folder: Path, layer: int, names: tuple[str, ...]) -> dict:
@@ -278,6 +293,10 @@ def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], erro
     """One of layer op.layer's q/k/v/o tensors from an aligned merge. The first of them computes the
     whole layer; the others wait in `layers` until written, so at most one layer's attention (and its
     calibration statistics) is held."""
+    if op.layer not in layers and how.transferred:
+        from safetensors.torch import load_file
+
+        layers[op.layer] = load_file(str(_transferred_path(how.stats, op.layer)))
     if op.layer not in layers:
         keys = {_attention_key(plan, op.layer, name): name for name in op.sources}
         stats = heldout = None
@@ -297,6 +316,36 @@ def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], erro
     if not held:
         del layers[op.layer]
     return out
+
+
+def _transferred_path(folder: Path, layer: int) -> Path:
+    return folder / f"transferred-{layer:05d}.safetensors"
+
+
+def _transfer(inputs: LayerInputs, plan: Plan, config: dict, tensors: dict[str, TensorInfo], how: LayerMerge,
+              opts: TransferOptions, errors: dict[int, dict[str, float]], device, progress: bool) -> None:
+    """Merge layer `inputs.index` by `fit`, train it (`convert.transfer`), and leave its attention tensors in
+    `_transferred_path`, read back by the write pass; its errors go to `errors`."""
+    from safetensors.torch import save_file
+
+    i = inputs.index
+    op = next(op for op in plan.ops if op.kind == "attn" and op.layer == i)
+    keys = {_attention_key(plan, i, name): name for name in op.sources}
+    heldout = load_layer(how.stats, i, ())[1]
+    try:
+        merged, cost = merge_layer(plan, {key: load_tensor(tensors[name], name) for key, name in keys.items()},
+                                   how.grouping, functools.partial(_read_stats, how.stats, i), heldout)
+    except GqakitError as e:
+        raise GqakitError(f"layer {i}: {e}") from None
+    prefix = plan.spec.q_proj.format(i=i).rpartition(".")[0] + "."  # "model.layers.3.self_attn."
+    original = {name[len(prefix):]: load_tensor(info, name) for name, info in tensors.items()
+                if name.startswith(prefix)}
+    trained, cost_transfer = transfer_merged_layer(
+        inputs.attention_class, config, new_config(config, plan, "auto"), i, inputs.attention_kwargs, original,
+        {keys[key][len(prefix):]: t for key, t in merged.items()}, inputs.windows, inputs.read, heldout["x"],
+        how.stats, opts, device, progress)
+    save_file({prefix + name: t.contiguous() for name, t in trained.items()}, str(_transferred_path(how.stats, i)))
+    errors.setdefault(i, {}).update({**cost, **cost_transfer})
 
 
 def compute(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], std: float, seed: int,
@@ -399,11 +448,15 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
     with atomic_output(out, cfg.force) as tmp:
         how = LayerMerge(grouping=cfg.grouping or "similarity")
         if calibration is not None:  # one pass, layer by layer; statistics wait on disk, one file per layer
-            how = dataclasses.replace(how, stats=tmp / ".calibration")
+            transfer = methods.get(plan.method).transfer
+            how = dataclasses.replace(how, stats=tmp / ".calibration", transferred=transfer)
             how.stats.mkdir()
-            for _ in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout, how.stats,
-                               cfg.calibration_device or "cpu", cfg.progress):
-                pass  # each layer's statistics are in their file in how.stats when its index is yielded
+            device = cfg.calibration_device or "cpu"
+            for layer in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout, how.stats,
+                                   device, cfg.progress, with_inputs=transfer):
+                if transfer:  # while the layer's inputs are at hand: merge it, then train it
+                    _transfer(layer, plan, config, tensors, how, transfer_options(cfg), errors, device, cfg.progress)
+                # else each layer's statistics are in their file in how.stats when its index is yielded
             release_freed_memory()  # the calibration model's heap goes back to the OS before the merge
         writer = ShardWriter(tmp, entries, plan.max_shard_bytes)
         # One worker thread computes the next regrouped tensors while this thread streams byte copies

@@ -38,6 +38,7 @@ scored on the attention logits it changes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -273,8 +274,22 @@ def _attention_module(layer: nn.Module, spec: ArchSpec, prefix: str, i: int) -> 
     return layer.get_submodule(q_name.rpartition(".")[0]), q_proj
 
 
+@dataclasses.dataclass
+class LayerInputs:
+    """What `calibrate(..., with_inputs=True)` yields for a layer whose statistics are complete: the model's own
+    attention class, the keyword inputs the model's forward gave that attention (for one window: RoPE tables,
+    mask, ...), and the fitting windows' attention inputs, readable until the next layer starts."""
+
+    index: int
+    attention_class: type
+    attention_kwargs: dict
+    windows: int
+    read: Callable[[int], torch.Tensor]  # fitting window w's attention input (T, n)
+
+
 def calibrate(config: dict, spec: ArchSpec, tensors: dict[str, TensorInfo], windows: torch.Tensor, heldout: int,
-              folder: Path, device="cpu", progress: bool = True) -> Iterator[int]:
+              folder: Path, device="cpu", progress: bool = True, with_inputs: bool = False
+              ) -> Iterator[int | LayerInputs]:
     """Calibrate layer by layer into `folder`: yields each layer's index once `layer_path(folder, i)` is complete
     (its `STATS` as float32, the precision they are stored in, summed in float64; read them with `load_layer` or
     `StoredMoment`).
@@ -285,7 +300,8 @@ def calibrate(config: dict, spec: ArchSpec, tensors: dict[str, TensorInfo], wind
     activations while the layer runs; then one n x n float64 sum at a time (`sum_moments`), each written to the
     layer's file block by block. The hidden states of all windows, and the fitting windows' attention inputs
     and attention terms, wait in scratch files in `folder`, deleted at the end, also on an error or when the
-    caller stops early; the layer files are the caller's.
+    caller stops early; the layer files are the caller's. With `with_inputs`, a `LayerInputs` is yielded instead
+    of the index (what attention transfer trains on).
     """
     folder = Path(folder)
     with contextlib.ExitStack() as stack:
@@ -295,11 +311,11 @@ def calibrate(config: dict, spec: ArchSpec, tensors: dict[str, TensorInfo], wind
             stack.callback(os.unlink, path)
             files.append((stack.enter_context(os.fdopen(fd, "r+b", buffering=0)), path))
         yield from _layer_major(LayerwiseModel(config, spec, tensors, device), windows, heldout, progress, folder,
-                                *files)
+                                *files, with_inputs=with_inputs)
 
 
 def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progress: bool, folder: Path,
-                 hidden_file: tuple, inputs_file: tuple, terms_file: tuple):
+                 hidden_file: tuple, inputs_file: tuple, terms_file: tuple, with_inputs: bool = False):
     from tqdm.auto import tqdm
 
     states, layer_kwargs = None, None
@@ -335,8 +351,18 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
             else:
                 held_x.append(x.to("cpu", torch.float32))
 
+        attention_kwargs: dict = {}
+
+        def called(_module, args, kwargs):  # the attention's keyword inputs: the same for every window
+            if not attention_kwargs:
+                attention_kwargs.update({k: v for k, v in kwargs.items() if k != "hidden_states"})
+                if len(args) > 1 and with_inputs:
+                    raise GqakitError(f"layer {i}'s attention takes {len(args)} positional inputs, which attention "
+                                      "transfer cannot replay; use --method fit")
+
         hooks = [q_proj.register_forward_pre_hook(lambda _m, args: seen.__setitem__("x", args[0].detach())),
-                 attn.register_forward_hook(attended)]
+                 attn.register_forward_hook(attended),
+                 attn.register_forward_pre_hook(called, with_kwargs=True)]
         kwargs = layer_kwargs[i]
         mask = kwargs.get("attention_mask")
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape[-2:]) != (T, T):
@@ -375,7 +401,10 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
             del held
             sum_moments(fit, lambda w: (inputs.read(w, lm.device)[0], terms.read(w, lm.device)[0]), heads,
                         out_file.write, lm.device)
-        yield i
+        if with_inputs:
+            yield LayerInputs(i, type(attn), attention_kwargs, fit, lambda w: inputs.read(w, lm.device)[0])
+        else:
+            yield i
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

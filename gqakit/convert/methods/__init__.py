@@ -7,7 +7,8 @@ Two families of method:
   Nothing else in the layer changes.
 - layer-wise (`merge`): a layer's q/k/v/o are merged together by `convert.align.align_and_merge_layer` with the
   options in `merge` (exact reparametrisations that rotate each head into a common frame, then a mean or a
-  least-squares fit), optionally in a metric measured on calibration text; q_proj and o_proj change too.
+  least-squares fit), optionally in a metric measured on calibration text; q_proj and o_proj change too. A
+  `transfer` method then trains the merged layer against the original attention (`convert.transfer`).
 
 Adding a method: docs/architecture.md ("Add a merge method").
 """
@@ -28,6 +29,7 @@ class Method:
     merge: dict | None = None  # layer-wise: the options of align.align_and_merge_layer
     calibration: str = "no"  # "no" | "optional" | "required": --calibration DATA
     card_note: str | None = None  # what the model card says the merge did (layer-wise methods)
+    transfer: bool = False  # then trained per layer to reproduce the original attention (convert.transfer)
 
     @property
     def layerwise(self) -> bool:
@@ -37,7 +39,7 @@ class Method:
     @property
     def seeded(self) -> bool:
         """Uses --seed (the card records it)."""
-        return self.pooling == "random"
+        return self.pooling == "random" or self.transfer
 
 
 METHODS = {m.name: m for m in (
@@ -56,6 +58,13 @@ METHODS = {m.name: m for m in (
            card_note="the shared K/V head that minimises each head's attention-logit and value error on calibration "
                      "activations (closed-form least squares per RoPE pair and value subspace), each head's map "
                      "refitted"),
+    Method("transfer", "fit, then train each layer's merged K/V to reproduce the original attention's output "
+                       "(attention transfer); needs --calibration",
+           merge={"align": True, "merge": "pca", "restore": "refit"},
+           calibration="required", transfer=True,
+           card_note="the fit merge (least squares on calibration activations), then each layer's merged projections "
+                     "trained to reproduce the original attention's output on the calibration windows, given the "
+                     "original model's layer inputs (attention transfer; best held-out score kept)"),
 )}
 NAMES = tuple(METHODS)
 # --grouping of the layer-wise methods: which K/V heads share a group (convert.align)
@@ -64,6 +73,7 @@ HEADWISE = tuple(name for name, m in METHODS.items() if not m.layerwise)
 LAYERWISE = tuple(name for name, m in METHODS.items() if m.layerwise)
 TAKE_CALIBRATION = tuple(name for name, m in METHODS.items() if m.calibration != "no")
 NEED_CALIBRATION = tuple(name for name, m in METHODS.items() if m.calibration == "required")
+TRANSFER = tuple(name for name, m in METHODS.items() if m.transfer)
 
 
 def get(name: str, flag: str = "--method") -> Method:

@@ -1,0 +1,150 @@
+"""Decode speed with a filled KV cache: MHA vs GQA vs MQA, and with attention sinks.
+
+For each number of K/V heads (default: the model's heads, a GQA count, 1) and each context length (default 1k,
+4k, 16k tokens), the cache is filled directly with random keys and values of that length (the contents do not
+change the cost of attending to them, and a 16k-token prefill of a 135M model would take minutes on a CPU), then
+`--decode` single-token steps are timed (median and p90), each feeding the previous step's argmax through the
+model's own forward (sdpa). The same runs with gqakit's SinkCache (StreamingLLM: S sinks + W recent positions):
+its cache never holds more than S + W positions, whatever the context. All configurations run side by side in
+one process, in an interleaved order, so ratios are comparable.
+
+The model is a random model of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads of 64, intermediate 1536,
+vocab 49,152; `--shape embedded` for the embedded model's 8 x 256 shape): speed depends on shapes, not weights.
+
+    python benchmarks/decode_kv_heads.py                                  # SmolLM2 shape, 9/3/1 K/V heads
+    python benchmarks/decode_kv_heads.py --contexts 256,1024 --decode 4   # seconds
+
+Progress goes to stderr; stdout is only the markdown report. A benchmark, never a test.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+SHAPES = {
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    head_dim=64, vocab_size=49152, kv=(9, 3, 1)),
+    "embedded": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
+                     head_dim=32, vocab_size=4096, kv=(8, 2, 1)),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[decode_kv_heads] {msg}", file=sys.stderr, flush=True)
+
+
+def build(shape: dict, kv_heads: int, dtype: torch.dtype, max_positions: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    fields = {k: v for k, v in shape.items() if k != "kv"}
+    cfg = LlamaConfig(**fields, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype).eval()
+
+
+def filled_cache(model, context: int, sinks: tuple[int, int] | None, dtype: torch.dtype, seed: int):
+    """A cache holding `context` positions of random keys and values (a SinkCache keeps S + W of them)."""
+    from transformers import DynamicCache
+
+    from gqakit.decode.cache import SinkCache
+
+    cfg = model.config
+    cache = DynamicCache() if sinks is None else SinkCache(*sinks, rope=model)
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, cfg.num_key_value_heads, context, cfg.head_dim)
+    for layer in range(cfg.num_hidden_layers):
+        cache.update(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype), layer)
+    return cache
+
+
+def cache_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@torch.no_grad()
+def time_decode(model, cache, context: int, steps: int, seed: int) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    token = torch.randint(model.config.vocab_size, (1, 1), generator=g)
+    times = []
+    for step in range(steps + 1):  # the first step is an untimed warm-up
+        position = torch.tensor([[context + step]])
+        t0 = time.perf_counter()
+        logits = model(token, past_key_values=cache, position_ids=position, use_cache=True).logits
+        token = logits[:, -1:].argmax(-1)
+        if step:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
+    p.add_argument("--kv-heads", default=None, help="comma list (default: the shape's heads, a GQA count, 1)")
+    p.add_argument("--contexts", default="1024,4096,16384", help="tokens already in the cache (comma list)")
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--window", type=int, default=1020)
+    p.add_argument("--decode", type=int, default=16, help="timed single-token steps per configuration")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    shape = SHAPES[args.shape]
+    kv_list = [int(x) for x in args.kv_heads.split(",")] if args.kv_heads else list(shape["kv"])
+    contexts = sorted(int(x) for x in args.contexts.split(","))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    models = {kv: build(shape, kv, dtype, max(contexts) + args.decode + 8) for kv in kv_list}
+    results = {}
+    for context in contexts:  # interleaved: every configuration at one context before the next context
+        for kv, model in models.items():
+            for sinks in (None, (args.sinks, args.window)):
+                if sinks is not None and context <= sum(sinks):
+                    continue  # the sink cache holds everything: the same as the plain cache
+                cache = filled_cache(model, context, sinks, dtype, args.seed)
+                times = time_decode(model, cache, context, args.decode, args.seed)
+                results[kv, sinks is not None, context] = {
+                    "median": statistics.median(times), "p90": sorted(times)[int(0.9 * (len(times) - 1))],
+                    "bytes": cache_bytes(cache), "held": cache.layers[0].keys.shape[-2]}
+                del cache
+                log(f"K/V heads {kv}, context {context:,}{', sinks' if sinks else ''}: "
+                    f"{1e3 * results[kv, sinks is not None, context]['median']:.1f} ms/token")
+
+    command = "python benchmarks/decode_kv_heads.py" + "".join(" " + shlex.quote(a) for a in (argv or sys.argv[1:]))
+    heads = shape["num_attention_heads"]
+    print(f"## Decode tokens/s with a filled KV cache: MHA vs GQA vs MQA, with and without sinks\n\n`{command}`\n")
+    print(f"Random model of the {args.shape} shape: {shape['num_hidden_layers']} layers, "
+          f"hidden {shape['hidden_size']}, {heads} heads of {shape['head_dim']}, vocab {shape['vocab_size']:,}; "
+          f"{args.dtype}, sdpa, "
+          f"{torch.get_num_threads()} CPU thread(s), torch {torch.__version__}. Median (p90) of {args.decode} "
+          f"single-token steps; sinks: SinkCache(S={args.sinks}, W={args.window}).\n")
+    print("| K/V heads | cache | context | tokens/s, median (p90) | vs MHA, same cache and context | "
+          "cache MiB | positions held |")
+    print("|---|---|---|---|---|---|---|")
+    for context in contexts:
+        for sink in (False, True):
+            for kv in kv_list:
+                r = results.get((kv, sink, context))
+                if r is None:
+                    continue
+                base = results[kv_list[0], sink, context]
+                name = "MHA" if kv == heads else ("MQA" if kv == 1 else f"GQA-{kv}")
+                print(f"| {kv} ({name}) | {'sinks' if sink else 'full'} | {context:,} | {1 / r['median']:.1f} "
+                      f"({1 / r['p90']:.1f}) | {base['median'] / r['median']:.2f}x | {r['bytes'] / 2**20:.1f} | "
+                      f"{r['held']:,} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

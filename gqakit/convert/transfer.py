@@ -1,0 +1,213 @@
+"""Attention transfer (`--method transfer`): train each layer's merged attention to reproduce the original's.
+
+After the `fit` merge of a layer (`convert.run.merge_layer`), the merged K/V projections (with
+`--transfer-params qkvo` also Q and O) are trained so that the layer's attention output, o_proj included, matches
+the original attention's on the calibration windows, given the original model's own layer inputs (teacher forcing:
+every layer trains on what the unconverted model feeds it, so layers are independent). This is the first,
+layer-local stage of LoLCATs' attention transfer (arXiv 2410.10254) applied to K/V-head merging.
+
+Exactness of what is trained: both the original (teacher) and the merged (student) attention are instances of the
+model's own attention class, built from the model's config (the student's with the new number of K/V heads), and
+called with exactly the keyword inputs the model's forward gave that layer during calibration (RoPE tables, the
+attention mask with its sliding window, ...). So RoPE, key norms, biases, softcapping and windows are those of the
+model's own code. Attention runs through transformers' sdpa function, or eager where the family softcaps its
+logits (sdpa has no softcap); tests check both against eager.
+
+Loss: ||student(x) - teacher(x)||^2 / ||teacher(x)||^2 per batch of windows. AdamW with linear warm-up and cosine
+decay; the held-out calibration windows score the layer before training and every `eval_every` steps, training
+stops after `patience` scores without improvement, and the best-scoring weights are kept; a layer whose training
+never beat its start keeps the start (`fit`), so transfer is never worse than `fit` on held-out windows.
+
+Memory: one layer's attention twice (teacher and student, fp32) with AdamW state for the trained projections, the
+held-out windows, and one batch of windows; the fitting windows' inputs and the teacher's outputs wait in scratch
+files (calibration's), read one batch at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gqakit.common.errors import GqakitError
+from gqakit.convert.calibration.streamed import _WindowStates
+from gqakit.hf.fields import config_object
+
+# --transfer-params: which projections of the merged attention are trained (the rest stay as merged)
+PARAMS = {"kv": ("k_proj", "v_proj"), "qkvo": ("q_proj", "k_proj", "v_proj", "o_proj")}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferOptions:
+    """How each layer is trained (defaults chosen by measurement: docs/convert.md, "Attention transfer")."""
+
+    params: str = "kv"
+    steps: int = 200  # at most, per layer
+    lr: float = 1e-3
+    batch: int = 4  # windows per step
+    warmup: float = 0.1  # fraction of `steps`
+    eval_every: int = 20
+    patience: int = 3  # held-out scores without improvement before stopping
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.params not in PARAMS:
+            raise GqakitError(f"--transfer-params {self.params!r} is not one of {', '.join(PARAMS)}")
+        if self.steps < 1:
+            raise GqakitError(f"--transfer-steps {self.steps} must be at least 1")
+
+
+def attention_implementation(config: dict) -> str:
+    """sdpa, unless the family softcaps attention logits (transformers' sdpa path has no softcap): eager then."""
+    return "eager" if config.get("attn_logit_softcapping") not in (None, 0) else "sdpa"
+
+
+def build_attention(cls: type, config: dict, layer: int, weights: dict[str, torch.Tensor],
+                    implementation: str, device="cpu") -> nn.Module:
+    """The model's own attention class for layer `layer` of `config` (its K/V heads as the config says), with
+    every parameter taken from `weights` (names relative to the attention module) in float32."""
+    from accelerate import init_empty_weights
+
+    cfg = config_object(config)
+    cfg._attn_implementation = implementation
+    with init_empty_weights(include_buffers=False):
+        module = cls(cfg, layer_idx=layer)
+    for name, param in list(module.named_parameters()):
+        if name not in weights:
+            raise GqakitError(f"layer {layer}: the attention parameter '{name}' is not in the checkpoint; "
+                              "--method transfer cannot rebuild this attention, use --method fit")
+        value = weights[name].to(device=device, dtype=torch.float32)
+        if tuple(value.shape) != tuple(param.shape):
+            raise GqakitError(f"layer {layer}: '{name}' has shape {tuple(value.shape)}, the attention expects "
+                              f"{tuple(param.shape)}; use --method fit")
+        owner, _, leaf = name.rpartition(".")
+        (module.get_submodule(owner) if owner else module)._parameters[leaf] = nn.Parameter(value.clone())
+    for name, buf in module.named_buffers():
+        if buf.is_meta:
+            raise GqakitError(f"layer {layer}: the attention's buffer '{name}' could not be built; use --method fit")
+    return module.to(device).eval()  # eval: attention dropout off, as at inference
+
+
+def attend(module: nn.Module, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """The attention module's output (B, T, n) for inputs x (B, T, n): the layer's recorded keyword inputs
+    (shaped for one window) broadcast over the batch."""
+    return module(x, **kwargs)[0]
+
+
+def relative_error(module: nn.Module, xs: torch.Tensor, targets: torch.Tensor, kwargs: dict) -> float:
+    """sqrt(sum ||module(x) - y||^2 / sum ||y||^2) over windows xs (N, T, n), targets (N, T, n), one at a time."""
+    num = den = 0.0
+    with torch.no_grad():
+        for x, y in zip(xs, targets):
+            out = attend(module, x[None], kwargs)[0]
+            num += float((out - y).double().pow(2).sum())
+            den += float(y.double().pow(2).sum())
+    return math.sqrt(num / max(den, 1e-300))
+
+
+def _lr_factor(step: int, steps: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
+                   read: Callable[[int], tuple[torch.Tensor, torch.Tensor]], held_x: torch.Tensor,
+                   held_y: torch.Tensor, opts: TransferOptions, layer: int, progress: bool = True) -> dict[str, float]:
+    """Train `student`'s projections `opts.params` in place so that its output matches the teacher's on the
+    fitting windows; `read(w)` gives window w's input (T, n) and the teacher's output on it (T, n). Returns the
+    held-out relative error before and after, and the steps taken."""
+    from tqdm.auto import tqdm
+
+    trained = [p for name, p in student.named_parameters() if name.split(".")[0] in PARAMS[opts.params]]
+    if not trained:
+        raise GqakitError(f"layer {layer}: the attention has none of {', '.join(PARAMS[opts.params])}; "
+                          "--method transfer cannot train it, use --method fit")
+    for p in student.parameters():
+        p.requires_grad_(False)
+    for p in trained:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(trained, lr=opts.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    warmup = max(1, int(opts.steps * opts.warmup))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, opts.steps, warmup))
+    generator = torch.Generator().manual_seed(opts.seed * 1_000_003 + layer)
+    before = best = relative_error(student, held_x, held_y, kwargs)
+    best_state = {id(p): p.detach().clone() for p in trained}
+    order: list[int] = []
+    stale = steps = 0
+    bar = tqdm(total=opts.steps, desc=f"transfer layer {layer}", unit="step", leave=False, disable=not progress)
+    try:
+        for step in range(opts.steps):
+            batch = []
+            for _ in range(min(opts.batch, windows)):
+                if not order:
+                    order = torch.randperm(windows, generator=generator).tolist()
+                batch.append(read(order.pop()))
+            x = torch.stack([b[0] for b in batch])
+            y = torch.stack([b[1] for b in batch])
+            loss = (attend(student, x, kwargs) - y).pow(2).sum() / y.pow(2).sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            steps = step + 1
+            bar.update(1)
+            if steps % opts.eval_every == 0 or steps == opts.steps:
+                score = relative_error(student, held_x, held_y, kwargs)
+                bar.set_postfix(heldout=f"{score:.4f}", start=f"{before:.4f}")
+                if score < best:
+                    best, stale = score, 0
+                    best_state = {id(p): p.detach().clone() for p in trained}
+                else:
+                    stale += 1
+                    if stale >= opts.patience:
+                        break
+    finally:
+        bar.close()
+        for p in trained:
+            p.requires_grad_(False)
+    with torch.no_grad():
+        for p in trained:
+            p.copy_(best_state[id(p)])
+    return {"transfer_before": before, "transfer_after": best, "transfer_steps": float(steps)}
+
+
+def transfer_merged_layer(cls: type, config: dict, grouped_config: dict, layer: int, kwargs: dict,
+                          original: dict[str, torch.Tensor], merged: dict[str, torch.Tensor], windows: int,
+                          read_input: Callable[[int], torch.Tensor], held_x: torch.Tensor, scratch: Path,
+                          opts: TransferOptions, device="cpu", progress: bool = True
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """One layer: the teacher (original weights, `config`) gives the targets, written beside the inputs in a
+    scratch file in `scratch` (removed on the way out); the student (`merged` over `original`, `grouped_config`)
+    is trained by `transfer_layer`. Returns the student's trained tensors among `merged`'s names, and the errors."""
+    how = attention_implementation(config)
+    teacher = build_attention(cls, config, layer, original, how, device)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    fd, path = tempfile.mkstemp(prefix="transfer-targets-", suffix=".f32", dir=scratch)
+    with os.fdopen(fd, "r+b", buffering=0) as file:
+        try:
+            targets = None
+            with torch.no_grad():
+                for w in range(windows):
+                    x = read_input(w).to(device)
+                    y = attend(teacher, x[None], kwargs)[0]
+                    if targets is None:
+                        targets = _WindowStates(file, path, tuple(y.shape))
+                    targets.write(w, y)
+                held_x = held_x.to(device)
+                held_y = torch.stack([attend(teacher, x[None], kwargs)[0] for x in held_x])
+            del teacher
+            student = build_attention(cls, grouped_config, layer, {**original, **merged}, how, device)
+            errors = transfer_layer(student, kwargs, windows,
+                                    lambda w: (read_input(w).to(device), targets.read(w, device)[0]),
+                                    held_x, held_y, opts, layer, progress)
+        finally:
+            os.unlink(path)
+    params = dict(student.named_parameters())
+    return {name: params[name].detach().cpu() for name in merged}, errors

@@ -1,0 +1,207 @@
+"""Attention transfer (`convert-gqa --method transfer`).
+
+* what is trained is the model's own attention: rebuilt from the config and the checkpoint, and called with the
+  keyword inputs calibration recorded, it gives the whole model's eager attention output for every alignable
+  family and Qwen3 (sliding windows, biases, softcapping, key norms), also through sdpa where transfer uses it,
+  and a batch of windows gives each window's output alone (fp32, 1e-5);
+* training lowers each layer's held-out error, never ends above its start, and is deterministic for a seed;
+* end to end: the output loads with the stock Auto class, the card records each layer's held-out attention error
+  before and after, `kv` trains only k_proj / v_proj (q_proj / o_proj stay fit's), `qkvo` all four;
+* options that only transfer takes are refused elsewhere, in one line.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cli_contract import run_refused
+from families import make_model
+from gqakit.cli import convert_main
+from gqakit.convert.calibration.calibrate import LayerInputs, calibrate, make_windows
+from gqakit.convert.transfer import (TransferOptions, attend, attention_implementation, build_attention,
+                                     relative_error, transfer_layer)
+from gqakit.hf.architectures import find_family
+from gqakit.hf.checkpoint import scan_checkpoint
+from tiny_models import make_tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+EMBEDDED = ROOT / "gqakit" / "assets" / "austen-mha-8h"
+TEXT = ROOT / "gqakit" / "assets" / "pride_and_prejudice.txt"
+# the families fit (and so transfer) converts, and Qwen3 for its key norms
+REBUILT = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "starcoder2", "granite"]
+SMALL = ["--calibration-tokens", "512", "--calibration-window", "32"]  # 16 windows, 2 held out
+
+
+def _with_tokenizer(path: Path) -> Path:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED / name, path / name)
+    return path
+
+
+def _attention_outputs(src: Path, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input, output) of every layer's attention in the whole model's eager forward on ids (1, T)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
+    seen = []
+    hooks = [layer.self_attn.register_forward_hook(lambda m, args, kwargs, out: seen.append(
+        (kwargs.get("hidden_states", args[0] if args else None)[0], out[0][0])), with_kwargs=True)
+        for layer in model.model.layers]
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("family", REBUILT)
+def test_rebuilt_attention_is_the_models_own(family, tmp_path):
+    src = make_model(family, tmp_path / "src", vocab_size=4096)
+    config = __import__("json").loads((src / "config.json").read_text())
+    tensors = scan_checkpoint(src)
+    spec = find_family(config["architectures"][0])
+    windows = make_windows(torch.randint(3, 4096, (96,), generator=torch.Generator().manual_seed(0)), 24, 96)
+    whole = _attention_outputs(src, windows[:1])
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    checked = 0
+    for item in calibrate(config, spec, tensors, windows, 1, stats, progress=False, with_inputs=True):
+        assert isinstance(item, LayerInputs) and item.windows == 3
+        x, expected = whole[item.index]
+        torch.testing.assert_close(item.read(0), x, atol=1e-5, rtol=1e-5)
+        prefix = spec.q_proj.format(i=item.index).rpartition(".")[0] + "."
+        weights = {n[len(prefix):]: tensors[n] for n in tensors if n.startswith(prefix)}
+        from gqakit.hf.checkpoint import load_tensor
+        weights = {n: load_tensor(info, prefix + n) for n, info in weights.items()}
+        for how in {"eager", attention_implementation(config)}:
+            module = build_attention(item.attention_class, config, item.index, weights, how)
+            got = attend(module, x[None], item.attention_kwargs)[0]
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+            other = item.read(1)
+            batch = attend(module, torch.stack([x, other]), item.attention_kwargs)
+            torch.testing.assert_close(batch[0], got, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(batch[1], attend(module, other[None], item.attention_kwargs)[0],
+                                       atol=1e-5, rtol=1e-5)
+        checked += 1
+    assert checked == config["num_hidden_layers"]
+
+
+def _student_problem(seed: int = 0):
+    """A tiny Llama attention whose 4 K/V heads are one head (the teacher), and a student with one K/V head
+    started from that head perturbed."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    cfg = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, head_dim=8, intermediate_size=64,
+               num_hidden_layers=1, vocab_size=64, max_position_embeddings=64, model_type="llama")
+    torch.manual_seed(seed)
+    teacher_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    teacher_cfg._attn_implementation = "eager"
+    teacher = LlamaAttention(teacher_cfg, layer_idx=0).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # every K/V head the same: one head can match the teacher exactly
+        for proj in (teacher.k_proj, teacher.v_proj):
+            proj.weight.copy_(proj.weight[:8].repeat(4, 1))
+    weights = {n: p.detach().clone() for n, p in teacher.named_parameters()}
+    # the start: that head, perturbed (what an imperfect merge gives)
+    merged = {n: weights[n][:8] + 0.5 * weights[n][:8].std() * torch.randn(8, 32, generator=gen)
+              for n in ("k_proj.weight", "v_proj.weight")}
+    student = build_attention(LlamaAttention, {**cfg, "num_key_value_heads": 1}, 0, {**weights, **merged}, "sdpa")
+    T = 16
+    rotary = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
+    cos, sin = rotary(torch.zeros(1, T, 32), torch.arange(T)[None])
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    kwargs = {"position_embeddings": (cos, sin), "attention_mask": mask}
+    gen = torch.Generator().manual_seed(1)
+    xs = torch.randn(10, T, 32, generator=gen)
+    with torch.no_grad():
+        ys = torch.stack([attend(teacher, x[None], kwargs)[0] for x in xs])
+    return student, kwargs, xs, ys
+
+
+def _train(seed: int, steps: int = 40):
+    student, kwargs, xs, ys = _student_problem()
+    errors = transfer_layer(student, kwargs, 8, lambda w: (xs[w], ys[w]), xs[8:], ys[8:],
+                            TransferOptions(steps=steps, lr=1e-2, eval_every=5, patience=100, seed=seed), 0,
+                            progress=False)
+    return student, errors, (kwargs, xs, ys)
+
+
+def test_training_lowers_the_heldout_error_and_is_deterministic():
+    student, errors, (kwargs, xs, ys) = _train(seed=0)
+    assert errors["transfer_after"] < 0.5 * errors["transfer_before"], errors
+    # the kept weights are the ones scored: their held-out error is the one reported
+    assert math.isclose(relative_error(student, xs[8:], ys[8:], kwargs), errors["transfer_after"], rel_tol=1e-9)
+    again, errors_again, _ = _train(seed=0)
+    assert errors_again == errors
+    assert all(torch.equal(a, b) for a, b in zip(student.parameters(), again.parameters()))
+    other, _, _ = _train(seed=1)
+    assert not torch.equal(other.k_proj.weight, student.k_proj.weight)
+    # only K/V are trained by default
+    start, _, _, _ = _student_problem()
+    assert torch.equal(student.q_proj.weight, start.q_proj.weight)
+    assert torch.equal(student.o_proj.weight, start.o_proj.weight)
+
+
+def test_a_layer_that_training_cannot_improve_keeps_its_start():
+    student, kwargs, xs, ys = _student_problem()
+    start = {n: p.detach().clone() for n, p in student.named_parameters()}
+    # an absurd learning rate makes every step worse: the start is kept, its score reported
+    errors = transfer_layer(student, kwargs, 8, lambda w: (xs[w], ys[w]), xs[8:], ys[8:],
+                            TransferOptions(steps=6, lr=50.0, eval_every=2, patience=2), 0, progress=False)
+    assert errors["transfer_after"] == errors["transfer_before"]
+    assert all(torch.equal(p, start[n]) for n, p in student.named_parameters())
+    assert errors["transfer_steps"] == 4.0  # stopped after two scores without improvement
+
+
+def _card_rows(path: Path) -> list[list[str]]:
+    card = (path / "README.md").read_text()
+    return [line.split("|")[1:-1] for line in card.splitlines() if line[:2] == "| " and line[2:3].isdigit()]
+
+
+@pytest.mark.parametrize("params", ["kv", "qkvo"])
+def test_transfer_end_to_end(tmp_path, params):
+    from transformers import AutoModelForCausalLM
+
+    src = _with_tokenizer(make_tiny_llama(tmp_path / "src", heads=4, layers=2, head_dim=8, vocab_size=4096))
+    fit, out = tmp_path / "fit", tmp_path / "transfer"
+    common = ["--groups", "1", str(src), "--calibration", str(TEXT), *SMALL, "-q"]
+    assert convert_main([*common, "--method", "fit", "-o", str(fit)]) == 0
+    assert convert_main([*common, "--method", "transfer", "--transfer-params", params, "--transfer-steps", "30",
+                         "-o", str(out)]) == 0
+    rows = _card_rows(out)
+    assert len(rows) == 2
+    for row in rows:  # layer, k, v, logits, logits (mean), before, after, steps
+        before, after, steps = float(row[5]), float(row[6]), int(row[7])
+        assert after <= before and 0 < steps <= 30
+    assert any(float(row[6]) < float(row[5]) for row in rows)
+    card = (out / "README.md").read_text()
+    assert "| method | transfer (seed 0) |" in card and "at most 30 steps per layer" in card
+    a, b = load_file(fit / "model.safetensors"), load_file(out / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        trained = any(f".{p}." in name for p in ({"kv": ("k_proj", "v_proj")}.get(params) or
+                                                 ("q_proj", "k_proj", "v_proj", "o_proj")))
+        if ".self_attn." not in name or not trained:
+            assert torch.equal(a[name], b[name]), name
+    assert any(not torch.equal(a[n], b[n]) for n in a if ".k_proj." in n)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_key_value_heads == 1 and not (out / ".calibration").exists()
+
+
+def test_transfer_options_are_refused_elsewhere(tmp_path):
+    src = _with_tokenizer(make_tiny_llama(tmp_path / "src", vocab_size=4096))
+    out = str(tmp_path / "out")
+    for args, needle in (
+            (["--transfer-steps", "10"], "--transfer-steps is used only by --method transfer"),
+            (["--method", "fit", "--calibration", str(TEXT), "--transfer-params", "qkvo"],
+             "--transfer-params is used only by --method transfer"),
+            (["--method", "transfer", "--calibration", str(TEXT), "--transfer-steps", "0"],
+             "--transfer-steps 0 must be at least 1"),
+            (["--method", "transfer"], "--method transfer needs calibration data")):
+        run_refused(tmp_path, "convert-gqa", "--groups", "2", str(src), "-o", out, *args, needles=(needle,))
