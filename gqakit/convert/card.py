@@ -103,8 +103,9 @@ def _method_rows(cfg, plan: Plan, calibration) -> str:
             f"| grouping | {cfg.grouping or 'similarity'} (K/V heads that share a group; q_proj rows and o_proj columns "
             "permuted with them, so contiguous `repeat_kv` holds) |"]
     if method.transfer:
-        rows.append(f"| transfer | trained {', '.join(PARAMS[cfg.transfer_params or 'kv'])}; at most "
-                    f"{cfg.transfer_steps or TransferOptions.steps} steps per layer |")
+        trained = PARAMS[cfg.transfer_params or TransferOptions.params]
+        rows.append(f"| transfer | trained {', '.join(trained)}; at most {cfg.transfer_steps or TransferOptions.steps} "
+                    "steps per layer |")
     if calibration is None:
         rows.append("| calibration | none (weights only) |")
     else:

@@ -44,6 +44,6 @@ class ConvertConfig:
                                                        "(default: cpu; e.g. cuda)")
     transfer_params: str | None = option(None, choices=("kv", "qkvo"),
                                          help="transfer: which merged projections are trained, K/V only or also Q "
-                                              "and O (default: kv)")
-    transfer_steps: int | None = option(None, help="transfer: most training steps per layer, 4 windows each; "
-                                                   "held-out windows stop it earlier (default: 200)")
+                                              "and O (default: qkvo)")
+    transfer_steps: int | None = option(None, help="transfer: most training steps per layer, 2 windows each; "
+                                                   "held-out windows stop it earlier (default: 600)")

@@ -13,8 +13,8 @@ attention mask with its sliding window, ...). So RoPE, key norms, biases, softca
 model's own code. Attention runs through transformers' sdpa function, or eager where the family softcaps its
 logits (sdpa has no softcap); tests check both against eager.
 
-Loss: ||student(x) - teacher(x)||^2 / ||teacher(x)||^2 per batch of windows. AdamW with linear warm-up and cosine
-decay; the held-out calibration windows score the layer before training and every `eval_every` steps, training
+Loss: ||student(x) - teacher(x)||^2 / ||teacher(x)||^2 per batch of windows. AdamW, each trained tensor's learning
+rate `lr` times its RMS at the start, with linear warm-up and cosine decay; the held-out calibration windows score the layer before training and every `eval_every` steps, training
 stops after `patience` scores without improvement, and the best-scoring weights are kept; a layer whose training
 never beat its start keeps the start (`fit`), so transfer is never worse than `fit` on held-out windows.
 
@@ -46,10 +46,10 @@ PARAMS = {"kv": ("k_proj", "v_proj"), "qkvo": ("q_proj", "k_proj", "v_proj", "o_
 class TransferOptions:
     """How each layer is trained (defaults chosen by measurement: docs/convert.md, "Attention transfer")."""
 
-    params: str = "kv"
-    steps: int = 200  # at most, per layer
-    lr: float = 1e-3
-    batch: int = 4  # windows per step
+    params: str = "qkvo"
+    steps: int = 600  # at most, per layer
+    lr: float = 0.05  # relative: each trained tensor's step size is lr x its RMS at the start (scale-free)
+    batch: int = 2  # windows per step
     warmup: float = 0.1  # fraction of `steps`
     eval_every: int = 20
     patience: int = 3  # held-out scores without improvement before stopping
@@ -133,7 +133,10 @@ def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
         p.requires_grad_(False)
     for p in trained:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(trained, lr=opts.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    # Adam's steps are about lr per element whatever the weights' scale: make them the same fraction of every
+    # tensor's RMS (SmolLM2's attention weights have RMS ~0.2, the embedded model's ~0.03)
+    groups = [{"params": [p], "lr": opts.lr * max(float(p.detach().pow(2).mean().sqrt()), 1e-8)} for p in trained]
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.99), weight_decay=0.0)
     warmup = max(1, int(opts.steps * opts.warmup))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, opts.steps, warmup))
     generator = torch.Generator().manual_seed(opts.seed * 1_000_003 + layer)

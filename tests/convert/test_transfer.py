@@ -127,14 +127,15 @@ def _student_problem(seed: int = 0):
 def _train(seed: int, steps: int = 40):
     student, kwargs, xs, ys = _student_problem()
     errors = transfer_layer(student, kwargs, 8, lambda w: (xs[w], ys[w]), xs[8:], ys[8:],
-                            TransferOptions(steps=steps, lr=1e-2, eval_every=5, patience=100, seed=seed), 0,
+                            TransferOptions(params="kv", steps=steps, lr=0.3, eval_every=5, patience=100,
+                                            seed=seed), 0,
                             progress=False)
     return student, errors, (kwargs, xs, ys)
 
 
 def test_training_lowers_the_heldout_error_and_is_deterministic():
     student, errors, (kwargs, xs, ys) = _train(seed=0)
-    assert errors["transfer_after"] < 0.5 * errors["transfer_before"], errors
+    assert errors["transfer_after"] < 0.6 * errors["transfer_before"], errors
     # the kept weights are the ones scored: their held-out error is the one reported
     assert math.isclose(relative_error(student, xs[8:], ys[8:], kwargs), errors["transfer_after"], rel_tol=1e-9)
     again, errors_again, _ = _train(seed=0)
@@ -142,7 +143,7 @@ def test_training_lowers_the_heldout_error_and_is_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(student.parameters(), again.parameters()))
     other, _, _ = _train(seed=1)
     assert not torch.equal(other.k_proj.weight, student.k_proj.weight)
-    # only K/V are trained by default
+    # params=kv: only K/V are trained
     start, _, _, _ = _student_problem()
     assert torch.equal(student.q_proj.weight, start.q_proj.weight)
     assert torch.equal(student.o_proj.weight, start.o_proj.weight)
@@ -205,3 +206,26 @@ def test_transfer_options_are_refused_elsewhere(tmp_path):
              "--transfer-steps 0 must be at least 1"),
             (["--method", "transfer"], "--method transfer needs calibration data")):
         run_refused(tmp_path, "convert-gqa", "--groups", "2", str(src), "-o", out, *args, needles=(needle,))
+
+
+def test_an_interrupted_transfer_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while a layer trains: exit 130, one line, no output folder, no scratch or temporary files."""
+    from gqakit.convert import transfer
+
+    src = _with_tokenizer(make_tiny_llama(tmp_path / "src", vocab_size=4096))
+    real, calls = transfer.transfer_layer, []
+
+    def stopped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transfer, "transfer_layer", stopped)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()
+    code = convert_main(["--groups", "1", str(src), "-o", str(tmp_path / "out"), "--method", "transfer",
+                         "--calibration", str(TEXT), *SMALL, "--transfer-steps", "5", "-q"])
+    err = capsys.readouterr().err.strip()
+    assert code == 130 and len(calls) == 2 and len(err.splitlines()) == 1 and "interrupted" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -1,0 +1,84 @@
+"""Attention transfer on one layer, several training settings side by side: which defaults to ship.
+
+Calibrates MODEL layer by layer up to `--layer` (as `convert-gqa --method transfer` does), merges that layer by
+`fit`, and trains the merged attention once per setting in `--settings` (a JSON list of `TransferOptions` fields),
+each from the same fit start, printing the held-out relative error of the layer's attention output before and
+after, and the seconds each took. The SmolLM2 table in docs/results.md ("Attention transfer and cheap
+recovery") came from this script's maths, run on layer 4.
+
+    python benchmarks/transfer_layer.py runs/smollm2-135m-gqa --groups 1 \\
+        --calibration ../shared/corpora/austen/prideprejudice.txt --tokens 16384 --layer 4 \\
+        --settings '[{"params": "kv"}, {"params": "qkvo"}]'
+
+A benchmark, never a test. Progress goes to stderr; stdout is the markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gqakit.convert.calibration.calibrate import calibrate, load_layer
+from gqakit.convert.options import ConvertConfig
+from gqakit.convert.run import _attention_key, _read_stats, merge_layer, new_config, prepare
+from gqakit.convert.transfer import TransferOptions, transfer_merged_layer
+from gqakit.hf.checkpoint import load_tensor
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--groups", type=int, default=1)
+    p.add_argument("--calibration", required=True)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--layer", type=int, default=4)
+    p.add_argument("--settings", default='[{"params": "kv"}, {"params": "qkvo"}]')
+    args = p.parse_args(argv)
+    settings = json.loads(args.settings)
+    cfg = ConvertConfig(model_dir=args.model, groups=args.groups, output_dir=tempfile.mkdtemp() + "/out",
+                        method="transfer", calibration=args.calibration, calibration_tokens=args.tokens,
+                        progress=False)
+    plan, config, tensors, _, calib = prepare(cfg)
+    stats = Path(tempfile.mkdtemp(prefix="transfer-layer-"))
+    rows = []
+    try:
+        for li in calibrate(config, plan.spec, tensors, calib.windows, calib.heldout, stats, "cpu", False,
+                            with_inputs=True):
+            if li.index < args.layer:
+                continue
+            i = li.index
+            op = next(op for op in plan.ops if op.kind == "attn" and op.layer == i)
+            keys = {_attention_key(plan, i, name): name for name in op.sources}
+            heldout = load_layer(stats, i, ())[1]
+            merged, _ = merge_layer(plan, {k: load_tensor(tensors[n], n) for k, n in keys.items()}, "similarity",
+                                    functools.partial(_read_stats, stats, i), heldout)
+            prefix = plan.spec.q_proj.format(i=i).rpartition(".")[0] + "."
+            original = {n[len(prefix):]: load_tensor(info, n) for n, info in tensors.items() if n.startswith(prefix)}
+            start = {keys[k][len(prefix):]: t for k, t in merged.items()}
+            for setting in settings:
+                t0 = time.perf_counter()
+                _, err = transfer_merged_layer(li.attention_class, config, new_config(config, plan, "auto"), i,
+                                               li.attention_kwargs, original, start, li.windows, li.read,
+                                               heldout["x"], stats, TransferOptions(**setting), "cpu", False)
+                rows.append((setting, err, time.perf_counter() - t0, li.windows))
+                print(f"[transfer_layer] {setting}: {err}", file=sys.stderr, flush=True)
+            break
+    finally:
+        shutil.rmtree(stats, ignore_errors=True)
+    print(f"## Attention transfer on layer {args.layer} of {args.model} ({args.groups} K/V heads), "
+          f"{args.tokens:,} calibration tokens of `{args.calibration}`\n")
+    print("| setting | fitting windows | held-out error, fit start | after | steps | seconds |")
+    print("|---|---|---|---|---|---|")
+    for setting, err, seconds, windows in rows:
+        print(f"| `{json.dumps(setting)}` | {windows} | {err['transfer_before']:.4f} | {err['transfer_after']:.4f} | "
+              f"{int(err['transfer_steps'])} | {seconds:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
