@@ -15,7 +15,6 @@ A benchmark, never a test. Progress goes to stderr; stdout is the markdown table
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import shutil
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from gqakit.convert.calibration.calibrate import calibrate, load_layer
 from gqakit.convert.options import ConvertConfig
-from gqakit.convert.run import _attention_key, _read_stats, merge_layer, new_config, prepare
+from gqakit.convert.run import LayerMerge, merge_checkpoint_layer, new_config, prepare
 from gqakit.convert.transfer import TransferOptions, transfer_merged_layer
 from gqakit.hf.checkpoint import load_tensor
 
@@ -53,13 +52,11 @@ def main(argv=None) -> int:
                 continue
             i = li.index
             op = next(op for op in plan.ops if op.kind == "attn" and op.layer == i)
-            keys = {_attention_key(plan, i, name): name for name in op.sources}
             heldout = load_layer(stats, i, ())[1]
-            merged, _ = merge_layer(plan, {k: load_tensor(tensors[n], n) for k, n in keys.items()}, "similarity",
-                                    functools.partial(_read_stats, stats, i), heldout)
+            merged, _ = merge_checkpoint_layer(plan, tensors, i, op.sources, LayerMerge(stats=stats), heldout)
             prefix = plan.spec.q_proj.format(i=i).rpartition(".")[0] + "."
             original = {n[len(prefix):]: load_tensor(info, n) for n, info in tensors.items() if n.startswith(prefix)}
-            start = {keys[k][len(prefix):]: t for k, t in merged.items()}
+            start = {n[len(prefix):]: t for n, t in merged.items()}
             for setting in settings:
                 t0 = time.perf_counter()
                 _, err = transfer_merged_layer(li.attention_class, config, new_config(config, plan, "auto"), i,

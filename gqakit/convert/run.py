@@ -288,6 +288,22 @@ def _read_stats(folder: Path, layer: int, names: tuple[str, ...]) -> dict:
     return {**out, **(load_layer(folder, layer, rest, dtype=torch.float32, held=False)[0] if rest else {})}
 
 
+def merge_checkpoint_layer(plan: Plan, tensors: dict[str, TensorInfo], layer: int, sources: tuple[str, ...],
+                           how: LayerMerge, heldout: dict | None = None
+                           ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Layer `layer`'s attention tensors `sources` merged by `merge_layer`, read from the checkpoint (and, with
+    `how.stats`, its calibration statistics one at a time and the held-out windows `heldout`): ({checkpoint name:
+    merged tensor}, the card's errors)."""
+    keys = {_attention_key(plan, layer, name): name for name in sources}
+    stats = functools.partial(_read_stats, how.stats, layer) if how.stats is not None else None
+    try:
+        merged, cost = merge_layer(plan, {key: load_tensor(tensors[name], name) for key, name in keys.items()},
+                                   how.grouping, stats, heldout)
+    except GqakitError as e:
+        raise GqakitError(f"layer {layer}: {e}") from None
+    return {keys[key]: tensor for key, tensor in merged.items()}, cost
+
+
 def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, dict[str, float]],
                   layers: dict[int, dict[str, torch.Tensor]], how: LayerMerge) -> torch.Tensor:
     """One of layer op.layer's q/k/v/o tensors from an aligned merge. The first of them computes the
@@ -298,19 +314,11 @@ def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], erro
 
         layers[op.layer] = load_file(str(_transferred_path(how.stats, op.layer)))
     if op.layer not in layers:
-        keys = {_attention_key(plan, op.layer, name): name for name in op.sources}
-        stats = heldout = None
-        if how.stats is not None:  # read back one statistic at a time, in the float32 they were stored in
-            heldout = load_layer(how.stats, op.layer, ())[1]
-            stats = functools.partial(_read_stats, how.stats, op.layer)
-        try:
-            merged, cost = merge_layer(plan, {key: load_tensor(tensors[name], name) for key, name in keys.items()},
-                                       how.grouping, stats, heldout)
-        except GqakitError as e:
-            raise GqakitError(f"layer {op.layer}: {e}") from None
+        # statistics are read back one at a time, in the float32 they were stored in
+        heldout = load_layer(how.stats, op.layer, ())[1] if how.stats is not None else None
+        layers[op.layer], cost = merge_checkpoint_layer(plan, tensors, op.layer, op.sources, how, heldout)
         del heldout
         errors.setdefault(op.layer, {}).update(cost)
-        layers[op.layer] = {keys[key]: tensor for key, tensor in merged.items()}
     held = layers[op.layer]
     out = held.pop(op.name)
     if not held:
@@ -330,19 +338,14 @@ def _transfer(inputs: LayerInputs, plan: Plan, config: dict, tensors: dict[str, 
 
     i = inputs.index
     op = next(op for op in plan.ops if op.kind == "attn" and op.layer == i)
-    keys = {_attention_key(plan, i, name): name for name in op.sources}
     heldout = load_layer(how.stats, i, ())[1]
-    try:
-        merged, cost = merge_layer(plan, {key: load_tensor(tensors[name], name) for key, name in keys.items()},
-                                   how.grouping, functools.partial(_read_stats, how.stats, i), heldout)
-    except GqakitError as e:
-        raise GqakitError(f"layer {i}: {e}") from None
+    merged, cost = merge_checkpoint_layer(plan, tensors, i, op.sources, how, heldout)
     prefix = plan.spec.q_proj.format(i=i).rpartition(".")[0] + "."  # "model.layers.3.self_attn."
     original = {name[len(prefix):]: load_tensor(info, name) for name, info in tensors.items()
                 if name.startswith(prefix)}
     trained, cost_transfer = transfer_merged_layer(
         inputs.attention_class, config, new_config(config, plan, "auto"), i, inputs.attention_kwargs, original,
-        {keys[key][len(prefix):]: t for key, t in merged.items()}, inputs.windows, inputs.read, heldout["x"],
+        {name[len(prefix):]: t for name, t in merged.items()}, inputs.windows, inputs.read, heldout["x"],
         how.stats, opts, device, progress)
     save_file({prefix + name: t.contiguous() for name, t in trained.items()}, str(_transferred_path(how.stats, i)))
     errors.setdefault(i, {}).update({**cost, **cost_transfer})
@@ -452,10 +455,11 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
             how = dataclasses.replace(how, stats=tmp / ".calibration", transferred=transfer)
             how.stats.mkdir()
             device = cfg.calibration_device or "cpu"
+            opts = transfer_options(cfg) if transfer else None
             for layer in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout, how.stats,
                                    device, cfg.progress, with_inputs=transfer):
                 if transfer:  # while the layer's inputs are at hand: merge it, then train it
-                    _transfer(layer, plan, config, tensors, how, transfer_options(cfg), errors, device, cfg.progress)
+                    _transfer(layer, plan, config, tensors, how, opts, errors, device, cfg.progress)
                 # else each layer's statistics are in their file in how.stats when its index is yielded
             release_freed_memory()  # the calibration model's heap goes back to the OS before the merge
         writer = ShardWriter(tmp, entries, plan.max_shard_bytes)

@@ -26,7 +26,7 @@ from gqakit.convert.calibration.calibrate import LayerInputs, calibrate, make_wi
 from gqakit.convert.transfer import (TransferOptions, attend, attention_implementation, build_attention,
                                      relative_error, transfer_layer)
 from gqakit.hf.architectures import find_family
-from gqakit.hf.checkpoint import scan_checkpoint
+from gqakit.hf.checkpoint import load_tensor, scan_checkpoint
 from tiny_models import make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,9 +75,7 @@ def test_rebuilt_attention_is_the_models_own(family, tmp_path):
         x, expected = whole[item.index]
         torch.testing.assert_close(item.read(0), x, atol=1e-5, rtol=1e-5)
         prefix = spec.q_proj.format(i=item.index).rpartition(".")[0] + "."
-        weights = {n[len(prefix):]: tensors[n] for n in tensors if n.startswith(prefix)}
-        from gqakit.hf.checkpoint import load_tensor
-        weights = {n: load_tensor(info, prefix + n) for n, info in weights.items()}
+        weights = {n[len(prefix):]: load_tensor(info, n) for n, info in tensors.items() if n.startswith(prefix)}
         for how in {"eager", attention_implementation(config)}:
             module = build_attention(item.attention_class, config, item.index, weights, how)
             got = attend(module, x[None], item.attention_kwargs)[0]

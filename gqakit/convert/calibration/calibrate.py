@@ -356,13 +356,14 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
         def called(_module, args, kwargs):  # the attention's keyword inputs: the same for every window
             if not attention_kwargs:
                 attention_kwargs.update({k: v for k, v in kwargs.items() if k != "hidden_states"})
-                if len(args) > 1 and with_inputs:
+                if len(args) > 1:
                     raise GqakitError(f"layer {i}'s attention takes {len(args)} positional inputs, which attention "
                                       "transfer cannot replay; use --method fit")
 
         hooks = [q_proj.register_forward_pre_hook(lambda _m, args: seen.__setitem__("x", args[0].detach())),
-                 attn.register_forward_hook(attended),
-                 attn.register_forward_pre_hook(called, with_kwargs=True)]
+                 attn.register_forward_hook(attended)]
+        if with_inputs:  # only attention transfer replays the attention's inputs
+            hooks.append(attn.register_forward_pre_hook(called, with_kwargs=True))
         kwargs = layer_kwargs[i]
         mask = kwargs.get("attention_mask")
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape[-2:]) != (T, T):
