@@ -29,6 +29,7 @@ PAGES = ("README.md", "docs/convert.md", "docs/attention.md", "docs/uptrain.md",
 # Appended to a command (argparse and key=value overrides: the last value wins) so it runs in seconds.
 TINY = [
     (r"^gqakit demo", "--eval-tokens 256"),
+    (r"^convert-gqa .*--method transfer", "--calibration-tokens 1024 --calibration-window 128 --transfer-steps 2"),
     (r"^convert-gqa .*--calibration ", "--calibration-tokens 1024 --calibration-window 128"),
     (r"gqakit(\.cli)? uptrain .*--plan", ""),
     (r"gqakit(\.cli)? uptrain recipes/uptrain_smollm2", "steps=1 seq_len=32 batch_size=1 eval_sequences=1 "
