@@ -34,6 +34,7 @@ def describe_plan(plan: Plan) -> str:
         f"{plan.architecture} ({plan.spec.family}): {plan.num_layers} layers, {plan.num_attention_heads} "
         f"attention heads, head_dim {plan.head_dim}",
         f"K/V heads: {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}, method {plan.method})",
+        *([encoder_line(plan)] if plan.spec.encoder_kv else []),
         *([f"re-hosted: {plan.rehosted.describe()}"] if plan.rehosted else []),
         kv_summary(plan),
         f"tensors: {len(plan.ops)} ({kinds.get('copy', 0)} copied, {kinds.get('cast', 0)} cast, "
@@ -56,6 +57,12 @@ def describe_plan(plan: Plan) -> str:
     if plan.own_class:
         lines.append("note: " + own_class_note(plan))
     return "\n".join(lines)
+
+
+def encoder_line(plan: Plan) -> str:
+    if plan.encoder_layers is None:
+        return "encoder: self-attention K/V heads kept (pass --pool-encoder to group them too)"
+    return f"encoder: {plan.encoder_layers} layers' self-attention K/V heads grouped too (--pool-encoder)"
 
 
 def own_class_note(plan: Plan) -> str:
@@ -149,8 +156,13 @@ def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]],
     held = calibration is not None
     compared = held and any("logits_mean" in e for e in errors.values())
     trained = any("transfer_before" in e for e in errors.values())
+    # other K/V sites of a layer (T5: "cross k", "encoder v", ...), in the table's order
+    sites = [f"{site} {role}" for site, *_ in (*plan.spec.kv_sites, ("encoder",)) for role in "kv"
+             if any(f"{site} {role}" in e for e in errors.values())]
+    encoder_row = f"| encoder | {encoder_line(plan).partition(': ')[2]} |\n" if plan.spec.encoder_kv else ""
     rows = "\n".join(
         f"| {layer} | {e.get('k', float('nan')):.4f} | {e.get('v', float('nan')):.4f} |"
+        + "".join(f" {e.get(site, float('nan')):.4f} |" for site in sites)
         + (f" {e.get('logits', float('nan')):.4f} |" if held else "")
         + (f" {e.get('logits_mean', float('nan')):.4f} |" if compared else "")
         + (f" {e.get('transfer_before', float('nan')):.4f} | {e.get('transfer_after', float('nan')):.4f} |"
@@ -170,7 +182,7 @@ Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if comm
 | architecture | {plan.architecture}{f" (re-hosted: {plan.rehosted.describe()})" if plan.rehosted else ""} |
 | attention heads | {plan.num_attention_heads} |
 | K/V heads | {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}) |
-| method | {plan.method}{f" (seed {cfg.seed})" if methods.get(plan.method).seeded else ""} |
+{encoder_row}| method | {plan.method}{f" (seed {cfg.seed})" if methods.get(plan.method).seeded else ""} |
 | head_dim | {plan.head_dim} |
 | KV-cache bytes per token (at the stored dtype of k_proj; `gqakit eval` counts its compute dtype) | {before:,} -> {after:,} |
 | dtype | {cfg.dtype} |
@@ -182,10 +194,11 @@ chr(10) + "**Loading:** " + own_class_note(plan) + chr(10) if plan.own_class els
 {_error_heading(plan, held)}
 
 {_TRANSFER_NOTE if trained else ""}
-| layer | k_proj | v_proj |{" held-out logits |" if held else ""}{
+| layer | k_proj | v_proj |{"".join(f" {site} |" for site in sites)}{" held-out logits |" if held else ""}{
 " held-out logits, mean-pooled |" if compared else ""}{
 " held-out attention output, fit start | after transfer | steps |" if trained else ""}
-|---|---|---|{"---|" if held else ""}{"---|" if compared else ""}{"---|---|---|" if trained else ""}
+|---|---|---|{"---|" * len(sites)}{"---|" if held else ""}{"---|" if compared else ""}{
+"---|---|---|" if trained else ""}
 {rows}
 {_against_mean(plan, errors, held)}"""
     path.write_text(readable(text), encoding="utf-8")

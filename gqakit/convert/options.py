@@ -42,6 +42,9 @@ class ConvertConfig:
     text_column: str | None = option(None, help="dataset column holding the calibration text (default: text)")
     calibration_device: str | None = option(None, help="device that runs calibration, one layer at a time "
                                                        "(default: cpu; e.g. cuda)")
+    pool_encoder: bool = option(False, help="encoder-decoders (T5): group the encoder's self-attention K/V heads "
+                                            "too (default: only the decoder's self- and cross-attention, as in the "
+                                            "GQA paper)")
     transfer_params: str | None = option(None, choices=("kv", "qkvo"),
                                          help="transfer: which merged projections are trained, K/V only or also Q "
                                               "and O (default: qkvo)")

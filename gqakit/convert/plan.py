@@ -17,7 +17,7 @@ from gqakit.hf.architectures import ArchSpec, KNorm, find_family, supported_arch
 from gqakit.hf.checkpoint import DTYPE_NAMES, DTYPES, DerivedTensor, TensorInfo, assign_shards, shard_names
 from gqakit.hf.architectures.refused import refusal
 from gqakit.hf.architectures.rehost import Rehosted, find_rehost, rehost, rehosted_architectures
-from gqakit.hf.fields import ModelFields, architecture_of, read_fields
+from gqakit.hf.fields import ModelFields, architecture_of, positive_int, read_fields
 from gqakit.convert import methods
 from gqakit.convert.pooling import valid_groups
 
@@ -58,6 +58,8 @@ class Plan:
     # row order of a fused QKV projection before and after: "blocks" [q | k | v], "heads" [q_h, k_h, v_h] per head
     # (GPTBigCode's MHA form, which holds only G = H), or "groups" (ArchSpec.qkv_layout)
     qkv_layout: tuple[str, str] = ("blocks", "blocks")
+    # an encoder-decoder's encoder layers when --pool-encoder regroups them too (None: the encoder is copied)
+    encoder_layers: int | None = None
 
     @functools.cached_property
     def shards(self) -> list[list[int]]:
@@ -139,8 +141,10 @@ class _Heads:
     head_dim: int
 
 
-def _projection_ops(spec: ArchSpec, tensors, i: int, h: _Heads, target) -> dict[str, list[TensorOp]]:
-    """K/V projection weights and biases of layer i (or the fused QKV projection)."""
+def _projection_ops(spec: ArchSpec, tensors, i: int, h: _Heads, target,
+                    sites: tuple[tuple[str, str, str], ...] | None = None) -> dict[str, list[TensorOp]]:
+    """K/V projection weights and biases of layer i (or the fused QKV projection); `sites` are (name, k, v)
+    templates, by default the family's own K/V projections and its other sites (T5's cross-attention)."""
     ops = {}
     kv_rows, new_rows = h.kv_heads * h.head_dim, h.groups * h.head_dim
     if spec.fused:
@@ -154,15 +158,18 @@ def _projection_ops(spec: ArchSpec, tensors, i: int, h: _Heads, target) -> dict[
             shape = (h.heads * h.head_dim + 2 * new_rows, *info.shape[1:])
             ops[name] = [TensorOp(name, target(info), shape, "qkv", (name,), i, "kv" if suffix == ".weight" else "")]
         return ops
-    for role, template in (("k", spec.k_proj), ("v", spec.v_proj)):
-        for suffix in (".weight", ".bias"):
-            name = template.format(i=i) + suffix
-            if suffix == ".bias" and name not in tensors:
-                continue
-            info = _need(tensors, name)
-            _check_rows(name, info, kv_rows, f"{h.kv_heads} K/V heads of {h.head_dim}")
-            ops[name] = [TensorOp(name, target(info), (new_rows, *info.shape[1:]), "kv", (name,), i,
-                                  role if suffix == ".weight" else "")]
+    if sites is None:
+        sites = (("", spec.k_proj, spec.v_proj), *spec.kv_sites)
+    for site, k_template, v_template in sites:
+        for role, template in (("k", k_template), ("v", v_template)):
+            for suffix in (".weight", ".bias"):
+                name = template.format(i=i) + suffix
+                if suffix == ".bias" and name not in tensors:
+                    continue
+                info = _need(tensors, name)
+                _check_rows(name, info, kv_rows, f"{h.kv_heads} K/V heads of {h.head_dim}")
+                ops[name] = [TensorOp(name, target(info), (new_rows, *info.shape[1:]), "kv", (name,), i,
+                                      (f"{site} {role}" if site else role) if suffix == ".weight" else "")]
     return ops
 
 
@@ -230,38 +237,46 @@ def _layer_prefix(spec: ArchSpec) -> str:
     return (spec.qkv_proj if spec.fused else spec.k_proj).split("{i}")[0]  # "model.layers."
 
 
-def check_layers(spec: ArchSpec, tensors: dict[str, TensorInfo], layers: int) -> None:
-    """The weights must hold exactly the layers 0 .. num_hidden_layers - 1 that config.json declares."""
-    prefix = re.compile(re.escape(_layer_prefix(spec)) + r"(\d+)\.")
+def check_layers(spec: ArchSpec, tensors: dict[str, TensorInfo], layers: int, prefix: str | None = None,
+                 key: str | None = None) -> None:
+    """The weights must hold exactly the layers 0 .. num_hidden_layers - 1 that config.json declares (or, with
+    `prefix` and `key`, another stack's: T5's encoder)."""
+    prefix = prefix or _layer_prefix(spec)
+    key = key or dict(spec.config_names).get("num_hidden_layers", "num_hidden_layers")
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
     found: dict[int, str] = {}
     for name in sorted(tensors):
-        if m := prefix.match(name):
+        if m := pattern.match(name):
             found.setdefault(int(m[1]), name)
     held = max(found) + 1 if found else 0
     if held != layers:
-        example = f" (up to '{found[held - 1]}')" if found else f" named {_layer_prefix(spec)}N.*"
-        raise GqakitError(f"config.json says num_hidden_layers {layers} but the weights hold {held} "
-                          f"layer{'' if held == 1 else 's'}{example}; fix num_hidden_layers in config.json "
+        example = f" (up to '{found[held - 1]}')" if found else f" named {prefix}N.*"
+        raise GqakitError(f"config.json says {key} {layers} but the weights hold {held} "
+                          f"layer{'' if held == 1 else 's'}{example}; fix {key} in config.json "
                           "(or point at the matching weights)")
 
 
-def _head_templates(spec: ArchSpec) -> list[str]:
-    """Name templates of every tensor that carries K/V heads, which the plan must regroup, not copy."""
+def _head_templates(spec: ArchSpec, encoder: bool = False) -> list[str]:
+    """Name templates of every tensor that carries K/V heads, which the plan must regroup, not copy (an encoder's
+    too when it is regrouped)."""
     if spec.fused:
         bases = [spec.qkv_proj]
     else:
-        bases = [spec.k_proj, spec.v_proj]
+        bases = [spec.k_proj, spec.v_proj, *(t for _, k, v in spec.kv_sites for t in (k, v))]
+        if encoder:
+            bases += list(spec.encoder_kv)
     names = [b + suffix for b in bases for suffix in (".weight", ".bias")]
     if spec.k_norm in (KNorm.SPANS_HEADS, KNorm.ONE_PER_HEAD):
         names += [spec.k_norm_weight, *spec.k_norm_extra]
     return names
 
 
-def check_accounted(spec: ArchSpec, tensors: dict[str, TensorInfo], planned: dict, fields: ModelFields) -> None:
+def check_accounted(spec: ArchSpec, tensors: dict[str, TensorInfo], planned: dict, fields: ModelFields,
+                    encoder: bool = False) -> None:
     """Every tensor the architecture table names must be one the plan regroups: none may slip through as
     a copy because config.json declares fewer layers or K/V heads than the weights hold."""
     patterns = [re.compile(re.escape(t.format(i="<I>", h="<H>")).replace("<I>", r"\d+").replace("<H>", r"\d+"))
-                for t in _head_templates(spec)]
+                for t in _head_templates(spec, encoder)]
     for name in sorted(tensors):
         if name not in planned and any(p.fullmatch(name) for p in patterns):
             raise GqakitError(
@@ -307,8 +322,26 @@ def check_family(config: dict) -> ArchSpec | None:
     return spec
 
 
+def encoder_layers(spec: ArchSpec, arch: str, config: dict, tensors: dict[str, TensorInfo], kv_heads: int,
+                   heads: int) -> int:
+    """--pool-encoder: the encoder's layer count, checked against the weights, once its K/V heads are known to be
+    the decoder's (one G regroups both)."""
+    if spec.encoder_kv is None:
+        raise GqakitError(f"--pool-encoder regroups an encoder-decoder's encoder (T5); {arch} has no encoder: drop "
+                          "--pool-encoder")
+    layers_key, kv_key = spec.encoder_fields
+    enc_kv = positive_int(config, kv_key, default=heads)
+    if enc_kv != kv_heads:
+        raise GqakitError(f"--pool-encoder regroups the encoder's {enc_kv} K/V heads ({kv_key}) and the decoder's "
+                          f"{kv_heads} into one G, which needs them equal; drop --pool-encoder, or convert the "
+                          "original checkpoint")
+    layers = positive_int(config, layers_key)
+    check_layers(spec, tensors, layers, spec.encoder_kv[0].split("{i}")[0], layers_key)
+    return layers
+
+
 def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method: str = "mean",
-              dtype: str | None = None, max_shard_bytes: int = 5 * 10**9) -> Plan:
+              dtype: str | None = None, max_shard_bytes: int = 5 * 10**9, pool_encoder: bool = False) -> Plan:
     """Decide every output tensor's name, dtype, shape and recipe. Raises GqakitError on bad input.
 
     A re-hosted family (GPT-NeoX, GPT-J, GPT-2, OPT) is planned on its target class: `plan.rehosted` then holds the
@@ -330,6 +363,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
     if layerwise:
         check_alignable(spec, arch, config, groups, kv_heads, head_dim, method)
     check_layers(spec, tensors, layers)
+    encoder = encoder_layers(spec, arch, config, tensors, kv_heads, heads) if pool_encoder else None
     out_dtype = None if dtype in (None, "auto") else DTYPE_NAMES[getattr(torch, dtype)]
 
     def target(info: TensorInfo) -> str:
@@ -344,7 +378,9 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         else:
             special.update(_projection_ops(spec, tensors, i, shape, target))
         special.update(_norm_ops(spec, tensors, i, shape, target))
-    check_accounted(spec, tensors, special, fields)
+    for i in range(encoder or 0):
+        special.update(_projection_ops(spec, tensors, i, shape, target, (("encoder", *spec.encoder_kv),)))
+    check_accounted(spec, tensors, special, fields, encoder is not None)
 
     ops: list[TensorOp] = []
     # Keep source order (sorted by file then offset) so reads are sequential.
@@ -363,7 +399,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         num_key_value_heads=kv_heads, groups=groups, head_dim=head_dim, method=method, ops=tuple(ops),
         max_shard_bytes=max_shard_bytes, source_kv_itemsize=DTYPES[kv_probe.dtype].itemsize,
         target_kv_itemsize=DTYPES[target(kv_probe)].itemsize, initializer_range=fields.initializer_range,
-        rehosted=rehosted, qkv_layout=qkv_layouts(spec, heads, kv_heads, groups),
+        rehosted=rehosted, qkv_layout=qkv_layouts(spec, heads, kv_heads, groups), encoder_layers=encoder,
     )
 
 

@@ -124,7 +124,7 @@ def prepare(cfg: ConvertConfig) -> tuple[Plan, dict, dict[str, TensorInfo], Path
     check_method_options(cfg)
     max_shard = max_shard_bytes(cfg.max_shard_size)
     tensors = scan_checkpoint(model_dir)
-    plan = make_plan(config, tensors, cfg.groups, cfg.method, cfg.dtype, max_shard)
+    plan = make_plan(config, tensors, cfg.groups, cfg.method, cfg.dtype, max_shard, cfg.pool_encoder)
     if plan.rehosted is not None:  # from here on the checkpoint is the target class's
         config, tensors = plan.rehosted.config, plan.rehosted.tensors
     if not cfg.dry_run:
@@ -420,6 +420,8 @@ def new_config(config: dict, plan: Plan, dtype: str) -> dict:
         if common == "num_key_value_heads":
             config[own] = plan.groups
     config["num_key_value_heads"] = plan.groups
+    if plan.encoder_layers is not None:
+        config[plan.spec.encoder_fields[1]] = plan.groups
     if plan.spec.head_dim_field:
         config["head_dim"] = plan.head_dim
     if dtype != "auto":

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from families import ARCHITECTURES, FAMILIES, HEAD_DIM, HEADS, HIDDEN, LAYERS, VOCAB, make_model
+from families import ARCHITECTURES, FAMILIES, SEQ2SEQ_ARCHITECTURES, HEAD_DIM, HEADS, HIDDEN, LAYERS, VOCAB, make_model
 from gqakit.cli import convert_main
 
 
@@ -175,7 +175,7 @@ def family_model(request, tmp_path_factory):
 def test_every_supported_architecture_is_tested():
     from gqakit.hf.architectures import supported_architectures
 
-    assert sorted(ARCHITECTURES.values()) == supported_architectures()
+    assert sorted([*ARCHITECTURES.values(), *SEQ2SEQ_ARCHITECTURES.values()]) == supported_architectures()
 
 
 def test_perturbation_is_visible(family_model):

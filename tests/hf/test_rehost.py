@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPTJConfig, GPTNeoXConfig, OPTConfig
 
 from gqakit.cli import convert_main
+from families import perturb_
 
 VOCAB, HIDDEN, HEADS, LAYERS = 64, 32, 4, 2
 D = HIDDEN // HEADS
@@ -50,14 +51,6 @@ FAMILY = {"neox": "GPT-NeoX", "neox-nobias": "GPT-NeoX", "neox-seq": "GPT-NeoX",
 MQA_ONLY = {"gpt2", "opt"}  # stock GPTBigCode holds G = 1 or G = H; gqakit's grouped class the Gs between
 
 
-def _perturb(model) -> None:
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():  # norms off 1 / 0 and biases off 0, so a dropped fold shows
-            noise = torch.randn(p.shape, generator=gen)
-            p.add_(0.3 * noise) if p.dim() == 1 else p.copy_(noise / math.sqrt(p.shape[-1]))
-
-
 def load(path):
     model, info = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32,
                                                        output_loading_info=True)
@@ -76,7 +69,7 @@ def source(request, tmp_path_factory):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(SOURCES[request.param](), attn_implementation="eager",
                                              dtype=torch.float32)
-    _perturb(model)
+    perturb_(model)
     path = tmp_path_factory.mktemp(request.param) / "mha"
     model.save_pretrained(path)
     return request.param, path, model.eval()
@@ -217,8 +210,8 @@ def _config_only(tmp_path, config: dict):
 
 
 @pytest.mark.parametrize("config, needles", [
-    ({"architectures": ["T5ForConditionalGeneration"], "num_heads": 8, "d_model": 512},
-     ["T5ForConditionalGeneration", "encoder-decoder"]),
+    ({"architectures": ["BartForConditionalGeneration"], "encoder_attention_heads": 16, "d_model": 1024},
+     ["BartForConditionalGeneration", "encoder-decoder"]),
     ({"architectures": ["BloomForCausalLM"], "n_head": 8}, ["BloomForCausalLM", "ALiBi"]),
     ({"architectures": ["BertModel"], "num_attention_heads": 12}, ["BertModel", "encoder", "no KV cache"]),
     ({"architectures": ["FalconForCausalLM"], "alibi": True}, ["FalconForCausalLM", "ALiBi"]),

@@ -80,6 +80,9 @@ ARCHITECTURES = {
     "gqakit_gpt_bigcode": "GroupedGPTBigCodeForCausalLM",
 }
 
+# encoder-decoder families, tested end to end in tests/hf/test_t5.py (their own fixtures)
+SEQ2SEQ_ARCHITECTURES = {"gqakit_t5": "GroupedT5ForConditionalGeneration"}
+
 
 def _config(family: str, **overrides):
     cls, extra, layout = FAMILIES[family]
@@ -88,7 +91,7 @@ def _config(family: str, **overrides):
     return cls(**{**common, **extra, **overrides})
 
 
-def _perturb_(model: torch.nn.Module, seed: int) -> None:
+def perturb_(model: torch.nn.Module, seed: int = 1) -> None:
     """Give every weight a scale that makes head differences visible and move every norm/bias off 1/0."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -106,6 +109,6 @@ def make_model(family: str, path, seed: int = 0, **overrides):
     config = _config(family, **overrides)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     assert type(model).__name__ == ARCHITECTURES[family]
-    _perturb_(model, seed + 1)
+    perturb_(model, seed + 1)
     model.save_pretrained(path)
     return path

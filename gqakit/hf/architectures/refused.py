@@ -7,13 +7,11 @@ _ALIBI = ("uses ALiBi position biases, and no stock transformers class with grou
 _ENCODER = ("is an encoder: it keeps no KV cache, so grouping its K/V heads saves nothing at inference; gqakit "
             "converts decoders")
 _NOT_YET = "is not converted by gqakit yet (the supported families are listed in docs/convert.md)"
-_ENC_DEC = _NOT_YET + "; an encoder-decoder needs grouped-K/V classes gqakit does not have yet"
+_ENC_DEC = _NOT_YET + "; of the encoder-decoders gqakit converts T5, Flan-T5 and mT5"
 
 REFUSED: dict[str, str] = {
     "BloomForCausalLM": _ALIBI,
     "MptForCausalLM": _ALIBI,
-    "T5ForConditionalGeneration": _ENC_DEC,
-    "MT5ForConditionalGeneration": _ENC_DEC,
     "BartForConditionalGeneration": _ENC_DEC,
     "BertModel": _ENCODER, "BertForMaskedLM": _ENCODER, "RobertaModel": _ENCODER, "RobertaForMaskedLM": _ENCODER,
     "DistilBertModel": _ENCODER, "DistilBertForMaskedLM": _ENCODER, "DebertaV2Model": _ENCODER,

@@ -55,6 +55,16 @@ class ArchSpec:
     grouped_class: tuple[str, str, str] | None = None
     # Whether config.json may carry an explicit head_dim (Falcon derives it, as a read-only property)
     head_dim_field: bool = True
+    # More (name, k, v) projection templates per layer with the same K/V heads, regrouped exactly as k_proj / v_proj
+    # are (T5's decoder cross-attention); the card reports them as columns `name k` / `name v`
+    kv_sites: tuple[tuple[str, str, str], ...] = ()
+    # An encoder's self-attention (k, v) templates, regrouped only when asked (--pool-encoder); its layer count and
+    # K/V head count are read from these config.json keys
+    encoder_kv: tuple[str, str] | None = None
+    encoder_fields: tuple[str, str] = ("num_layers", "encoder_num_key_value_heads")
+    # Why the layer-wise methods (aligned, fit, transfer) cannot convert this family, when a reason other than
+    # fused projections or key norms applies
+    not_layerwise: str | None = None
 
     @property
     def fused(self) -> bool:
@@ -67,7 +77,7 @@ class ArchSpec:
             return "fuses Q, K and V into one projection"
         if self.k_norm is not KNorm.NONE:
             return "normalises keys between k_proj and RoPE, which the key rotations do not commute with"
-        return None
+        return self.not_layerwise
 
     @property
     def pooling_exact_for_identical_heads_only(self) -> bool:

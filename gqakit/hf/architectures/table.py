@@ -59,6 +59,23 @@ FAMILIES: tuple[ArchSpec, ...] = (
     ),
     ArchSpec("nemotron", ("NemotronForCausalLM",)),
     ArchSpec(
+        "gqakit_t5", ("GroupedT5ForConditionalGeneration",),
+        k_proj="decoder.block.{i}.layer.0.SelfAttention.k", v_proj="decoder.block.{i}.layer.0.SelfAttention.v",
+        q_proj="decoder.block.{i}.layer.0.SelfAttention.q", o_proj="decoder.block.{i}.layer.0.SelfAttention.o",
+        kv_sites=(("cross", "decoder.block.{i}.layer.1.EncDecAttention.k",
+                   "decoder.block.{i}.layer.1.EncDecAttention.v"),),
+        encoder_kv=("encoder.block.{i}.layer.0.SelfAttention.k", "encoder.block.{i}.layer.0.SelfAttention.v"),
+        config_names=(("num_attention_heads", "num_heads"), ("hidden_size", "d_model"), ("head_dim", "d_kv"),
+                      ("num_hidden_layers", "num_decoder_layers")),
+        grouped_class=("gqakit_t5", "GroupedT5ForConditionalGeneration", "num_key_value_heads"),
+        head_dim_field=False,
+        not_layerwise="is an encoder-decoder, whose cross-attention the calibration pass does not run",
+        notes="T5 / Flan-T5 / mT5 (re-hosted, same tensors): the decoder's self- and cross-attention are grouped, the "
+              "encoder only with --pool-encoder, as in the GQA paper; the relative position bias stays per query head",
+        runtime_note=("the decoder's cross-attention cache holds G heads per encoder token too, so it shrinks by the "
+                      "same factor; the encoder keeps no cache"),
+    ),
+    ArchSpec(
         "stablelm", ("StableLmForCausalLM",),
         k_norm=KNorm.ONE_PER_HEAD,
         k_norm_weight="model.layers.{i}.self_attn.k_layernorm.norms.{h}.weight",

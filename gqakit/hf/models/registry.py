@@ -21,9 +21,10 @@ def register() -> None:
     if _done:
         return
     _done = True
-    from gqakit.hf.models import grouped_bigcode
+    from gqakit.hf.models import grouped_bigcode, grouped_t5
 
     grouped_bigcode.register()
+    grouped_t5.register()
 
 
 class _AfterTransformers(importlib.abc.MetaPathFinder):

@@ -12,11 +12,11 @@ source's logits (fp32, within 1e-5), and pooled ones equal mean-pooling computed
 """
 from __future__ import annotations
 
-from gqakit.hf.architectures.rehost import bigcode, gptj, neox
+from gqakit.hf.architectures.rehost import bigcode, gptj, neox, t5
 from gqakit.hf.architectures.rehost.base import Rehost, Rehosted
 from gqakit.hf.checkpoint import TensorInfo
 
-REHOSTS: dict[str, Rehost] = {arch: entry for entry in (*neox.REHOSTS, *gptj.REHOSTS, *bigcode.REHOSTS)
+REHOSTS: dict[str, Rehost] = {arch: entry for entry in (*neox.REHOSTS, *gptj.REHOSTS, *bigcode.REHOSTS, *t5.REHOSTS)
                                for arch in entry.architectures}
 
 
