@@ -70,6 +70,31 @@ def strided_nll(model, input_ids: torch.Tensor, max_length: int, stride: int | N
     return total, count
 
 
+@torch.no_grad()
+def span_corruption_nll(model, input_ids: torch.Tensor, window: int, sentinels: list[int], eos: int, seed: int = 0,
+                        batch_size: int = 8, progress: bool = True) -> tuple[float, int]:
+    """An encoder-decoder's summed NLL (nats) and count of target tokens under T5's span corruption: the text cut
+    into disjoint windows of `window` tokens (a shorter tail is dropped), each corrupted with masks that depend on
+    its tokens and `seed` only (`common.span_corruption.corrupt_rows`), every target token scored (sentinels and
+    EOS included), given the corrupted input and the earlier targets."""
+    from gqakit.common.span_corruption import corrupt_rows
+
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be 1-D, got shape {tuple(input_ids.shape)}")
+    rows = input_ids[: input_ids.numel() // window * window].view(-1, window)
+    if not len(rows):
+        raise ValueError(f"text has {input_ids.numel()} token(s), fewer than one window of {window}")
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    starts = range(0, len(rows), batch_size)
+    for b in tqdm(starts, desc="perplexity", unit="batch", disable=not progress, leave=False):
+        inputs, targets = (t.to(device) for t in corrupt_rows(rows[b : b + batch_size], sentinels, eos, seed))
+        logits = model(input_ids=inputs, labels=targets).logits.float()
+        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+        count += targets.numel()
+    return total, count
+
+
 def perplexity(model, input_ids: torch.Tensor, max_length: int, stride: int | None = None,
                progress: bool = True, bos: int | None = None) -> float:
     """exp(mean NLL) over the scored tokens; see `strided_nll`."""
@@ -104,13 +129,28 @@ def resolve_window(cfg: PplConfig, contexts: list[int | None]) -> tuple[int, int
     return max_length, stride
 
 
-def _context(path: str) -> int | None:
-    """max_position_embeddings of a local checkpoint folder, checked early (config.json, safetensors headers)
-    so that a broken second model fails before the first is evaluated; None for a hub name."""
-    from gqakit.hf.loading import check_model_folder, context_length
+def _context(path: str) -> tuple[int | None, bool]:
+    """(max_position_embeddings, is it an encoder-decoder) of a local checkpoint folder, checked early (config.json,
+    safetensors headers) so that a broken second model fails before the first is evaluated; (None, False) for a hub
+    name."""
+    from gqakit.hf.loading import check_model_folder, context_length, is_encoder_decoder
 
     config = check_model_folder(path)
-    return None if config is None else context_length(config)
+    return (None, False) if config is None else (context_length(config), is_encoder_decoder(config))
+
+
+def _check_seq2seq(cfg: PplConfig, kinds: list[bool]) -> None:
+    """Encoder-decoders are scored on T5's span corruption of each window (`span_corruption_nll`): not beside
+    decoders, and without the options that only next-token windows have."""
+    if not any(kinds):
+        return
+    if not all(kinds):
+        raise GqakitError("the models mix decoders and encoder-decoders, whose perplexities (next tokens vs. "
+                          "span-corruption targets) are not comparable; evaluate them in separate runs")
+    for flag, given in (("--stride", cfg.stride), ("--bos", cfg.bos), ("--attention", cfg.attention)):
+        if given:
+            raise GqakitError(f"{flag} does not apply to encoder-decoders, which are scored on T5's span corruption "
+                              f"of disjoint windows of --max-length tokens; drop {flag}")
 
 
 def _bos_id(tok, model) -> int:
@@ -145,14 +185,17 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     options = command_attention_options(cfg.attention, cfg.window, cfg.sinks, cfg.attention_option)
     target = report.prepare_output(cfg.output, "ppl", cfg.force)
     documents = load_documents(cfg.text, cfg.dataset, cfg.text_column)
-    max_length, stride = resolve_window(cfg, [_context(path) for path in cfg.models])  # same windows for all
+    contexts, kinds = zip(*[_context(path) for path in cfg.models])
+    _check_seq2seq(cfg, list(kinds))
+    max_length, stride = resolve_window(cfg, list(contexts))  # same windows for all
     names = [Path(p).name or p for p in cfg.models]
     if len(set(names)) < len(names):  # same folder names in different places: show the paths
         names = list(cfg.models)
     rows = []
     for path, name in zip(cfg.models, names):
-        model, tok = load_model(path, cfg.dtype, cfg.tokenizer, cfg.device)
-        in_force = apply_attention(model, cfg.attention, options)
+        model, tok = load_model(path, cfg.dtype, cfg.tokenizer, cfg.device, seq2seq=True)
+        seq2seq = model.config.is_encoder_decoder
+        in_force = {} if seq2seq else apply_attention(model, cfg.attention, options)
         ids = encode_documents(documents, tok, cfg.max_tokens)
         span = max_length - (1 if cfg.bos else 0)
         if ids.numel() < span:
@@ -160,9 +203,16 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
                               f"one window of {span:,}; pass a longer text or --max-length <= {ids.numel()}")
         bos = _bos_id(tok, model) if cfg.bos else None
         t0 = time.perf_counter()
-        nll, count = strided_nll(model, ids, max_length, stride, cfg.progress, bos)
+        if seq2seq:
+            from gqakit.common.span_corruption import sentinel_ids
+
+            nll, count = span_corruption_nll(model, ids, max_length, sentinel_ids(tok), tok.eos_token_id,
+                                             progress=cfg.progress)
+        else:
+            nll, count = strided_nll(model, ids, max_length, stride, cfg.progress, bos)
         seconds = time.perf_counter() - t0
         rows.append({"model": name, "path": str(path), **describe(model),
+                     "objective": "span_corruption" if seq2seq else "next_token",
                      "attention": cfg.attention or "default", "attention_options": in_force,
                      "text_tokens": ids.numel(), "scored_tokens": count, "nll": nll,
                      "perplexity": math.exp(nll / count), "seconds": round(seconds, 3)})
@@ -170,8 +220,12 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
               f"({seconds:.1f}s)", file=out, flush=True)
         del model
     print(format_table(rows, rows[0]["dtype"]), file=out)
-    print(f"(windows of {max_length} positions, stride {stride}, {'BOS-prefixed' if cfg.bos else 'no BOS'}, "
-          f"{cfg.dtype})", file=out)
+    if rows[0]["objective"] == "span_corruption":
+        print(f"(encoder-decoders: T5's span corruption of disjoint windows of {max_length} tokens, masks seeded by "
+              f"each window; perplexity over the corrupted targets; {cfg.dtype})", file=out)
+    else:
+        print(f"(windows of {max_length} positions, stride {stride}, {'BOS-prefixed' if cfg.bos else 'no BOS'}, "
+              f"{cfg.dtype})", file=out)
     record = {"max_length": max_length, "stride": stride, "rows": rows}
     csv_rows = [{k: v for k, v in r.items() if k != "attention_options"} for r in rows]
     written = report.write_report(target, kind="ppl", command=command, config=dataclasses.asdict(cfg),

@@ -3,8 +3,10 @@
     python -m gqakit.experiments.grid recipes/gqa_paper.yaml [key=value ...]
 
 For every K/V group count G and merge method (mean, first, random, aligned, or fit, which needs
-`calibration`): convert the MHA model, score held-out perplexity at alpha = 0, uptrain with each alpha
-(cross-entropy only, as in the paper, and with distillation from the MHA model), and score again.
+`calibration`; an encoder-decoder such as the embedded T5 takes mean, first and random, and is scored and
+uptrained on T5's span corruption): convert the MHA model, score held-out perplexity at alpha = 0,
+uptrain with each alpha (cross-entropy only, as in the paper, and with distillation from the MHA model),
+and score again.
 Each finished cell is a JSON file under OUTPUT/cells/ named by G, method, alpha and distillation, so an
 interrupted grid picks up where it stopped and added methods add cells without touching finished ones;
 the table (results.md/.csv/.json) and the plot (gqa_paper.png) are rewritten from all cells at the end.
@@ -67,7 +69,8 @@ class GridConfig:
 
 
 def _cells(cfg: GridConfig) -> list[dict]:
-    heads = json.loads(Path(cfg.model, "config.json").read_text())["num_attention_heads"]
+    config = json.loads(Path(cfg.model, "config.json").read_text())
+    heads = config.get("num_attention_heads") or config["num_heads"]  # T5 spells it num_heads
     cells = [{"groups": heads, "method": "mha", "alpha": 0.0, "distill": False}]
     if cfg.mha_control:  # the MHA model trained on for the same budgets: how much is conversion's gap?
         for alpha in sorted({*cfg.alphas, *cfg.mqa_alphas}):
@@ -95,10 +98,22 @@ def _eval_ids(cfg: GridConfig, tokenizer) -> torch.Tensor:
 
 
 def _perplexity(path: Path, ids: torch.Tensor, window: int) -> float:
-    from gqakit.evaluate.perplexity import perplexity
-    from gqakit.uptrain.modeling import load_causal_lm
+    """Held-out perplexity: of next tokens (a decoder), or of T5's span-corruption targets (an encoder-decoder,
+    the masks seeded by each window, so every cell scores the same corrupted windows)."""
+    import math
 
-    return perplexity(load_causal_lm(str(path)).eval(), ids, window, progress=False)
+    from transformers import AutoTokenizer
+
+    from gqakit.common.span_corruption import sentinel_ids
+    from gqakit.evaluate.perplexity import perplexity, span_corruption_nll
+    from gqakit.uptrain.modeling import load_lm
+
+    model = load_lm(str(path)).eval()
+    if not model.config.is_encoder_decoder:
+        return perplexity(model, ids, window, progress=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    nll, count = span_corruption_nll(model, ids, window, sentinel_ids(tok), tok.eos_token_id, progress=False)
+    return math.exp(nll / count)
 
 
 def _check(cfg: GridConfig) -> None:

@@ -82,13 +82,28 @@ def _quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
+def is_encoder_decoder(config) -> bool:
+    """Whether a config (transformers object or config.json dict) is an encoder-decoder's (T5)."""
+    value = config.get("is_encoder_decoder") if isinstance(config, dict) else getattr(config, "is_encoder_decoder", 0)
+    return bool(value)
+
+
+def auto_model_class(config):
+    """transformers' Auto class that builds this config's model with its LM head: seq2seq for encoder-decoders."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    return AutoModelForSeq2SeqLM if is_encoder_decoder(config) else AutoModelForCausalLM
+
+
 def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, device: str = "auto"):
-    """(model in eval mode on `device`, tokenizer) of a local Hugging Face folder (or, online, a hub name)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, device: str = "auto",
+               seq2seq: bool = False):
+    """(model in eval mode on `device`, tokenizer) of a local Hugging Face folder (or, online, a hub name). An
+    encoder-decoder is refused in one line unless the caller handles one (`seq2seq`)."""
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -114,8 +129,12 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
     except OSError as e:  # only a hub name gets here: local folders were checked above
         raise GqakitError(f"cannot fetch {path} from the Hugging Face hub ({_first_line(e)}); "
                           "pass a local checkpoint folder") from None
+    if is_encoder_decoder(config) and not seq2seq:
+        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        raise GqakitError(f"{path} is an encoder-decoder ({arch}) and this command runs decoders (next-token "
+                          "prediction over one growing sequence); score it with gqakit eval ppl")
     with _quiet_transformers():
-        model, info = AutoModelForCausalLM.from_pretrained(
+        model, info = auto_model_class(config).from_pretrained(
             path, config=config, dtype=getattr(torch, dtype), ignore_mismatched_sizes=True, output_loading_info=True,
             local_files_only=local_only)
     check_loading(path, info)
@@ -146,10 +165,21 @@ def kv_bytes_per_token(config, dtype: torch.dtype | str) -> int:
     The one definition for every table (demo, eval ppl / stream / passkey): pass the dtype the cache is
     held in at run time, which is the compute dtype (transformers caches K and V as attention computes
     them), not the dtype stored on disk; `kv_heading` names it in the column heading.
+    An encoder-decoder's is its decoder's self-attention cache per generated token (its cross-attention cache
+    holds as many bytes per input token).
     """
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * itemsize
+    return 2 * cached_layers(config) * kv_heads(config) * head_dim(config) * itemsize
+
+
+def cached_layers(config) -> int:
+    """Layers that keep a KV cache: an encoder-decoder's decoder layers, else every layer."""
+    return config.num_decoder_layers if is_encoder_decoder(config) else config.num_hidden_layers
+
+
+def kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def kv_heading(dtype: torch.dtype | str) -> str:
@@ -166,9 +196,9 @@ def describe(model) -> dict:
     cfg = model.config
     return {
         "architecture": (getattr(cfg, "architectures", None) or [type(model).__name__])[0],
-        "layers": cfg.num_hidden_layers,
+        "layers": cached_layers(cfg),
         "heads": cfg.num_attention_heads,
-        "kv_heads": cfg.num_key_value_heads,
+        "kv_heads": kv_heads(cfg),
         "head_dim": head_dim(cfg),
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
         "dtype": str(model_dtype(model)).removeprefix("torch."),

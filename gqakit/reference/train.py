@@ -1,10 +1,14 @@
-"""Pretrain the embedded reference model from a recipe: a plain, seeded training loop.
+"""Pretrain the embedded reference models from a recipe: a plain, seeded training loop.
 
     python -m gqakit.reference.train recipes/reference_model.yaml [key=value ...]
+    python -m gqakit.reference.train recipes/reference_t5.yaml
 
-Trains a byte-level BPE tokenizer and a small multi-head Llama on public-domain text, writes a
+Trains a byte-level BPE tokenizer and a small multi-head model on public-domain text, writes a
 stock Hugging Face folder (bf16 safetensors, tokenizer, `pretraining.json` with the token/step
 budget that later uptraining is measured against as the GQA paper's alpha) and the held-out text.
+`architecture: llama` is a decoder trained on next tokens; `architecture: t5` an encoder-decoder (T5 1.0
+layout: ReLU, tied embeddings) trained by T5's span corruption (`gqakit.common.span_corruption`), as the GQA
+paper's T5 was; its held-out perplexity is over the corrupted spans' targets.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from gqakit.reference.tokenizer import EOS, train_bpe
 class PretrainConfig:
     output_dir: str
     heldout_output: str
+    architecture: str = option("llama", choices=("llama", "t5"))
     corpora_dir: str = "../shared/corpora"
     train_files: tuple[str, ...] = ()
     heldout_file: str = "austen/emma.txt"
@@ -38,6 +43,8 @@ class PretrainConfig:
     intermediate_size: int = option(768, above=0)
     num_hidden_layers: int = option(8, above=0)
     num_attention_heads: int = option(8, above=0)
+    num_decoder_layers: int | None = option(None, above=0)  # t5: the decoder's (default: num_hidden_layers)
+    sentinels: int = option(64, above=0)  # t5: <extra_id_N> tokens for span corruption
     max_position_embeddings: int = option(1024, above=0)
     rope_theta: float = option(10000.0, above=0)
     seq_len: int = option(512, above=0)
@@ -86,10 +93,68 @@ def _sample(model, tok, prompt: str, n: int, seed: int) -> str:
     return tok.decode(ids[0])
 
 
-def train(cfg: PretrainConfig) -> dict:
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+def _build(cfg: PretrainConfig, tok, eos: int):
+    """The untrained model: a multi-head Llama, or a multi-head T5 (1.0 layout) with as many decoder layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
-    from gqakit.evaluate.perplexity import perplexity
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if cfg.architecture == "t5":
+        return T5ForConditionalGeneration(T5Config(
+            vocab_size=len(tok), d_model=cfg.hidden_size, d_kv=head_dim, d_ff=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers, num_decoder_layers=cfg.num_decoder_layers or cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads, feed_forward_proj="relu", dropout_rate=0.0, tie_word_embeddings=True,
+            pad_token_id=tok.pad_token_id, eos_token_id=eos, decoder_start_token_id=tok.pad_token_id,
+        ))
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_attention_heads, head_dim=head_dim,
+        max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
+        tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        initializer_range=0.02,
+    ))
+
+
+class _Objective:
+    """What the architecture trains on and how held-out text is scored: next tokens (llama), or T5's span
+    corruption of each window (t5; held-out masks seeded by 0, training masks by the step)."""
+
+    def __init__(self, cfg: PretrainConfig, tok, eos: int):
+        from gqakit.common.span_corruption import sentinel_ids
+
+        self.cfg, self.eos = cfg, eos
+        self.sentinels = sentinel_ids(tok) if cfg.architecture == "t5" else None
+
+    def batch(self, windows: torch.Tensor, step: int) -> dict:
+        if self.sentinels is None:
+            return {"input_ids": windows, "labels": windows}
+        from gqakit.common.span_corruption import corrupt_rows
+
+        inputs, targets = corrupt_rows(windows, self.sentinels, self.eos, seed=self.cfg.seed * 1_000_003 + step)
+        return {"input_ids": inputs, "labels": targets}
+
+    def perplexity(self, model, ids: torch.Tensor) -> float:
+        from gqakit.evaluate.perplexity import perplexity, span_corruption_nll
+
+        if self.sentinels is None:
+            return perplexity(model, ids, self.cfg.seq_len, progress=False)
+        nll, count = span_corruption_nll(model, ids, self.cfg.seq_len, self.sentinels, self.eos, progress=False)
+        return math.exp(nll / count)
+
+    @torch.no_grad()
+    def sample(self, model, tok, prompt: str) -> str:
+        if self.sentinels is None:
+            return _sample(model, tok, prompt, 60, self.cfg.seed)
+        from gqakit.common.span_corruption import corrupt
+
+        ids = torch.tensor(tok(prompt).input_ids[:48])
+        inputs, _ = corrupt(ids, self.sentinels, self.eos, torch.Generator().manual_seed(self.cfg.seed))
+        filled = model.generate(inputs[None], max_new_tokens=32, do_sample=False)[0]
+        return f"{tok.decode(inputs)} -> {tok.decode(filled, skip_special_tokens=False)}"
+
+
+def train(cfg: PretrainConfig) -> dict:
+    from transformers import GenerationConfig
 
     root = Path(cfg.corpora_dir)
     missing = [f for f in (*cfg.train_files, cfg.heldout_file) if not (root / f).is_file()]
@@ -103,7 +168,7 @@ def train(cfg: PretrainConfig) -> dict:
     heldout = _heldout_text((root / cfg.heldout_file).read_text(encoding="utf-8"), cfg.heldout_chars)
 
     t0 = time.time()
-    tok = train_bpe(docs, cfg.vocab_size)
+    tok = train_bpe(docs, cfg.vocab_size, cfg.sentinels if cfg.architecture == "t5" else 0)
     eos = tok.convert_tokens_to_ids(EOS)
     stream: list[int] = []
     for doc in docs:
@@ -113,16 +178,8 @@ def train(cfg: PretrainConfig) -> dict:
     print(f"tokenizer: {len(tok)} tokens in {time.time() - t0:.0f}s; train {data.numel():,} tokens, "
           f"held-out {eval_ids.numel():,} tokens", flush=True)
 
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_attention_heads, head_dim=head_dim,
-        max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-        initializer_range=0.02,
-    )
-    model = LlamaForCausalLM(config)
+    model = _build(cfg, tok, eos)
+    objective = _Objective(cfg, tok, eos)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters", flush=True)
 
@@ -139,7 +196,7 @@ def train(cfg: PretrainConfig) -> dict:
             group["lr"] = _lr(step, cfg)
         starts = torch.randint(0, data.numel() - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
         batch = torch.stack([data[s : s + cfg.seq_len] for s in starts.tolist()])  # (B, T)
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = model(**objective.batch(batch, step)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -150,7 +207,7 @@ def train(cfg: PretrainConfig) -> dict:
                   flush=True)
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
             model.eval()
-            ppl = perplexity(model, eval_slice, cfg.seq_len, progress=False)
+            ppl = objective.perplexity(model, eval_slice)
             model.train()
             history.append({"step": step + 1, "loss": loss.item(), "heldout_ppl_16w": ppl})
             print(f"step {step + 1:5d}  held-out perplexity (first 16 windows) {ppl:.2f}", flush=True)
@@ -158,9 +215,10 @@ def train(cfg: PretrainConfig) -> dict:
 
     # Evaluate what ships: the bf16 weights, computed in fp32.
     model = model.to(torch.bfloat16).float().eval()
-    heldout_ppl = perplexity(model, eval_ids, cfg.seq_len, progress=False)
+    heldout_ppl = objective.perplexity(model, eval_ids)
     unigram_ppl = unigram_perplexity(stream, eval_ids.tolist(), len(tok))
-    samples = [_sample(model, tok, p, 60, cfg.seed) for p in ("Emma was", "\"My dear sister,\" said")]
+    prompts = (heldout[:300],) if cfg.architecture == "t5" else ("Emma was", "\"My dear sister,\" said")
+    samples = [objective.sample(model, tok, p) for p in prompts]
     record = {
         "pretraining_tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
         "pretraining_steps": cfg.steps,
@@ -170,7 +228,8 @@ def train(cfg: PretrainConfig) -> dict:
         "train_seconds": round(train_seconds),
         "heldout": {"file": cfg.heldout_file, "chars": len(heldout), "tokens": eval_ids.numel(),
                     "perplexity": heldout_ppl, "unigram_perplexity": unigram_ppl,
-                    "window": cfg.seq_len, "stride": cfg.seq_len},
+                    "window": cfg.seq_len, "stride": cfg.seq_len,
+                    "objective": "span_corruption" if cfg.architecture == "t5" else "next_token"},
         "history": history,
         "samples": samples,
         "recipe": to_dict(cfg),
@@ -179,7 +238,11 @@ def train(cfg: PretrainConfig) -> dict:
     with atomic_output(Path(cfg.output_dir), force=True) as tmp:  # the recipe's own folder: rebuilt in place
         model.to(torch.bfloat16).save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
+        if cfg.architecture == "t5":
+            GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id,
+                             decoder_start_token_id=tok.pad_token_id).save_pretrained(tmp)
+        else:
+            GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
         (tmp / "pretraining.json").write_text(json.dumps(record, indent=2) + "\n")
     Path(cfg.heldout_output).write_text(heldout, encoding="utf-8")
     print(json.dumps({k: record[k] for k in ("pretraining_tokens", "pretraining_steps", "heldout")}, indent=2))

@@ -190,6 +190,11 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
         except AttentionOptionError as e:
             raise GqakitError(f"attention={cfg.attention}: {e}") from None
     arch = (model_config.get("architectures") or ["?"])[0]
+    seq2seq = bool(model_config.get("is_encoder_decoder"))
+    if seq2seq:
+        from gqakit.uptrain.seq2seq import check_seq2seq_recipe
+
+        check_seq2seq_recipe(cfg, arch)
     if cfg.trainable == "kv":
         spec = find_family(arch)
         if spec is None or spec.fused:
@@ -207,6 +212,10 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
         if cfg.distill_top_k is not None and isinstance(vocab, int) and cfg.distill_top_k > vocab:
             raise GqakitError(f"distill_top_k={cfg.distill_top_k} exceeds the teacher's vocab_size {vocab}; use at "
                               f"most {vocab} (or null for the full distribution)")
+        if bool(teacher.get("is_encoder_decoder")) != seq2seq:
+            kinds = ("an encoder-decoder", "a decoder") if seq2seq else ("a decoder", "an encoder-decoder")
+            raise GqakitError(f"the model is {kinds[0]} but the teacher {cfg.teacher} {kinds[1]}; distil from the "
+                              "model the student was converted from")
         if teacher.get("vocab_size") != model_config.get("vocab_size"):
             raise GqakitError(f"teacher {cfg.teacher} has vocab_size {teacher.get('vocab_size')} but the model "
                               f"{model_config.get('vocab_size')}; distil from the model the student was converted from")

@@ -21,6 +21,8 @@ import torch
 from tqdm.auto import tqdm
 
 from gqakit.common.errors import GqakitError
+from gqakit.hf.folder import model_folder
+from gqakit.hf.loading import is_encoder_decoder
 from gqakit.uptrain import modeling
 from gqakit.uptrain.config import UptrainConfig, check, resolve_budget
 from gqakit.uptrain.data.batches import BatchOrder, load_training_data
@@ -34,30 +36,42 @@ from gqakit.uptrain.sharding import Sharding, strategy
 from gqakit.uptrain.run.final import save_final, source_dtype
 from gqakit.uptrain.run.folder import check_processes, plan_run, start_run
 from gqakit.uptrain.run.lock import run_lock
+from gqakit.uptrain.seq2seq import SpanCorruption
 from gqakit.uptrain.run.checkpoints import (CHECKPOINTS, checkpoint_dirs, load_checkpoint, rank_record, save_checkpoint,
                                             set_rng_state)
 from gqakit.uptrain.data.token_build import load_tokenizer
 
 
 def _sums(model, teacher, seqs: torch.Tensor, temperature: float, sp: SequenceParallel, autocast,
-          top_k: int | None = None):
+          top_k: int | None = None, spans: SpanCorruption | None = None):
     """(cross-entropy sum, distillation sum or None) of this rank's share of sequences (B, T + 1);
     call it inside `sp.attention()`. With `top_k`, the teacher runs first and only its k largest logits per
-    position are kept: its full logits are gone before the student's exist."""
+    position are kept: its full logits are gone before the student's exist. With `spans` (an encoder-decoder),
+    each window's span-corruption pair, the sums scaled to windows of T tokens (`uptrain.seq2seq`)."""
+    if spans is not None:
+        inputs, decoder_inputs, targets = spans.pair(seqs[:, :-1])
+        kwargs = {"input_ids": inputs, "decoder_input_ids": decoder_inputs, "use_cache": False}
+        ce, kd = _model_sums(model, teacher, kwargs, targets, temperature, autocast, top_k)
+        return ce * spans.scale, (None if kd is None else kd * spans.scale)
     inputs, targets, positions = sp.shard(seqs)
+    kwargs = {"input_ids": inputs, "position_ids": positions, "use_cache": False}
+    return _model_sums(model, teacher, kwargs, targets, temperature, autocast, top_k)
 
+
+def _model_sums(model, teacher, kwargs: dict, targets: torch.Tensor, temperature: float, autocast,
+                top_k: int | None):
     def teacher_logits():
         with torch.no_grad(), autocast():
-            out = teacher(input_ids=inputs, position_ids=positions, use_cache=False).logits
+            out = teacher(**kwargs).logits
         if hasattr(teacher, "reshard"):  # FSDP keeps a root gathered after a forward without backward
             teacher.reshard()
         return out
 
     if teacher is not None and top_k is not None:
         probs, indices = teacher_top_k(teacher_logits(), top_k, temperature)  # the full logits die here
-        logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+        logits = model(**kwargs).logits
         return cross_entropy_sum(logits, targets), top_k_distillation_sum(logits, probs, indices, targets, temperature)
-    logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits  # (B, T_local, V)
+    logits = model(**kwargs).logits  # (B, T_local, V)
     ce = cross_entropy_sum(logits, targets)
     kd = None if teacher is None else distillation_sum(logits, teacher_logits(), targets, temperature)
     return ce, kd
@@ -87,7 +101,8 @@ def _combine(ce, kd, distill_weight: float):
 
 
 @torch.no_grad()
-def evaluate(model, data: torch.Tensor, batch_size: int, seq_len: int, sp: SequenceParallel, accelerator) -> float:
+def evaluate(model, data: torch.Tensor, batch_size: int, seq_len: int, sp: SequenceParallel, accelerator,
+             spans: SpanCorruption | None = None) -> float:
     """Mean held-out cross-entropy (nats/token) over `data`, split over the data-parallel ranks. Every
     rank runs the same number of forward passes (FSDP gathers weights collectively): a rank whose share
     has run out repeats a sequence and does not count it."""
@@ -102,7 +117,7 @@ def evaluate(model, data: torch.Tensor, batch_size: int, seq_len: int, sp: Seque
         counted = len(seqs) > 0
         with accelerator.autocast(), sp.attention():
             ce, _ = _sums(model, None, (seqs if counted else data[:1]).to(accelerator.device), 1.0, sp,
-                          accelerator.autocast)
+                          accelerator.autocast, spans=spans)
         total[0] += ce.double() if counted else 0.0
     total[1] = len(mine) * seq_len / sp.context_parallel  # every rank counts its share of the targets
     total = accelerator.reduce(total, reduction="sum")
@@ -196,6 +211,9 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     set_seed(cfg.seed)
 
     tokenizer = load_tokenizer(cfg.model)
+    model_config = model_folder(cfg.model).config
+    spans = (SpanCorruption(tokenizer, model_config, cfg.seq_len, cfg.seed)
+             if is_encoder_decoder(model_config) else None)
     say(f"uptrain: reading {len(cfg.data)} data source{'s' if len(cfg.data) > 1 else ''}")
     data = load_training_data(cfg, tokenizer, is_main=is_main, barrier=accelerator.wait_for_everyone)
     order = BatchOrder(len(data.train), cfg.batch_size, cfg.gradient_accumulation_steps, sp.data_parallel, cfg.seed)
@@ -232,7 +250,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     if start == 0 and len(data.eval):
         say(f"uptrain: held-out loss before training ({len(data.eval)} sequences)")
         record_base["initial_eval_ppl"] = math.exp(evaluate(model, data.eval, cfg.batch_size, cfg.seq_len, sp,
-                                                            accelerator))
+                                                            accelerator, spans))
         if is_main:
             log.log({"step": 0, "tokens": 0, "eval_loss": math.log(record_base["initial_eval_ppl"]),
                      "eval_ppl": record_base["initial_eval_ppl"]})
@@ -251,7 +269,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
             # backward inside the attention context: gradient checkpointing re-runs the forward
             with _gradient_sync(how, accelerator, model, last), sp.attention():
                 ce, kd = _sums(model, teacher, seqs, cfg.distill_temperature, sp, accelerator.autocast,
-                               cfg.distill_top_k)
+                               cfg.distill_top_k, spans)
                 loss = _combine(ce, kd, cfg.distill_weight) * accelerator.num_processes / budget.tokens_per_step
                 accelerator.backward(loss)
             sums[0] += ce.detach().double()
@@ -274,7 +292,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
         optimizer.step()
         scheduler.step()
         if (cfg.eval_every and done % cfg.eval_every == 0 or done == budget.steps) and len(data.eval):
-            row["eval_loss"] = evaluate(model, data.eval, cfg.batch_size, cfg.seq_len, sp, accelerator)
+            row["eval_loss"] = evaluate(model, data.eval, cfg.batch_size, cfg.seq_len, sp, accelerator, spans)
             row["eval_ppl"] = math.exp(row["eval_loss"])
         if done % cfg.log_every == 0 or "eval_loss" in row or done == budget.steps:
             log.log(row)

@@ -143,6 +143,10 @@ def count_model(path: str | Path) -> ModelCount:
     from gqakit.hf.folder import model_folder
 
     config = model_folder(path).config  # one-line errors for a missing folder or config.json
+    if config.get("is_encoder_decoder"):
+        arch = (config.get("architectures") or ["?"])[0]
+        raise GqakitError(f"the memory plan models decoder-only transformers, and {path} is an encoder-decoder "
+                          f"({arch}); drop --plan (encoder-decoder runs are not checked against device memory)")
     return _count(str(Path(path).resolve()), json.dumps(config, sort_keys=True))
 
 
@@ -485,8 +489,10 @@ def resolve_device_memory(given: int | str | None, cfg: UptrainConfig) -> tuple[
 def check_fits(cfg: UptrainConfig, world: int, device_memory_bytes: int | None = None) -> MemoryPlan | None:
     """Before any work: raise GqakitError (the numbers and the fix) when `cfg` on `world` processes does
     not fit the device memory (given, else the recipe's device_memory, else detected); None when unknown."""
+    from gqakit.hf.folder import model_folder
+
     memory, source = resolve_device_memory(device_memory_bytes, cfg)
-    if memory is None:
+    if memory is None or model_folder(cfg.model).config.get("is_encoder_decoder"):  # not planned: count_model
         return None
     plan = plan_memory(cfg, world, memory, source)
     if not plan.fits:

@@ -9,30 +9,58 @@ import torch
 from gqakit.common.errors import GqakitError
 
 
-def load_causal_lm(path: str):
-    """A local checkpoint in fp32 (master weights; mixed precision is autocast's business)."""
-    from transformers import AutoModelForCausalLM
+def load_lm(path: str):
+    """A local checkpoint (decoder or encoder-decoder) in fp32 (master weights; mixed precision is autocast's
+    business)."""
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
+    from gqakit.hf.loading import auto_model_class
+
     hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32)
+
+
+def _family(model):
+    from gqakit.hf.architectures import find_family
+
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    return arch, find_family(arch)
+
+
+def _layers(model, spec) -> tuple[int, int]:
+    """(decoder layers, encoder layers: 0 for a decoder-only model)."""
+    config = model.config
+    if spec is not None and spec.encoder_kv is not None:
+        return config.num_decoder_layers, config.num_layers
+    return config.num_hidden_layers, 0
+
+
+def _sites(spec, model) -> list[tuple[str, str, int]]:
+    """(k template, v template, layers) of every attention with K/V projections: the family's own, its other
+    sites (T5's cross-attention) and an encoder's self-attention."""
+    decoder, encoder = _layers(model, spec)
+    sites = [(spec.k_proj, spec.v_proj, decoder), *((k, v, decoder) for _, k, v in spec.kv_sites)]
+    return sites + ([(*spec.encoder_kv, encoder)] if encoder else [])
 
 
 def _kv_names(model) -> list[str]:
-    """Parameter-name prefixes of the K/V projections (and key norms) per the architecture table."""
-    from gqakit.hf.architectures import KNorm, find_family
+    """Parameter-name prefixes of the K/V projections (and key norms) per the architecture table: every grouped
+    attention's (an encoder-decoder's encoder only where its K/V heads are grouped)."""
+    from gqakit.hf.architectures import KNorm
 
-    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
-    spec = find_family(arch)
+    arch, spec = _family(model)
     if spec is None:
         raise GqakitError(f"trainable=kv does not know where {arch} keeps its K/V projections; "
                           "use trainable=attention or trainable=all")
     if spec.fused:
         raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} fuses them in "
                           f"{spec.qkv_proj.format(i='N')}; use trainable=attention")
-    prefixes = []
-    for i in range(model.config.num_hidden_layers):
-        prefixes += [spec.k_proj.format(i=i) + ".", spec.v_proj.format(i=i) + "."]
+    sites = _sites(spec, model)
+    if spec.encoder_kv is not None and model.config.encoder_num_key_value_heads == model.config.num_heads:
+        sites = sites[:-1]  # an MHA encoder is not what was converted
+    prefixes = [t.format(i=i) + "." for k, v, layers in sites for i in range(layers) for t in (k, v)]
+    for i in range(_layers(model, spec)[0]):
         if spec.k_norm in (KNorm.SPANS_HEADS, KNorm.SHARED_PER_HEAD) and spec.k_norm_weight:
             prefixes.append(spec.k_norm_weight.format(i=i))
         elif spec.k_norm is KNorm.ONE_PER_HEAD and spec.k_norm_weight:
@@ -41,15 +69,15 @@ def _kv_names(model) -> list[str]:
 
 
 def _attention_names(model) -> list[str]:
-    """Per layer, the prefix of the attention module (the parent of o_proj in the architecture table: `self_attn`,
-    GPTBigCode's `attn`, Falcon's `self_attention`); [] for a family outside the tables."""
-    from gqakit.hf.architectures import find_family
-
-    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
-    spec = find_family(arch)
+    """Per layer, the prefix of each attention module (the parent of o_proj in the architecture table: `self_attn`,
+    GPTBigCode's `attn`, Falcon's `self_attention`; T5's decoder self- and cross-attention and its encoder's
+    self-attention); [] for a family outside the tables."""
+    arch, spec = _family(model)
     if spec is None:
         return []
-    return [spec.o_proj.format(i=i).rsplit(".", 1)[0] + "." for i in range(model.config.num_hidden_layers)]
+    if spec.fused or spec.encoder_kv is None:
+        return [spec.o_proj.format(i=i).rsplit(".", 1)[0] + "." for i in range(_layers(model, spec)[0])]
+    return [k.format(i=i).rsplit(".", 1)[0] + "." for k, _, layers in _sites(spec, model) for i in range(layers)]
 
 
 def select_trainable(model, which: str) -> tuple[int, int]:

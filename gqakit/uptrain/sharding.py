@@ -34,9 +34,9 @@ class Sharding:
 
     def load(self, path: str, device, mixed_precision: str, prepare: Callable, role: str = "model"):
         """A model on `device` with `prepare(model)` applied before it is wrapped."""
-        from gqakit.uptrain.modeling import load_causal_lm
+        from gqakit.uptrain.modeling import load_lm
 
-        model = load_causal_lm(path)
+        model = load_lm(path)
         prepare(model)
         return model.to(device) if role == "teacher" else model
 

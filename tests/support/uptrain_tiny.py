@@ -43,3 +43,24 @@ def write_recipe(path: Path, **fields) -> Path:
                 "warmup_steps": 1, "threads": 1}
     Path(path).write_text(yaml.safe_dump({**defaults, **fields}))
     return Path(path)
+
+
+def make_t5_model(path: Path, kv_heads: int = 4, seed: int = 0, pretraining_tokens: int | None = 20_000) -> Path:
+    """Save a tiny random encoder-decoder (gqakit's grouped T5 with `kv_heads` of 4 decoder K/V heads) with a small
+    byte-level tokenizer that has T5's <pad>, EOS and 16 <extra_id_N> sentinels."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from gqakit.hf.models.grouped_t5 import GroupedT5Config
+    from gqakit.reference.tokenizer import train_bpe
+
+    tok = train_bpe([Path(HELDOUT_TEXT).read_text(encoding="utf-8")[:30_000]], 400, sentinel_count=16)
+    cfg = GroupedT5Config(vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                          num_heads=4, num_key_value_heads=kv_heads, relative_attention_num_buckets=8,
+                          dropout_rate=0.0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                          decoder_start_token_id=tok.pad_token_id, architectures=["GroupedT5ForConditionalGeneration"])
+    torch.manual_seed(seed)
+    AutoModelForSeq2SeqLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    if pretraining_tokens:
+        (Path(path) / "pretraining.json").write_text(json.dumps({"pretraining_tokens": pretraining_tokens}))
+    return Path(path)

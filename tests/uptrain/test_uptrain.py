@@ -367,7 +367,8 @@ def test_every_shipped_recipe_maps_onto_its_dataclass():
     from gqakit.experiments.grid import GridConfig
 
     recipes = Path(__file__).resolve().parents[2] / "recipes"
-    classes = {"reference_model.yaml": PretrainConfig, "gqa_paper.yaml": GridConfig}
+    classes = {"reference_model.yaml": PretrainConfig, "reference_t5.yaml": PretrainConfig,
+               "gqa_paper.yaml": GridConfig, "gqa_paper_t5.yaml": GridConfig}
     for path in sorted(recipes.glob("*.yaml")):
         cfg = load_recipe(classes.get(path.name, UptrainConfig), path)
         if isinstance(cfg, GridConfig):

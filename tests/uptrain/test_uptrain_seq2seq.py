@@ -1,0 +1,123 @@
+"""`gqakit uptrain` on an encoder-decoder (gqakit's grouped T5): T5's span corruption of each packed window.
+
+The loop's loss is checked against T5's own: for the same windows, the loop's cross-entropy sum divided by the
+step's text tokens equals transformers' mean loss over the corrupted targets (`model(input_ids, labels).loss`,
+which shifts the labels right itself) to fp32 rounding; a run trains, evaluates, saves a model that loads as the
+same grouped class, and trainable=kv changes only the grouped K/V projections.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gqakit.common.options import load_recipe
+from gqakit.uptrain import UptrainConfig, uptrain
+from uptrain_tiny import make_t5_model, make_text, make_uptrain_model, write_recipe
+
+
+@pytest.fixture(scope="module")
+def t5(tmp_path_factory):
+    root = tmp_path_factory.mktemp("t5")
+    return {"model": make_t5_model(root / "gqa2", kv_heads=2), "mha": make_t5_model(root / "mha", kv_heads=4),
+            "text": make_text(root / "text.txt", chars=20_000)}
+
+
+def _cfg(t5, tmp_path, **fields) -> UptrainConfig:
+    fields = {"model": str(t5["model"]), "seq_len": 64, **fields}
+    recipe = write_recipe(tmp_path / "r.yaml", data=[str(t5["text"])], output_dir=str(tmp_path / "run"), **fields)
+    return load_recipe(UptrainConfig, recipe)
+
+
+def test_loop_loss_is_t5s_own_loss_per_target_token(t5):
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from gqakit.uptrain.loop import _sums
+    from gqakit.uptrain.parallel import SequenceParallel
+    from gqakit.uptrain.seq2seq import SpanCorruption
+    import contextlib
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(t5["model"]).eval()
+    tok = AutoTokenizer.from_pretrained(t5["model"])
+    seq_len = 64
+    spans = SpanCorruption(tok, json.loads((t5["model"] / "config.json").read_text()), seq_len, seed=3)
+    seqs = torch.randint(20, 300, (3, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ce, kd = _sums(model, None, seqs, 1.0, SequenceParallel(1, 0), contextlib.nullcontext, spans=spans)
+        inputs, _, labels = spans.pair(seqs[:, :-1])
+        want = model(input_ids=inputs, labels=labels).loss  # T5's mean over target tokens
+    assert kd is None
+    assert labels.shape == (3, spans.target_len) and inputs.shape == (3, spans.input_len)
+    torch.testing.assert_close(ce / (3 * seq_len), want, rtol=1e-5, atol=0)
+
+
+def test_t5_uptrains_evaluates_and_saves_its_own_class(t5, tmp_path):
+    record = uptrain(_cfg(t5, tmp_path, steps=4, eval_every=2, teacher=str(t5["mha"])))
+    run = tmp_path / "run"
+    assert record["initial_eval_ppl"] > record["final_eval_ppl"] > 1
+    config = json.loads((run / "config.json").read_text())
+    assert config["model_type"] == "gqakit_t5" and config["num_key_value_heads"] == 2
+    from transformers import AutoModelForSeq2SeqLM
+
+    saved = AutoModelForSeq2SeqLM.from_pretrained(run)
+    assert saved.decoder.block[0].layer[1].EncDecAttention.k.weight.shape == (2 * 8, 32)
+
+
+def test_trainable_kv_trains_only_the_grouped_projections(t5, tmp_path):
+    uptrain(_cfg(t5, tmp_path, steps=2, trainable="kv", lr=1e-2))
+    before, after = load_file(t5["model"] / "model.safetensors"), load_file(tmp_path / "run" / "model.safetensors")
+    changed = sorted(name for name in before if not torch.equal(before[name], after[name]))
+    grouped = [n for n in before if n.startswith("decoder.") and n.endswith(("Attention.k.weight",
+                                                                            "Attention.v.weight"))]
+    assert changed == sorted(grouped) and len(grouped) == 2 * 2 * 2  # 2 layers x (self, cross) x (k, v)
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"context_parallel": 2}, "use context_parallel=1"),
+    ({"attention": "tiled"}, "use attention=default"),
+    ({"sharding": "fsdp"}, "use sharding=ddp"),
+])
+def test_what_encoder_decoders_do_not_do_is_refused(t5, tmp_path, capsys, fields, needle):
+    from gqakit.cli import main
+
+    recipe = write_recipe(tmp_path / "r.yaml", model=str(t5["model"]), data=[str(t5["text"])], steps=1,
+                          output_dir=str(tmp_path / "run"), seq_len=64, **fields)
+    assert main(["uptrain", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and "encoder-decoder" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_decoder_teacher_and_a_plan_are_refused(t5, tmp_path, capsys):
+    from gqakit.cli import main
+
+    llama = make_uptrain_model(tmp_path / "llama")
+    recipe = write_recipe(tmp_path / "r.yaml", model=str(t5["model"]), data=[str(t5["text"])], steps=1,
+                          output_dir=str(tmp_path / "run"), seq_len=64)
+    capsys.readouterr()
+    assert main(["uptrain", str(recipe), f"teacher={llama}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the teacher" in err and "a decoder" in err, err
+    assert main(["uptrain", str(recipe), "--plan"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "encoder-decoder" in err and "drop --plan" in err, err
+
+
+def test_a_tokenizer_without_sentinels_is_one_line(t5, tmp_path, capsys):
+    import shutil
+
+    from gqakit.cli import main
+    from gqakit.reference import reference_model_path
+
+    model = tmp_path / "m"
+    shutil.copytree(t5["model"], model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the reference Llama's: no <extra_id_N>
+        shutil.copy(Path(reference_model_path()) / name, model / name)
+    recipe = write_recipe(tmp_path / "r.yaml", model=str(model), data=[str(t5["text"])], steps=1,
+                          output_dir=str(tmp_path / "run"), seq_len=64)
+    assert main(["uptrain", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "<extra_id_0>" in err, err
