@@ -30,10 +30,8 @@ def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
 
 
-def test_two_processes_equal_one_with_the_same_global_batch(tmp_path):
-    model = make_uptrain_model(tmp_path / "m")
-    text = make_text(tmp_path / "t.txt")
-    recipe = write_recipe(tmp_path / "r.yaml", model=str(model), data=[str(text)], steps=3, seq_len=32)
+def _one_and_two(tmp_path, recipe) -> tuple[dict, dict, dict]:
+    """The recipe on one process with batch 4, and on two with batch 2 each: (one's rank 0, two's ranks 0 and 1)."""
     for name, n, batch in (("one", 1, 4), ("two", 2, 2)):
         dump = tmp_path / name
         dump.mkdir()
@@ -42,6 +40,14 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
     one = load_file(tmp_path / "one" / "rank-0.safetensors")
     r0, r1 = (load_file(tmp_path / "two" / f"rank-{r}.safetensors") for r in (0, 1))
+    return one, r0, r1
+
+
+def test_two_processes_equal_one_with_the_same_global_batch(tmp_path):
+    model = make_uptrain_model(tmp_path / "m")
+    text = make_text(tmp_path / "t.txt")
+    recipe = write_recipe(tmp_path / "r.yaml", model=str(model), data=[str(text)], steps=3, seq_len=32)
+    one, r0, r1 = _one_and_two(tmp_path, recipe)
     for key in one:
         assert torch.equal(r0[key], r1[key]), key  # replicas stay identical
         assert torch.allclose(r0[key], one[key], atol=1e-5, rtol=0), key  # = one process, same global batch
@@ -58,14 +64,7 @@ def test_an_encoder_decoder_on_two_processes_equals_one(tmp_path):
     model = make_t5_model(tmp_path / "m", kv_heads=2)
     text = make_text(tmp_path / "t.txt", chars=20_000)
     recipe = write_recipe(tmp_path / "r.yaml", model=str(model), data=[str(text)], steps=1, seq_len=64)
-    for name, n, batch in (("one", 1, 4), ("two", 2, 2)):
-        dump = tmp_path / name
-        dump.mkdir()
-        run = _torchrun(n, str(WORKERS / "uptrain_worker.py"), str(recipe), str(dump),
-                        f"output_dir={tmp_path / name / 'run'}", f"batch_size={batch}")
-        assert run.returncode == 0, run.stderr[-3000:]
-    one = load_file(tmp_path / "one" / "rank-0.safetensors")
-    r0, r1 = (load_file(tmp_path / "two" / f"rank-{r}.safetensors") for r in (0, 1))
+    one, r0, r1 = _one_and_two(tmp_path, recipe)
     key = "decoder.block.0.layer.1.EncDecAttention.k.weight"
     assert r0[key].shape[0] == 2 * 8  # the grouped cross-attention trained
     assert not torch.equal(one[key], load_file(model / "model.safetensors")[key])
