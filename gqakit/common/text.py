@@ -43,6 +43,12 @@ def _row_files(path: Path) -> tuple[str, list[str]]:
 
 def load_rows(path: str | Path, text_column: str = "text") -> list[str]:
     """The `text_column` strings of a JSON lines / JSON / parquet file (or folder of them), in order."""
+    return [row[0] for row in load_columns(path, (text_column,))]
+
+
+def load_columns(path: str | Path, columns: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The rows of a JSON lines / JSON / parquet file (or folder of them) whose `columns` all hold non-empty text,
+    as tuples in the order of `columns` (the first is the --text-column the errors name)."""
     path = Path(path)
     if not path.exists():
         raise GqakitError(f"dataset {path} does not exist; pass a local .jsonl, .json or .parquet file or folder")
@@ -55,13 +61,16 @@ def load_rows(path: str | Path, text_column: str = "text") -> list[str]:
     except Exception as e:  # malformed JSON, a non-parquet file named .parquet, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise GqakitError(f"cannot read {path} as {builder}: {first}; check the file") from None
-    if text_column not in table.column_names:
-        raise GqakitError(f"{path} has no column {text_column!r} (columns: {', '.join(table.column_names)}); "
-                          f"pass {opt('text_column', 'NAME')}")
-    rows = [r for r in table[text_column] if isinstance(r, str) and r.strip()]
+    flags = ("text_column", "target_column")
+    for column, flag in zip(columns, flags):
+        if column not in table.column_names:
+            raise GqakitError(f"{path} has no column {column!r} (columns: {', '.join(table.column_names)}); "
+                              f"pass {opt(flag, 'NAME')}")
+    rows = [r for r in zip(*(table[c] for c in columns)) if all(isinstance(x, str) and x.strip() for x in r)]
     if not rows:
-        raise GqakitError(f"{path}: column {text_column!r} holds no non-empty text; check the file or "
-                          f"{opt('text_column')}")
+        named = " and ".join(repr(c) for c in columns)
+        raise GqakitError(f"{path}: no row holds non-empty text in {named}; check the file or "
+                          f"{opt(flags[len(columns) - 1])}")
     return rows
 
 

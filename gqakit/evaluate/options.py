@@ -106,6 +106,9 @@ class PplConfig:
     text: str | None = _text()
     dataset: str | None = _dataset()
     text_column: str = _text_column()
+    target_column: str | None = option(None, help="encoder-decoders with --dataset: score this column's text given "
+                                                  "--text-column's as the encoder input, row by row (default: T5's "
+                                                  "span corruption of the text)")
     max_tokens: int | None = option(None, help="score only the first N tokens of the text")
     max_length: int | None = option(None, help="window in model positions (default: 1024, or the smallest model "
                                                 "context if shorter)")

@@ -95,6 +95,36 @@ def span_corruption_nll(model, input_ids: torch.Tensor, window: int, sentinels: 
     return total, count
 
 
+@torch.no_grad()
+def pair_nll(model, pairs: list[tuple[torch.Tensor, torch.Tensor]], progress: bool = True) -> tuple[float, int]:
+    """An encoder-decoder's summed NLL (nats) and count of target tokens over (input ids, target ids) pairs: each
+    target scored token by token given its input and its earlier tokens, one pair per forward."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for inputs, targets in tqdm(pairs, desc="perplexity", unit="pair", disable=not progress, leave=False):
+        logits = model(input_ids=inputs[None].to(device), labels=targets[None].to(device)).logits[0].float()
+        total += torch.nn.functional.cross_entropy(logits, targets.to(device), reduction="sum").item()
+        count += targets.numel()
+    return total, count
+
+
+def encode_pairs(rows: list[tuple[str, str]], tok, max_length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input, target) texts -> token ids, each ending in EOS as in T5's pretraining; a side longer than
+    `max_length` tokens is refused (never cut short: that would change what is scored)."""
+    from gqakit.common.text import eos_id
+
+    eos = eos_id(tok)
+    pairs = []
+    for i, row in enumerate(rows):
+        ids = [tok(text, add_special_tokens=False).input_ids + [eos] for text in row]
+        longest = max(len(x) for x in ids)
+        if longest > max_length:
+            raise GqakitError(f"row {i} of the dataset has {longest:,} tokens in one column, more than --max-length "
+                              f"{max_length:,}; raise --max-length (rows are never cut short)")
+        pairs.append(tuple(torch.tensor(x) for x in ids))
+    return pairs
+
+
 def perplexity(model, input_ids: torch.Tensor, max_length: int, stride: int | None = None,
                progress: bool = True, bos: int | None = None) -> float:
     """exp(mean NLL) over the scored tokens; see `strided_nll`."""
@@ -114,6 +144,10 @@ def _check(cfg: PplConfig) -> None:
             raise GqakitError(f"{name} must be a positive number of tokens, got {value}")
     if cfg.max_length is not None and cfg.max_length < 2:
         raise GqakitError(f"--max-length {cfg.max_length} is too short; a window needs at least 2 positions")
+    if cfg.target_column is not None and cfg.dataset is None:
+        raise GqakitError("--target-column reads the input/target rows of a --dataset; pass --dataset FILE.jsonl")
+    if cfg.target_column is not None and cfg.max_tokens:
+        raise GqakitError("--target-column scores every row of the dataset; drop --max-tokens")
 
 
 def resolve_window(cfg: PplConfig, contexts: list[int | None]) -> tuple[int, int]:
@@ -140,9 +174,13 @@ def _context(path: str) -> tuple[int | None, bool]:
 
 
 def _check_seq2seq(cfg: PplConfig, kinds: list[bool]) -> None:
-    """Encoder-decoders are scored on T5's span corruption of each window (`span_corruption_nll`): not beside
-    decoders, and without the options that only next-token windows have."""
+    """Encoder-decoders are scored on T5's span corruption of each window (`span_corruption_nll`), or on a
+    dataset's input/target rows (`--target-column`, `pair_nll`): not beside decoders, and without the options that
+    only next-token windows have."""
     if not any(kinds):
+        if cfg.target_column is not None:
+            raise GqakitError("--target-column scores targets given inputs, which needs encoder-decoders; a decoder "
+                              "scores one text: drop --target-column")
         return
     if not all(kinds):
         raise GqakitError("the models mix decoders and encoder-decoders, whose perplexities (next tokens vs. "
@@ -173,10 +211,34 @@ def format_table(rows: list[dict], dtype: str = "float32") -> str:
     return "\n".join(lines)
 
 
+def _score(cfg: PplConfig, model, tok, path: str, documents: list, max_length: int, stride: int
+           ) -> tuple[str, int, float, int]:
+    """(objective, text tokens, summed NLL, scored tokens) of one model: next tokens of the text (a decoder), or an
+    encoder-decoder's span-corruption targets of it, or the targets of the dataset's input/target rows."""
+    from gqakit.common.span_corruption import sentinel_ids
+    from gqakit.common.text import encode_documents
+
+    if cfg.target_column is not None:
+        pairs = encode_pairs(documents, tok, max_length)
+        nll, count = pair_nll(model, pairs, cfg.progress)
+        return "targets_given_inputs", sum(a.numel() + b.numel() for a, b in pairs), nll, count
+    ids = encode_documents(documents, tok, cfg.max_tokens)
+    span = max_length - (1 if cfg.bos else 0)
+    if ids.numel() < span:
+        raise GqakitError(f"the text has {ids.numel():,} tokens ({Path(path).name}'s tokenizer), shorter than "
+                          f"one window of {span:,}; pass a longer text or --max-length <= {ids.numel()}")
+    if model.config.is_encoder_decoder:
+        nll, count = span_corruption_nll(model, ids, max_length, sentinel_ids(tok), tok.eos_token_id,
+                                         progress=cfg.progress)
+        return "span_corruption", ids.numel(), nll, count
+    bos = _bos_id(tok, model) if cfg.bos else None
+    return ("next_token", ids.numel(), *strided_nll(model, ids, max_length, stride, cfg.progress, bos))
+
+
 def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     """Evaluate every model, print the table, write the report (JSON, CSV, plot); returns the report dict."""
     from gqakit.common import plots, report
-    from gqakit.common.text import encode_documents, load_documents
+    from gqakit.common.text import load_columns, load_documents
     from gqakit.attention.registration import apply_attention
     from gqakit.hf.loading import describe, load_model
 
@@ -184,9 +246,12 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     _check(cfg)
     options = command_attention_options(cfg.attention, cfg.window, cfg.sinks, cfg.attention_option)
     target = report.prepare_output(cfg.output, "ppl", cfg.force)
-    documents = load_documents(cfg.text, cfg.dataset, cfg.text_column)
     contexts, kinds = zip(*[_context(path) for path in cfg.models])
     _check_seq2seq(cfg, list(kinds))
+    if cfg.target_column is not None:  # input/target rows
+        documents = load_columns(cfg.dataset, (cfg.text_column, cfg.target_column))
+    else:
+        documents = load_documents(cfg.text, cfg.dataset, cfg.text_column)
     max_length, stride = resolve_window(cfg, list(contexts))  # same windows for all
     names = [Path(p).name or p for p in cfg.models]
     if len(set(names)) < len(names):  # same folder names in different places: show the paths
@@ -196,31 +261,21 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
         model, tok = load_model(path, cfg.dtype, cfg.tokenizer, cfg.device, seq2seq=True)
         seq2seq = model.config.is_encoder_decoder
         in_force = {} if seq2seq else apply_attention(model, cfg.attention, options)
-        ids = encode_documents(documents, tok, cfg.max_tokens)
-        span = max_length - (1 if cfg.bos else 0)
-        if ids.numel() < span:
-            raise GqakitError(f"the text has {ids.numel():,} tokens ({Path(path).name}'s tokenizer), shorter than "
-                              f"one window of {span:,}; pass a longer text or --max-length <= {ids.numel()}")
-        bos = _bos_id(tok, model) if cfg.bos else None
         t0 = time.perf_counter()
-        if seq2seq:
-            from gqakit.common.span_corruption import sentinel_ids
-
-            nll, count = span_corruption_nll(model, ids, max_length, sentinel_ids(tok), tok.eos_token_id,
-                                             progress=cfg.progress)
-        else:
-            nll, count = strided_nll(model, ids, max_length, stride, cfg.progress, bos)
+        objective, text_tokens, nll, count = _score(cfg, model, tok, path, documents, max_length, stride)
         seconds = time.perf_counter() - t0
-        rows.append({"model": name, "path": str(path), **describe(model),
-                     "objective": "span_corruption" if seq2seq else "next_token",
+        rows.append({"model": name, "path": str(path), **describe(model), "objective": objective,
                      "attention": cfg.attention or "default", "attention_options": in_force,
-                     "text_tokens": ids.numel(), "scored_tokens": count, "nll": nll,
+                     "text_tokens": text_tokens, "scored_tokens": count, "nll": nll,
                      "perplexity": math.exp(nll / count), "seconds": round(seconds, 3)})
         print(f"  {rows[-1]['model']}: perplexity {rows[-1]['perplexity']:.3f} over {count:,} tokens "
               f"({seconds:.1f}s)", file=out, flush=True)
         del model
     print(format_table(rows, rows[0]["dtype"]), file=out)
-    if rows[0]["objective"] == "span_corruption":
+    if rows[0]["objective"] == "targets_given_inputs":
+        print(f"(encoder-decoders: each row's {cfg.target_column!r} given its {cfg.text_column!r}, both ending in EOS; "
+              f"perplexity over the target tokens; {cfg.dtype})", file=out)
+    elif rows[0]["objective"] == "span_corruption":
         print(f"(encoder-decoders: T5's span corruption of disjoint windows of {max_length} tokens, masks seeded by "
               f"each window; perplexity over the corrupted targets; {cfg.dtype})", file=out)
     else:

@@ -78,3 +78,56 @@ def test_decoder_commands_refuse_an_encoder_decoder(t5, tmp_path, capsys, comman
     assert main([*argv, "-o", str(tmp_path / "r")] if argv[0] == "eval" else argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "encoder-decoder" in err and "gqakit eval ppl" in err, err
+
+
+def test_targets_given_inputs_from_jsonl_rows(t5, tmp_path):
+    """--target-column: each row's target scored given its input (both ending in EOS), against T5's own loss."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    rows = [{"text": "It is a truth universally acknowledged", "target": "that a single man must be in want"},
+            {"text": "Emma Woodhouse, handsome, clever,", "target": "and rich"},
+            {"text": "", "target": "an empty input row is skipped"}]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "report"
+    assert main(["eval", "ppl", str(t5["gqa2"]), "--dataset", str(data), "--target-column", "target",
+                 "--max-length", "64", "-o", str(out), "-q"]) == 0
+    row = json.loads((out / "results.json").read_text())["results"]["rows"][0]
+    model = AutoModelForSeq2SeqLM.from_pretrained(t5["gqa2"]).eval()
+    tok = AutoTokenizer.from_pretrained(t5["gqa2"])
+    total = count = 0
+    with torch.no_grad():
+        for r in rows[:2]:
+            inputs = torch.tensor([tok(r["text"]).input_ids + [tok.eos_token_id]])
+            targets = torch.tensor([tok(r["target"]).input_ids + [tok.eos_token_id]])
+            total += model(input_ids=inputs, labels=targets).loss.item() * targets.numel()
+            count += targets.numel()
+    assert row["objective"] == "targets_given_inputs" and row["scored_tokens"] == count
+    assert row["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--text", "TEXT", "--target-column", "target"], "pass --dataset"),
+    (["--dataset", "DATA", "--target-column", "target", "--max-tokens", "10"], "drop --max-tokens"),
+    (["--dataset", "DATA", "--target-column", "answer"], "no column 'answer'"),
+    (["--dataset", "DATA", "--target-column", "target", "--max-length", "4"], "raise --max-length"),
+])
+def test_pair_options_are_refused_in_one_line(t5, tmp_path, capsys, argv, needle):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"text": "a question of some length", "target": "an answer"}) + "\n")
+    argv = [a.replace("TEXT", str(t5["text"])).replace("DATA", str(data)) for a in argv]
+    assert main(["eval", "ppl", str(t5["gqa2"]), *argv, "-o", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_decoder_with_target_column_is_refused(tmp_path, capsys):
+    llama = make_uptrain_model(tmp_path / "llama")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"text": "a question", "target": "an answer"}) + "\n")
+    capsys.readouterr()
+    assert main(["eval", "ppl", str(llama), "--dataset", str(data), "--target-column", "target",
+                 "-o", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "drop --target-column" in err, err
