@@ -163,28 +163,34 @@ def resolve_window(cfg: PplConfig, contexts: list[int | None]) -> tuple[int, int
     return max_length, stride
 
 
-def _context(path: str) -> tuple[int | None, bool]:
+def _context(path: str) -> tuple[int | None, bool | None]:
     """(max_position_embeddings, is it an encoder-decoder) of a local checkpoint folder, checked early (config.json,
-    safetensors headers) so that a broken second model fails before the first is evaluated; (None, False) for a hub
-    name."""
+    safetensors headers) so that a broken second model fails before the first is evaluated; (None, None) for a hub
+    name (known once loaded)."""
     from gqakit.hf.loading import check_model_folder, context_length, is_encoder_decoder
 
     config = check_model_folder(path)
-    return (None, False) if config is None else (context_length(config), is_encoder_decoder(config))
+    return (None, None) if config is None else (context_length(config), is_encoder_decoder(config))
 
 
-def _check_seq2seq(cfg: PplConfig, kinds: list[bool]) -> None:
+_MIXED = ("the models mix decoders and encoder-decoders, whose perplexities (next tokens vs. span-corruption "
+          "targets) are not comparable; evaluate them in separate runs")
+
+
+def _check_seq2seq(cfg: PplConfig, kinds: list[bool | None]) -> None:
     """Encoder-decoders are scored on T5's span corruption of each window (`span_corruption_nll`), or on a
     dataset's input/target rows (`--target-column`, `pair_nll`): not beside decoders, and without the options that
-    only next-token windows have."""
+    only next-token windows have. A hub name's kind (None) is checked once it is loaded."""
+    kinds = [k for k in kinds if k is not None]
+    if not kinds:
+        return
     if not any(kinds):
         if cfg.target_column is not None:
             raise GqakitError("--target-column scores targets given inputs, which needs encoder-decoders; a decoder "
                               "scores one text: drop --target-column")
         return
     if not all(kinds):
-        raise GqakitError("the models mix decoders and encoder-decoders, whose perplexities (next tokens vs. "
-                          "span-corruption targets) are not comparable; evaluate them in separate runs")
+        raise GqakitError(_MIXED)
     for flag, given in (("--stride", cfg.stride), ("--bos", cfg.bos), ("--attention", cfg.attention)):
         if given:
             raise GqakitError(f"{flag} does not apply to encoder-decoders, which are scored on T5's span corruption "
@@ -260,6 +266,9 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     for path, name in zip(cfg.models, names):
         model, tok = load_model(path, cfg.dtype, cfg.tokenizer, cfg.device, seq2seq=True)
         seq2seq = model.config.is_encoder_decoder
+        if rows and (rows[0]["objective"] == "next_token") == seq2seq:  # a hub name, known only now
+            raise GqakitError(_MIXED)
+        _check_seq2seq(cfg, [seq2seq])
         in_force = {} if seq2seq else apply_attention(model, cfg.attention, options)
         t0 = time.perf_counter()
         objective, text_tokens, nll, count = _score(cfg, model, tok, path, documents, max_length, stride)

@@ -25,19 +25,21 @@ def _line(heads: str, method: str, cells: list) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """One line per (G, method); columns alpha = 0, then each alpha without and with distillation."""
+    """One line per (G, method); columns alpha = 0, then each alpha without and (where any cell has it) with
+    distillation."""
     ppl = _lookup(rows)
     mha = _mha(rows)
     alphas = sorted({r["alpha"] for r in rows if r["alpha"] > 0})
+    kds = (False, True) if any(r["distill"] for r in rows) else (False,)
     header = ["K/V heads", "method", "alpha 0"] + [f"alpha {a:g}{' + KD' if kd else ''}" for a in alphas
-                                                   for kd in (False, True)]
+                                                   for kd in kds]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
              _line(f"{mha['groups']} (MHA)", "-", [mha["perplexity"]] + [
-                 None if kd else ppl.get((mha["groups"], "mha", a, False)) for a in alphas for kd in (False, True)])]
+                 None if kd else ppl.get((mha["groups"], "mha", a, False)) for a in alphas for kd in kds])]
     for g in sorted({r["groups"] for r in rows if r["method"] != "mha"}, reverse=True):
         for method in dict.fromkeys(r["method"] for r in rows if r["groups"] == g and r["method"] != "mha"):
             cells = [ppl.get((g, method, 0.0, False))] + [ppl.get((g, method, a, kd)) for a in alphas
-                                                          for kd in (False, True)]
+                                                          for kd in kds]
             lines.append(_line(f"{g}{' (MQA)' if g == 1 else ''}", method, cells))
     return "\n".join(lines)
 

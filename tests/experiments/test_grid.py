@@ -90,3 +90,31 @@ def test_grid_refuses_bad_method_or_calibration_in_one_line(tmp_path, fields, me
         from_dict(GridConfig, {"model": "m", "output_dir": str(tmp_path), "uptrain": {}, **fields}, source="grid.yaml")
     assert message in str(e.value) and "\n" not in str(e.value)
     assert str(e.value).startswith("grid.yaml: ")
+
+
+def test_grid_on_an_encoder_decoder_scores_span_corruption(tmp_path):
+    """The paper's own setting: a T5 grouped, scored and uptrained on span corruption; the alpha-0 cells equal
+    `gqakit eval ppl` of the converted models (the same corrupted windows), and no KD column is written for a
+    grid without distillation."""
+    from gqakit.cli import main
+    from uptrain_tiny import make_t5_model
+
+    model = make_t5_model(tmp_path / "mha", kv_heads=4, pretraining_tokens=2_560)
+    text = make_text(tmp_path / "eval.txt", chars=20_000)
+    cfg = from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean", "first"], alphas=[0.1],
+                                           eval_window=64, keep_models=True,
+                                           uptrain={"data": [str(text)], "seq_len": 64, "batch_size": 2,
+                                                    "progress": False, "threads": 1, "eval_fraction": 0.0}))
+    rows = {r["name"]: r for r in run_grid(cfg)}
+    assert rows["gqa2-mean-a0.1"]["steps"] == 2  # 10% of 2,560 tokens in steps of 2 x 64
+    assert rows["gqa2-mean-a0.1"]["perplexity"] != rows["gqa2-mean-a0"]["perplexity"]
+    table = (tmp_path / "grid" / "results.md").read_text()
+    assert table.splitlines()[0] == "| K/V heads | method | alpha 0 | alpha 0.1 |"
+    report = tmp_path / "ppl"
+    converted = tmp_path / "grid" / "models" / "gqa2" / "mean"
+    assert main(["eval", "ppl", str(model), str(converted), "--text", str(text), "--max-length", "64",
+                 "--max-tokens", "256", "-o", str(report), "-q"]) == 0
+    scored = json.loads((report / "results.json").read_text())["results"]["rows"]
+    assert [r["objective"] for r in scored] == ["span_corruption"] * 2
+    assert scored[0]["perplexity"] == pytest.approx(rows["mha"]["perplexity"], rel=1e-6)
+    assert scored[1]["perplexity"] == pytest.approx(rows["gqa2-mean-a0"]["perplexity"], rel=1e-6)
