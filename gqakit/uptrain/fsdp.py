@@ -67,12 +67,14 @@ def check_wrappable(path: str, role: str = "model") -> None:
     """Refuse, before any work, a checkpoint whose model FSDP cannot be applied to per decoder layer
     (built on the meta device from config.json: no weights are read)."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from gqakit.hf.loading import auto_model_class
 
     config = AutoConfig.from_pretrained(path)
     try:
         with init_empty_weights(include_buffers=True):
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto_model_class(config).from_config(config)
     except Exception as e:  # an architecture transformers cannot build as a causal LM
         raise GqakitError(f"sharding=fsdp cannot build the {role} {path} ({str(e).splitlines()[0]}); "
                           "use sharding=ddp") from None
@@ -101,11 +103,13 @@ def empty_model(path: str, prepare=None):
     """The checkpoint's model class with parameters on the meta device and real (computed) buffers;
     `prepare(model)` runs before anything is sharded (attention switch, trainable subset...)."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from gqakit.hf.loading import auto_model_class
 
     config = AutoConfig.from_pretrained(path)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_model_class(config).from_config(config, dtype=torch.float32)
     model.tie_weights()  # init_empty_weights leaves tied weights (tie_word_embeddings) untied
     if prepare is not None:
         prepare(model)

@@ -42,6 +42,3 @@ def check_seq2seq_recipe(cfg, arch: str) -> None:
     if cfg.attention != "default":
         raise GqakitError(f"attention={cfg.attention}: the encoder-decoder {arch} adds T5's relative position bias "
                           "inside attention, which gqakit attention does not implement; use attention=default")
-    if cfg.sharding != "ddp":
-        raise GqakitError(f"sharding={cfg.sharding} is not supported for the encoder-decoder {arch} yet; use "
-                          "sharding=ddp")

@@ -195,3 +195,23 @@ def test_sharded_load_with_rows_that_do_not_divide(tmp_path):
     assert result["differ"] == []
     assert len(result["names"]) == 21  # lm_head untied: 2 x 9 + embed + norm + head
     assert result["local_shapes"]["model.embed_tokens.weight"] == [1367, 30]  # rank 0 of ceil(4099 / 3) rows
+
+
+def test_fsdp_shards_an_encoder_decoder_like_one_process(tmp_path):
+    """gqakit's grouped T5 under sharding=fsdp on 2 processes (each T5Block of both stacks a unit): one step's
+    metrics, gradients and weights equal one DDP process's (1e-5; one step, as for DDP in
+    test_uptrain_multiprocess.py: AdamW grows the split's fp32 rounding on this T5's embeddings)."""
+    from uptrain_tiny import make_t5_model
+
+    model = make_t5_model(tmp_path / "m", kv_heads=2)
+    text = make_text(tmp_path / "t.txt", chars=20_000)
+    recipe = write_recipe(tmp_path / "r.yaml", model=str(model), data=[str(text)], steps=1, seq_len=64,
+                          batch_size=4, eval_every=1, grad_clip=1.0)
+    one_rows, one_weights = _launch(tmp_path / "one", 1, recipe)
+    rows, weights = _launch(tmp_path / "fsdp", 2, recipe, "sharding=fsdp", "batch_size=2")
+    _same(rows, one_rows, 1e-5)
+    _weights_close(weights, one_weights, 1e-5)
+    one, two = (load_file(tmp_path / d / "rank-0.safetensors") for d in ("one", "fsdp"))
+    grads = [k for k in one if k.startswith("grad.")]
+    assert "grad.decoder.block.0.layer.1.EncDecAttention.k.weight" in grads
+    _weights_close({k: two[k] for k in grads}, {k: one[k] for k in grads}, 1e-5)

@@ -78,7 +78,6 @@ def test_trainable_kv_trains_only_the_grouped_projections(t5, tmp_path):
 @pytest.mark.parametrize("fields, needle", [
     ({"context_parallel": 2}, "use context_parallel=1"),
     ({"attention": "tiled"}, "use attention=default"),
-    ({"sharding": "fsdp"}, "use sharding=ddp"),
 ])
 def test_what_encoder_decoders_do_not_do_is_refused(t5, tmp_path, capsys, fields, needle):
     from gqakit.cli import main
