@@ -35,6 +35,7 @@ class UptrainConfig:
     output_dir: str  # run folder: checkpoints/, metrics.csv, loss.png, and at the end the final model
     data: tuple[str, ...] = ()  # .txt files (one document each), or .jsonl/.json/.parquet files/folders
     text_column: str = "text"
+    target_column: str | None = None  # encoder-decoders: train on rows' (text_column -> target_column) pairs
     eval_data: tuple[str, ...] = ()  # held-out documents; empty: hold out `eval_fraction` of the packed sequences
     eval_fraction: float = option(0.02, at_least=0, below=0.5)
     eval_sequences: int = option(16, above=0)  # at most this many held-out sequences per evaluation
@@ -191,6 +192,9 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
             raise GqakitError(f"attention={cfg.attention}: {e}") from None
     arch = (model_config.get("architectures") or ["?"])[0]
     seq2seq = bool(model_config.get("is_encoder_decoder"))
+    if cfg.target_column is not None and not seq2seq:
+        raise GqakitError(f"target_column={cfg.target_column} trains an encoder-decoder on input/target pairs, but "
+                          f"{arch} is a decoder, which learns from one text; drop target_column")
     if seq2seq:
         from gqakit.uptrain.seq2seq import check_seq2seq_recipe
 

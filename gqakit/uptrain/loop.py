@@ -36,22 +36,21 @@ from gqakit.uptrain.sharding import Sharding, strategy
 from gqakit.uptrain.run.final import save_final, source_dtype
 from gqakit.uptrain.run.folder import check_processes, plan_run, start_run
 from gqakit.uptrain.run.lock import run_lock
-from gqakit.uptrain.seq2seq import SpanCorruption
+from gqakit.uptrain.seq2seq import Seq2SeqObjective, objective
 from gqakit.uptrain.run.checkpoints import (CHECKPOINTS, checkpoint_dirs, load_checkpoint, rank_record, save_checkpoint,
                                             set_rng_state)
 from gqakit.uptrain.data.token_build import load_tokenizer
 
 
 def _sums(model, teacher, seqs: torch.Tensor, temperature: float, sp: SequenceParallel, autocast,
-          top_k: int | None = None, spans: SpanCorruption | None = None):
+          top_k: int | None = None, spans: Seq2SeqObjective | None = None):
     """(cross-entropy sum, distillation sum or None) of this rank's share of sequences (B, T + 1);
     call it inside `sp.attention()`. With `top_k`, the teacher runs first and only its k largest logits per
     position are kept: its full logits are gone before the student's exist. With `spans` (an encoder-decoder),
-    each window's span-corruption pair, the sums scaled to windows of T tokens (`uptrain.seq2seq`)."""
+    each row's span-corruption pair or input/target pair, the sums scaled as `uptrain.seq2seq` says."""
     if spans is not None:
-        inputs, decoder_inputs, targets = spans.pair(seqs[:, :-1])
-        kwargs = {"input_ids": inputs, "decoder_input_ids": decoder_inputs, "use_cache": False}
-        ce, kd = _model_sums(model, teacher, kwargs, targets, temperature, autocast, top_k)
+        kwargs, targets = spans.batch(seqs)
+        ce, kd = _model_sums(model, teacher, {**kwargs, "use_cache": False}, targets, temperature, autocast, top_k)
         return ce * spans.scale, (None if kd is None else kd * spans.scale)
     inputs, targets, positions = sp.shard(seqs)
     kwargs = {"input_ids": inputs, "position_ids": positions, "use_cache": False}
@@ -102,7 +101,7 @@ def _combine(ce, kd, distill_weight: float):
 
 @torch.no_grad()
 def evaluate(model, data: torch.Tensor, batch_size: int, seq_len: int, sp: SequenceParallel, accelerator,
-             spans: SpanCorruption | None = None) -> float:
+             spans: Seq2SeqObjective | None = None) -> float:
     """Mean held-out cross-entropy (nats/token) over `data`, split over the data-parallel ranks. Every
     rank runs the same number of forward passes (FSDP gathers weights collectively): a rank whose share
     has run out repeats a sequence and does not count it."""
@@ -119,7 +118,9 @@ def evaluate(model, data: torch.Tensor, batch_size: int, seq_len: int, sp: Seque
             ce, _ = _sums(model, None, (seqs if counted else data[:1]).to(accelerator.device), 1.0, sp,
                           accelerator.autocast, spans=spans)
         total[0] += ce.double() if counted else 0.0
-    total[1] = len(mine) * seq_len / sp.context_parallel  # every rank counts its share of the targets
+    counted = spans.targets(mine) if spans is not None else None  # input/target pairs: their real targets
+    # every rank counts its share of the targets
+    total[1] = counted if counted is not None else len(mine) * seq_len / sp.context_parallel
     total = accelerator.reduce(total, reduction="sum")
     if hasattr(model, "reshard"):  # FSDP keeps the root unsharded after a forward without backward
         model.reshard()
@@ -212,10 +213,14 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
 
     tokenizer = load_tokenizer(cfg.model)
     model_config = model_folder(cfg.model).config
-    spans = (SpanCorruption(tokenizer, model_config, cfg.seq_len, cfg.seed)
-             if is_encoder_decoder(model_config) else None)
+    spans = objective(tokenizer, model_config, cfg) if is_encoder_decoder(model_config) else None
     say(f"uptrain: reading {len(cfg.data)} data source{'s' if len(cfg.data) > 1 else ''}")
-    data = load_training_data(cfg, tokenizer, is_main=is_main, barrier=accelerator.wait_for_everyone)
+    if cfg.target_column is not None:  # input/target rows, in memory (every rank reads them)
+        from gqakit.uptrain.data.pairs import load_pairs
+
+        data = load_pairs(cfg, tokenizer)
+    else:
+        data = load_training_data(cfg, tokenizer, is_main=is_main, barrier=accelerator.wait_for_everyone)
     order = BatchOrder(len(data.train), cfg.batch_size, cfg.gradient_accumulation_steps, sp.data_parallel, cfg.seed)
     say(f"uptrain: loading {cfg.model}" + (f" and the teacher {cfg.teacher}" if cfg.teacher else "") +
         f" ({cfg.sharding} over {accelerator.num_processes} process{'es' if accelerator.num_processes > 1 else ''})")
@@ -262,6 +267,8 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     for step in range(start, budget.steps):
         optimizer.zero_grad(set_to_none=True)  # here, not after the step: on_step may read the gradients
         sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+        targets = _step_targets(data, order, step, cfg.gradient_accumulation_steps, sp, spans) \
+            or budget.tokens_per_step  # the loss is the mean over the global batch's target tokens
         for micro in range(cfg.gradient_accumulation_steps):
             idx = order.indices(step, micro, sp.dp_rank)
             seqs = data.train[idx].to(accelerator.device)  # (B, T + 1)
@@ -270,13 +277,13 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
             with _gradient_sync(how, accelerator, model, last), sp.attention():
                 ce, kd = _sums(model, teacher, seqs, cfg.distill_temperature, sp, accelerator.autocast,
                                cfg.distill_top_k, spans)
-                loss = _combine(ce, kd, cfg.distill_weight) * accelerator.num_processes / budget.tokens_per_step
+                loss = _combine(ce, kd, cfg.distill_weight) * accelerator.num_processes / targets
                 accelerator.backward(loss)
             sums[0] += ce.detach().double()
             if kd is not None:
                 sums[1] += kd.detach().double()
         grad_norm = float(how.clip(accelerator, model, trained, cfg.grad_clip or math.inf))  # global, every rank
-        sums = accelerator.reduce(sums, reduction="sum") / budget.tokens_per_step
+        sums = accelerator.reduce(sums, reduction="sum") / targets
         lr = optimizer.param_groups[0]["lr"]  # the rate this step used
         step_tokens += budget.tokens_per_step
         done = step + 1
@@ -328,6 +335,17 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
             shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
     accelerator.wait_for_everyone()
     return record
+
+
+def _step_targets(data, order: BatchOrder, step: int, micro_steps: int, sp: SequenceParallel,
+                  spans: Seq2SeqObjective | None) -> int | None:
+    """The target tokens of a step's global batch when rows differ in them (input/target pairs): every rank
+    computes it from the same deterministic order, so no process has to ask the others. None: a constant."""
+    if spans is None:
+        return None
+    counts = [spans.targets(data.train[order.indices(step, m, r)]) for m in range(micro_steps)
+              for r in range(sp.data_parallel)]
+    return None if counts[0] is None else sum(counts)
 
 
 def _diverged(out: Path, step: int, row: dict, lr: float) -> str:

@@ -64,3 +64,15 @@ def make_t5_model(path: Path, kv_heads: int = 4, seed: int = 0, pretraining_toke
     if pretraining_tokens:
         (Path(path) / "pretraining.json").write_text(json.dumps({"pretraining_tokens": pretraining_tokens}))
     return Path(path)
+
+
+def make_pairs(path: Path, n: int, seed: int = 0) -> tuple[Path, list[dict]]:
+    """A .jsonl of n short input/target rows ("text", "target") of Austen words."""
+    import random
+
+    rng = random.Random(seed)
+    words = "the a house of Emma sister Bennet morning letter walk garden".split()
+    rows = [{"text": " ".join(rng.choices(words, k=rng.randint(2, 8))),
+             "target": " ".join(rng.choices(words, k=rng.randint(1, 5)))} for _ in range(n)]
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return Path(path), rows

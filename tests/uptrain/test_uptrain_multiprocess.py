@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from uptrain_tiny import make_t5_model, make_text, make_uptrain_model, write_recipe
+from uptrain_tiny import make_pairs, make_t5_model, make_text, make_uptrain_model, write_recipe
 
 pytestmark = pytest.mark.multiprocess
 WORKERS = Path(__file__).resolve().parents[1] / "workers"
@@ -57,13 +57,19 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path):
     assert torch.equal(final["model.norm.weight"], r0["model.norm.weight"])  # rank 0 wrote the final model
 
 
-def test_an_encoder_decoder_on_two_processes_equals_one(tmp_path):
-    """T5's span corruption depends on each window alone, so DDP's split of the batch changes nothing: one step's
-    gradients and weights equal one process's (1e-5). One step, not three: this T5's embeddings are ~4x larger than
-    the Llama's and after three AdamW steps the fp32 rounding of the split sums grows to ~8e-5 on them."""
+@pytest.mark.parametrize("pairs", [False, True], ids=["span-corruption", "input-target-pairs"])
+def test_an_encoder_decoder_on_two_processes_equals_one(tmp_path, pairs):
+    """T5's span corruption depends on each window alone, and input/target pairs are normalised by the step's
+    target tokens over every process, so DDP's split of the batch changes nothing: one step's gradients and weights
+    equal one process's (1e-5). One step, not three: this T5's embeddings are ~4x larger than the Llama's and after
+    three AdamW steps the fp32 rounding of the split sums grows to ~8e-5 on them."""
     model = make_t5_model(tmp_path / "m", kv_heads=2)
-    text = make_text(tmp_path / "t.txt", chars=20_000)
-    recipe = write_recipe(tmp_path / "r.yaml", model=str(model), data=[str(text)], steps=1, seq_len=64)
+    if pairs:
+        data, _ = make_pairs(tmp_path / "pairs.jsonl", 40)
+        extra = {"target_column": "target"}
+    else:
+        data, extra = make_text(tmp_path / "t.txt", chars=20_000), {}
+    recipe = write_recipe(tmp_path / "r.yaml", model=str(model), data=[str(data)], steps=1, seq_len=64, **extra)
     one, r0, r1 = _one_and_two(tmp_path, recipe)
     key = "decoder.block.0.layer.1.EncDecAttention.k.weight"
     assert r0[key].shape[0] == 2 * 8  # the grouped cross-attention trained

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from gqakit.common.options import load_recipe
 from gqakit.uptrain import UptrainConfig, uptrain
-from uptrain_tiny import make_t5_model, make_text, make_uptrain_model, write_recipe
+from uptrain_tiny import make_pairs, make_t5_model, make_text, make_uptrain_model, write_recipe
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,8 @@ def test_loop_loss_is_t5s_own_loss_per_target_token(t5):
     seqs = torch.randint(20, 300, (3, seq_len + 1), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ce, kd = _sums(model, None, seqs, 1.0, SequenceParallel(1, 0), contextlib.nullcontext, spans=spans)
-        inputs, _, labels = spans.pair(seqs[:, :-1])
+        kwargs, labels = spans.batch(seqs)
+        inputs = kwargs["input_ids"]
         want = model(input_ids=inputs, labels=labels).loss  # T5's mean over target tokens
     assert kd is None
     assert labels.shape == (3, spans.target_len) and inputs.shape == (3, spans.input_len)
@@ -120,3 +121,56 @@ def test_a_tokenizer_without_sentinels_is_one_line(t5, tmp_path, capsys):
     assert main(["uptrain", str(recipe)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "<extra_id_0>" in err, err
+
+
+def test_input_target_pairs_train_on_t5s_own_loss(t5, tmp_path):
+    """target_column: the loop's step loss is T5's mean over the batch's target tokens (padding counted nowhere),
+    checked on the first step's logged cross-entropy against T5's loss on the same rows before the update."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    data, rows = make_pairs(tmp_path / "pairs.jsonl", 24)
+    cfg = _cfg(t5, tmp_path, steps=1, batch_size=4, target_column="target", eval_fraction=0.25, eval_sequences=4,
+               seed=5, lr=1e-9, grad_clip=0.0)
+    cfg = type(cfg)(**{**cfg.__dict__, "data": (str(data),)})
+    record = uptrain(cfg)
+    assert record["data"]["held_out"] == "rows" and record["data"]["eval_sequences"] == 4
+    from gqakit.uptrain.data.batches import BatchOrder
+    from gqakit.uptrain.data.pairs import load_pairs
+
+    tok = AutoTokenizer.from_pretrained(t5["model"])
+    packed = load_pairs(cfg, tok)
+    first = packed.train[BatchOrder(len(packed.train), 4, 1, 1, cfg.seed).indices(0, 0, 0)]
+    model = AutoModelForSeq2SeqLM.from_pretrained(t5["model"]).eval()
+    total = count = 0
+    with torch.no_grad():
+        for row in first:  # one pair at a time, no padding at all
+            inputs = row[: cfg.seq_len][row[: cfg.seq_len] >= 0][None]
+            labels = row[cfg.seq_len :][row[cfg.seq_len :] >= 0][None]
+            total += model(input_ids=inputs, labels=labels).loss.item() * labels.numel()
+            count += labels.numel()
+    import csv
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        logged = [r for r in csv.DictReader(f) if r["step"] == "1"][0]
+    assert float(logged["ce"]) == pytest.approx(total / count, rel=1e-5)
+
+
+def test_pairs_are_refused_for_decoders_and_text_files(t5, tmp_path, capsys):
+    from gqakit.cli import main
+
+    data, _ = make_pairs(tmp_path / "pairs.jsonl", 8)
+    llama = make_uptrain_model(tmp_path / "llama")
+    capsys.readouterr()
+    for model, entry, needle in ((llama, data, "drop target_column"), (t5["model"], t5["text"], "a text file")):
+        recipe = write_recipe(tmp_path / "r.yaml", model=str(model), data=[str(entry)], steps=1, seq_len=64,
+                              output_dir=str(tmp_path / "run"), target_column="target")
+        assert main(["uptrain", str(recipe)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
+        assert not (tmp_path / "run").exists()
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"text": "word " * 200, "target": "short"}) + "\n")
+    recipe = write_recipe(tmp_path / "r.yaml", model=str(t5["model"]), data=[str(long)], steps=1, seq_len=64,
+                          output_dir=str(tmp_path / "run"), target_column="target", eval_fraction=0.0)
+    assert main(["uptrain", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "raise seq_len" in err, err

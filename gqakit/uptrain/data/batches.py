@@ -75,7 +75,7 @@ class PackedData:
     train: Windows | torch.Tensor  # (N, seq_len + 1) windows, read on demand
     eval: torch.Tensor  # (M, seq_len + 1) in memory, possibly empty; M <= eval_sequences
     train_tokens: int  # tokens in the stream the training sequences were cut from
-    held_out: str = "none"  # documents | tail | eval_data | none (windows.split_held_out)
+    held_out: str = "none"  # documents | tail | eval_data | none (windows.split_held_out) | rows (data.pairs)
     held_out_documents: int = 0
 
     def describe(self) -> dict:
