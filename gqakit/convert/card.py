@@ -111,8 +111,11 @@ def _method_rows(cfg, plan: Plan, calibration) -> str:
             "permuted with them, so contiguous `repeat_kv` holds) |"]
     if method.transfer:
         trained = PARAMS[cfg.transfer_params or TransferOptions.params]
+        patience = TransferOptions.patience if cfg.transfer_patience is None else cfg.transfer_patience
+        stop = (f"stopped after {patience} held-out scores without improvement" if patience
+                else "never stopped early")
         rows.append(f"| transfer | trained {', '.join(trained)}; at most {cfg.transfer_steps or TransferOptions.steps} "
-                    "steps per layer |")
+                    f"steps per layer, {stop}; the best held-out score's weights kept |")
     if calibration is None:
         rows.append("| calibration | none (weights only) |")
     else:

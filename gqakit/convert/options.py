@@ -50,3 +50,6 @@ class ConvertConfig:
                                               "and O (default: qkvo)")
     transfer_steps: int | None = option(None, help="transfer: most training steps per layer, 2 windows each; "
                                                    "held-out windows stop it earlier (default: 600)")
+    transfer_patience: int | None = option(None, help="transfer: held-out scores (every 20 steps) without "
+                                                      "improvement before a layer stops; 0: never stop early, the "
+                                                      "best score's weights are kept (default: 3)")

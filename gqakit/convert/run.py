@@ -100,16 +100,18 @@ def check_method_options(cfg: ConvertConfig) -> None:
             raise GqakitError(f"{flag} must be a positive number of tokens, got {value!r}")
     if not method.transfer:
         given = [flag for flag, value in (("--transfer-params", cfg.transfer_params),
-                                          ("--transfer-steps", cfg.transfer_steps)) if value is not None]
+                                          ("--transfer-steps", cfg.transfer_steps),
+                                          ("--transfer-patience", cfg.transfer_patience)) if value is not None]
         if given:
             raise GqakitError(f"{given[0]} is used only by --method {' or '.join(methods.TRANSFER)}; drop it")
     transfer_options(cfg)  # its own checks
 
 
 def transfer_options(cfg: ConvertConfig) -> TransferOptions:
-    given = {"params": cfg.transfer_params, "steps": cfg.transfer_steps}
-    if isinstance(cfg.transfer_steps, bool) or not isinstance(cfg.transfer_steps, (int, type(None))):
-        raise GqakitError(f"--transfer-steps must be a whole number of steps, got {cfg.transfer_steps!r}")
+    given = {"params": cfg.transfer_params, "steps": cfg.transfer_steps, "patience": cfg.transfer_patience}
+    for flag, value in (("--transfer-steps", cfg.transfer_steps), ("--transfer-patience", cfg.transfer_patience)):
+        if isinstance(value, bool) or not isinstance(value, (int, type(None))):
+            raise GqakitError(f"{flag} must be a whole number, got {value!r}")
     return TransferOptions(seed=cfg.seed, **{k: v for k, v in given.items() if v is not None})
 
 

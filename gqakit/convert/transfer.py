@@ -52,7 +52,7 @@ class TransferOptions:
     batch: int = 2  # windows per step
     warmup: float = 0.1  # fraction of `steps`
     eval_every: int = 20
-    patience: int = 3  # held-out scores without improvement before stopping
+    patience: int = 3  # held-out scores without improvement before stopping; 0: never stop early
     seed: int = 0
 
     def __post_init__(self):
@@ -60,6 +60,8 @@ class TransferOptions:
             raise GqakitError(f"--transfer-params {self.params!r} is not one of {', '.join(PARAMS)}")
         if self.steps < 1:
             raise GqakitError(f"--transfer-steps {self.steps} must be at least 1")
+        if self.patience < 0:
+            raise GqakitError(f"--transfer-patience {self.patience} must be 0 (never stop early) or more")
 
 
 def attention_implementation(config: dict) -> str:
@@ -169,7 +171,7 @@ def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
                     best_state = {id(p): p.detach().clone() for p in trained}
                 else:
                     stale += 1
-                    if stale >= opts.patience:
+                    if opts.patience and stale >= opts.patience:
                         break
     finally:
         bar.close()

@@ -156,6 +156,10 @@ def test_a_layer_that_training_cannot_improve_keeps_its_start():
     assert errors["transfer_after"] == errors["transfer_before"]
     assert all(torch.equal(p, start[n]) for n, p in student.named_parameters())
     assert errors["transfer_steps"] == 4.0  # stopped after two scores without improvement
+    never = transfer_layer(student, kwargs, 8, lambda w: (xs[w], ys[w]), xs[8:], ys[8:],
+                           TransferOptions(steps=6, lr=50.0, eval_every=2, patience=0), 0, progress=False)
+    assert never["transfer_steps"] == 6.0 and never["transfer_after"] == never["transfer_before"]  # all steps
+    assert all(torch.equal(p, start[n]) for n, p in student.named_parameters())
 
 
 def _card_rows(path: Path) -> list[list[str]]:
@@ -202,6 +206,9 @@ def test_transfer_options_are_refused_elsewhere(tmp_path):
              "--transfer-params is used only by --method transfer"),
             (["--method", "transfer", "--calibration", str(TEXT), "--transfer-steps", "0"],
              "--transfer-steps 0 must be at least 1"),
+            (["--transfer-patience", "0"], "--transfer-patience is used only by --method transfer"),
+            (["--method", "transfer", "--calibration", str(TEXT), "--transfer-patience", "-1"],
+             "--transfer-patience -1 must be 0 (never stop early) or more"),
             (["--method", "transfer"], "--method transfer needs calibration data")):
         run_refused(tmp_path, "convert-gqa", "--groups", "2", str(src), "-o", out, *args, needles=(needle,))
 
