@@ -14,9 +14,10 @@ model's own code. Attention runs through transformers' sdpa function, or eager w
 logits (sdpa has no softcap); tests check both against eager.
 
 Loss: ||student(x) - teacher(x)||^2 / ||teacher(x)||^2 per batch of windows. AdamW, each trained tensor's learning
-rate `lr` times its RMS at the start, with linear warm-up and cosine decay; the held-out calibration windows score the layer before training and every `eval_every` steps, training
-stops after `patience` scores without improvement, and the best-scoring weights are kept; a layer whose training
-never beat its start keeps the start (`fit`), so transfer is never worse than `fit` on held-out windows.
+rate `lr` times its RMS at the start, with linear warm-up and cosine decay; the held-out calibration windows score
+the layer before training and every `eval_every` steps, training stops after `patience` scores without improvement
+(never, for 0), and the best-scoring weights are kept; a layer whose training never beat its start keeps the
+start (`fit`), so transfer is never worse than `fit` on held-out windows.
 
 Memory: one layer's attention twice (teacher and student, fp32) with AdamW state for the trained projections, the
 held-out windows, and one batch of windows; the fitting windows' inputs and the teacher's outputs wait in scratch

@@ -71,19 +71,21 @@ def strided_nll(model, input_ids: torch.Tensor, max_length: int, stride: int | N
 
 
 @torch.no_grad()
-def span_corruption_nll(model, input_ids: torch.Tensor, window: int, sentinels: list[int], eos: int, seed: int = 0,
+def span_corruption_nll(model, input_ids: torch.Tensor, window: int, tokenizer, seed: int = 0,
                         batch_size: int = 8, progress: bool = True) -> tuple[float, int]:
     """An encoder-decoder's summed NLL (nats) and count of target tokens under T5's span corruption: the text cut
     into disjoint windows of `window` tokens (a shorter tail is dropped), each corrupted with masks that depend on
-    its tokens and `seed` only (`common.span_corruption.corrupt_rows`), every target token scored (sentinels and
-    EOS included), given the corrupted input and the earlier targets."""
-    from gqakit.common.span_corruption import corrupt_rows
+    its tokens and `seed` only (`common.span_corruption.corrupt_rows`, with the tokenizer's sentinels and EOS),
+    every target token scored (sentinels and EOS included), given the corrupted input and the earlier targets."""
+    from gqakit.common.span_corruption import corrupt_rows, sentinel_ids
+    from gqakit.common.text import eos_id
 
     if input_ids.dim() != 1:
         raise ValueError(f"input_ids must be 1-D, got shape {tuple(input_ids.shape)}")
     rows = input_ids[: input_ids.numel() // window * window].view(-1, window)
     if not len(rows):
         raise ValueError(f"text has {input_ids.numel()} token(s), fewer than one window of {window}")
+    sentinels, eos = sentinel_ids(tokenizer), eos_id(tokenizer)
     device = next(model.parameters()).device
     total, count = 0.0, 0
     starts = range(0, len(rows), batch_size)
@@ -221,7 +223,6 @@ def _score(cfg: PplConfig, model, tok, path: str, documents: list, max_length: i
            ) -> tuple[str, int, float, int]:
     """(objective, text tokens, summed NLL, scored tokens) of one model: next tokens of the text (a decoder), or an
     encoder-decoder's span-corruption targets of it, or the targets of the dataset's input/target rows."""
-    from gqakit.common.span_corruption import sentinel_ids
     from gqakit.common.text import encode_documents
 
     if cfg.target_column is not None:
@@ -234,8 +235,7 @@ def _score(cfg: PplConfig, model, tok, path: str, documents: list, max_length: i
         raise GqakitError(f"the text has {ids.numel():,} tokens ({Path(path).name}'s tokenizer), shorter than "
                           f"one window of {span:,}; pass a longer text or --max-length <= {ids.numel()}")
     if model.config.is_encoder_decoder:
-        nll, count = span_corruption_nll(model, ids, max_length, sentinel_ids(tok), tok.eos_token_id,
-                                         progress=cfg.progress)
+        nll, count = span_corruption_nll(model, ids, max_length, tok, progress=cfg.progress)
         return "span_corruption", ids.numel(), nll, count
     bos = _bos_id(tok, model) if cfg.bos else None
     return ("next_token", ids.numel(), *strided_nll(model, ids, max_length, stride, cfg.progress, bos))

@@ -104,15 +104,13 @@ def _perplexity(path: Path, ids: torch.Tensor, window: int) -> float:
 
     from transformers import AutoTokenizer
 
-    from gqakit.common.span_corruption import sentinel_ids
     from gqakit.evaluate.perplexity import perplexity, span_corruption_nll
     from gqakit.uptrain.modeling import load_lm
 
     model = load_lm(str(path)).eval()
     if not model.config.is_encoder_decoder:
         return perplexity(model, ids, window, progress=False)
-    tok = AutoTokenizer.from_pretrained(path)
-    nll, count = span_corruption_nll(model, ids, window, sentinel_ids(tok), tok.eos_token_id, progress=False)
+    nll, count = span_corruption_nll(model, ids, window, AutoTokenizer.from_pretrained(path), progress=False)
     return math.exp(nll / count)
 
 

@@ -122,7 +122,7 @@ class _Objective:
     def __init__(self, cfg: PretrainConfig, tok, eos: int):
         from gqakit.common.span_corruption import sentinel_ids
 
-        self.cfg, self.eos = cfg, eos
+        self.cfg, self.tok, self.eos = cfg, tok, eos
         self.sentinels = sentinel_ids(tok) if cfg.architecture == "t5" else None
 
     def batch(self, windows: torch.Tensor, step: int) -> dict:
@@ -138,7 +138,7 @@ class _Objective:
 
         if self.sentinels is None:
             return perplexity(model, ids, self.cfg.seq_len, progress=False)
-        nll, count = span_corruption_nll(model, ids, self.cfg.seq_len, self.sentinels, self.eos, progress=False)
+        nll, count = span_corruption_nll(model, ids, self.cfg.seq_len, self.tok, progress=False)
         return math.exp(nll / count)
 
     @torch.no_grad()

@@ -43,15 +43,15 @@ from gqakit.uptrain.data.token_build import load_tokenizer
 
 
 def _sums(model, teacher, seqs: torch.Tensor, temperature: float, sp: SequenceParallel, autocast,
-          top_k: int | None = None, spans: Seq2SeqObjective | None = None):
+          top_k: int | None = None, seq2seq: Seq2SeqObjective | None = None):
     """(cross-entropy sum, distillation sum or None) of this rank's share of sequences (B, T + 1);
     call it inside `sp.attention()`. With `top_k`, the teacher runs first and only its k largest logits per
-    position are kept: its full logits are gone before the student's exist. With `spans` (an encoder-decoder),
-    each row's span-corruption pair or input/target pair, the sums scaled as `uptrain.seq2seq` says."""
-    if spans is not None:
-        kwargs, targets = spans.batch(seqs)
+    position are kept: its full logits are gone before the student's exist. With `seq2seq` (an encoder-decoder's
+    objective), each row's span-corruption pair or input/target pair, the sums scaled as `uptrain.seq2seq` says."""
+    if seq2seq is not None:
+        kwargs, targets = seq2seq.batch(seqs)
         ce, kd = _model_sums(model, teacher, {**kwargs, "use_cache": False}, targets, temperature, autocast, top_k)
-        return ce * spans.scale, (None if kd is None else kd * spans.scale)
+        return ce * seq2seq.scale, (None if kd is None else kd * seq2seq.scale)
     inputs, targets, positions = sp.shard(seqs)
     kwargs = {"input_ids": inputs, "position_ids": positions, "use_cache": False}
     return _model_sums(model, teacher, kwargs, targets, temperature, autocast, top_k)
@@ -101,7 +101,7 @@ def _combine(ce, kd, distill_weight: float):
 
 @torch.no_grad()
 def evaluate(model, data: torch.Tensor, batch_size: int, seq_len: int, sp: SequenceParallel, accelerator,
-             spans: Seq2SeqObjective | None = None) -> float:
+             seq2seq: Seq2SeqObjective | None = None) -> float:
     """Mean held-out cross-entropy (nats/token) over `data`, split over the data-parallel ranks. Every
     rank runs the same number of forward passes (FSDP gathers weights collectively): a rank whose share
     has run out repeats a sequence and does not count it."""
@@ -116,11 +116,12 @@ def evaluate(model, data: torch.Tensor, batch_size: int, seq_len: int, sp: Seque
         counted = len(seqs) > 0
         with accelerator.autocast(), sp.attention():
             ce, _ = _sums(model, None, (seqs if counted else data[:1]).to(accelerator.device), 1.0, sp,
-                          accelerator.autocast, spans=spans)
+                          accelerator.autocast, seq2seq=seq2seq)
         total[0] += ce.double() if counted else 0.0
-    counted = spans.targets(mine) if spans is not None else None  # input/target pairs: their real targets
-    # every rank counts its share of the targets
-    total[1] = counted if counted is not None else len(mine) * seq_len / sp.context_parallel
+    if seq2seq is not None and seq2seq.counts_targets:  # input/target pairs: their real targets
+        total[1] = seq2seq.targets(mine)
+    else:  # every rank counts its share of the targets
+        total[1] = len(mine) * seq_len / sp.context_parallel
     total = accelerator.reduce(total, reduction="sum")
     if hasattr(model, "reshard"):  # FSDP keeps the root unsharded after a forward without backward
         model.reshard()
@@ -213,7 +214,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
 
     tokenizer = load_tokenizer(cfg.model)
     model_config = model_folder(cfg.model).config
-    spans = objective(tokenizer, model_config, cfg) if is_encoder_decoder(model_config) else None
+    seq2seq = objective(tokenizer, model_config, cfg) if is_encoder_decoder(model_config) else None
     say(f"uptrain: reading {len(cfg.data)} data source{'s' if len(cfg.data) > 1 else ''}")
     if cfg.target_column is not None:  # input/target rows, in memory (every rank reads them)
         from gqakit.uptrain.data.pairs import load_pairs
@@ -255,7 +256,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     if start == 0 and len(data.eval):
         say(f"uptrain: held-out loss before training ({len(data.eval)} sequences)")
         record_base["initial_eval_ppl"] = math.exp(evaluate(model, data.eval, cfg.batch_size, cfg.seq_len, sp,
-                                                            accelerator, spans))
+                                                            accelerator, seq2seq))
         if is_main:
             log.log({"step": 0, "tokens": 0, "eval_loss": math.log(record_base["initial_eval_ppl"]),
                      "eval_ppl": record_base["initial_eval_ppl"]})
@@ -267,8 +268,9 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     for step in range(start, budget.steps):
         optimizer.zero_grad(set_to_none=True)  # here, not after the step: on_step may read the gradients
         sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-        targets = _step_targets(data, order, step, cfg.gradient_accumulation_steps, sp, spans) \
-            or budget.tokens_per_step  # the loss is the mean over the global batch's target tokens
+        # the loss is the mean over the global batch's target tokens
+        targets = _step_targets(data, order, step, cfg.gradient_accumulation_steps, sp, budget.tokens_per_step,
+                                seq2seq)
         for micro in range(cfg.gradient_accumulation_steps):
             idx = order.indices(step, micro, sp.dp_rank)
             seqs = data.train[idx].to(accelerator.device)  # (B, T + 1)
@@ -276,7 +278,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
             # backward inside the attention context: gradient checkpointing re-runs the forward
             with _gradient_sync(how, accelerator, model, last), sp.attention():
                 ce, kd = _sums(model, teacher, seqs, cfg.distill_temperature, sp, accelerator.autocast,
-                               cfg.distill_top_k, spans)
+                               cfg.distill_top_k, seq2seq)
                 loss = _combine(ce, kd, cfg.distill_weight) * accelerator.num_processes / targets
                 accelerator.backward(loss)
             sums[0] += ce.detach().double()
@@ -299,7 +301,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
         optimizer.step()
         scheduler.step()
         if (cfg.eval_every and done % cfg.eval_every == 0 or done == budget.steps) and len(data.eval):
-            row["eval_loss"] = evaluate(model, data.eval, cfg.batch_size, cfg.seq_len, sp, accelerator, spans)
+            row["eval_loss"] = evaluate(model, data.eval, cfg.batch_size, cfg.seq_len, sp, accelerator, seq2seq)
             row["eval_ppl"] = math.exp(row["eval_loss"])
         if done % cfg.log_every == 0 or "eval_loss" in row or done == budget.steps:
             log.log(row)
@@ -337,15 +339,15 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     return record
 
 
-def _step_targets(data, order: BatchOrder, step: int, micro_steps: int, sp: SequenceParallel,
-                  spans: Seq2SeqObjective | None) -> int | None:
-    """The target tokens of a step's global batch when rows differ in them (input/target pairs): every rank
-    computes it from the same deterministic order, so no process has to ask the others. None: a constant."""
-    if spans is None:
-        return None
-    counts = [spans.targets(data.train[order.indices(step, m, r)]) for m in range(micro_steps)
-              for r in range(sp.data_parallel)]
-    return None if counts[0] is None else sum(counts)
+def _step_targets(data, order: BatchOrder, step: int, micro_steps: int, sp: SequenceParallel, tokens_per_step: int,
+                  seq2seq: Seq2SeqObjective | None) -> int:
+    """The target tokens of a step's global batch: `tokens_per_step`, or, where rows differ in them (input/target
+    pairs), their count over every rank's rows, computed by every rank from the same deterministic order, so no
+    process has to ask the others (windows read from disk are never read for this)."""
+    if seq2seq is None or not seq2seq.counts_targets:
+        return tokens_per_step
+    return sum(seq2seq.targets(data.train[order.indices(step, m, r)]) for m in range(micro_steps)
+               for r in range(sp.data_parallel))
 
 
 def _diverged(out: Path, step: int, row: dict, lr: float) -> str:

@@ -28,18 +28,18 @@ def _family(model):
     return arch, find_family(arch)
 
 
-def _layers(model, spec) -> tuple[int, int]:
+def _layers(model) -> tuple[int, int]:
     """(decoder layers, encoder layers: 0 for a decoder-only model)."""
+    from gqakit.hf.loading import cached_layers, is_encoder_decoder
+
     config = model.config
-    if spec is not None and spec.encoder_kv is not None:
-        return config.num_decoder_layers, config.num_layers
-    return config.num_hidden_layers, 0
+    return cached_layers(config), (config.num_layers if is_encoder_decoder(config) else 0)
 
 
 def _sites(spec, model) -> list[tuple[str, str, int]]:
     """(k template, v template, layers) of every attention with K/V projections: the family's own, its other
     sites (T5's cross-attention) and an encoder's self-attention."""
-    decoder, encoder = _layers(model, spec)
+    decoder, encoder = _layers(model)
     sites = [(spec.k_proj, spec.v_proj, decoder), *((k, v, decoder) for _, k, v in spec.kv_sites)]
     return sites + ([(*spec.encoder_kv, encoder)] if encoder else [])
 
@@ -60,7 +60,7 @@ def _kv_names(model) -> list[str]:
     if spec.encoder_kv is not None and model.config.encoder_num_key_value_heads == model.config.num_heads:
         sites = sites[:-1]  # an MHA encoder is not what was converted
     prefixes = [t.format(i=i) + "." for k, v, layers in sites for i in range(layers) for t in (k, v)]
-    for i in range(_layers(model, spec)[0]):
+    for i in range(_layers(model)[0]):
         if spec.k_norm in (KNorm.SPANS_HEADS, KNorm.SHARED_PER_HEAD) and spec.k_norm_weight:
             prefixes.append(spec.k_norm_weight.format(i=i))
         elif spec.k_norm is KNorm.ONE_PER_HEAD and spec.k_norm_weight:
@@ -76,7 +76,7 @@ def _attention_names(model) -> list[str]:
     if spec is None:
         return []
     if spec.fused or spec.encoder_kv is None:
-        return [spec.o_proj.format(i=i).rsplit(".", 1)[0] + "." for i in range(_layers(model, spec)[0])]
+        return [spec.o_proj.format(i=i).rsplit(".", 1)[0] + "." for i in range(_layers(model)[0])]
     return [k.format(i=i).rsplit(".", 1)[0] + "." for k, _, layers in _sites(spec, model) for i in range(layers)]
 
 

@@ -20,6 +20,8 @@ from gqakit.common.span_corruption import corrupt_rows, corrupted_lengths, senti
 class SpanCorruption:
     """Windows (B, seq_len) -> (encoder input, decoder input, labels) of T5's span corruption."""
 
+    counts_targets = False  # a constant per window: the loop's budget.tokens_per_step, the sums scaled to it
+
     def __init__(self, tokenizer, config: dict, seq_len: int, seed: int):
         self.sentinels = sentinel_ids(tokenizer)
         self.eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.get("eos_token_id")
@@ -37,14 +39,13 @@ class SpanCorruption:
         start = labels.new_full((labels.shape[0], 1), self.start)
         return {"input_ids": inputs, "decoder_input_ids": torch.cat([start, labels[:, :-1]], dim=1)}, labels
 
-    def targets(self, rows: torch.Tensor) -> None:
-        return None  # a constant per window: the loop's budget.tokens_per_step, scaled above
 
 
 class InputTargetPairs:
     """Rows (B, 2 seq_len) of `data.pairs` -> (model keyword arguments with the input's attention mask, labels)."""
 
     scale = 1.0
+    counts_targets = True  # rows differ: the loop divides by `targets` of the step's rows
 
     def __init__(self, tokenizer, config: dict, seq_len: int):
         self.seq_len = seq_len

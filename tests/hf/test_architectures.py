@@ -17,20 +17,10 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
-from families import ARCHITECTURES, FAMILIES, SEQ2SEQ_ARCHITECTURES, HEAD_DIM, HEADS, HIDDEN, LAYERS, VOCAB, make_model
+from families import (ARCHITECTURES, FAMILIES, HEAD_DIM, HEADS, HIDDEN, LAYERS, SEQ2SEQ_ARCHITECTURES, VOCAB, load_exact,
+                      make_model)
 from gqakit.cli import convert_main
-
-
-def load(path):
-    """Load in fp32 with eager attention; the checkpoint must hold exactly the tensors the model needs
-    (nothing missing and silently re-initialised, nothing unexpected, no shape mismatch)."""
-    model, info = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32,
-                                                       output_loading_info=True)
-    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        assert not info[key], (key, info[key])
-    return model.eval()
 
 
 INPUT_IDS = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1234))
@@ -165,7 +155,7 @@ def check_shapes(model, family: str, groups: int) -> None:
 def family_model(request, tmp_path_factory):
     family = request.param
     src = make_model(family, tmp_path_factory.mktemp(family) / "mha")
-    return family, src, load(src)
+    return family, src, load_exact(src)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,7 +181,7 @@ def test_mean_conversion(family_model, groups, tmp_path):
     family, src, original = family_model
     out = tmp_path / f"g{groups}"
     convert(src, out, groups)
-    converted = load(out)
+    converted = load_exact(out)
     check_shapes(converted, family, groups)
     got = logits(converted)
     want_mha = logits(original)
@@ -208,9 +198,9 @@ def test_mean_conversion(family_model, groups, tmp_path):
 
 def test_method_first_llama(tmp_path):
     src = make_model("llama", tmp_path / "mha")
-    original = load(src)
+    original = load_exact(src)
     convert(src, tmp_path / "first", 2, "--method", "first")
-    converted = load(tmp_path / "first")
+    converted = load_exact(tmp_path / "first")
     check_shapes(converted, "llama", 2)
     got = logits(converted)
     torch.testing.assert_close(got, logits(reference_model(original, "llama", HEADS, 2, "first")), atol=1e-5, rtol=0)
@@ -238,7 +228,7 @@ def test_method_random_llama(tmp_path):
             assert not torch.equal(a, tensors["mean"][name]), name  # not the pooled weights
         else:
             assert torch.equal(a, tensors["mean"][name]), name  # everything else untouched
-    model = load(tmp_path / "r0a")
+    model = load_exact(tmp_path / "r0a")
     check_shapes(model, "llama", 2)
     assert torch.isfinite(logits(model)).all()
 
@@ -247,11 +237,11 @@ def test_regroup_existing_gqa_llama(tmp_path):
     """H = 8 query heads, K = 4 K/V heads: pool further to 2, or expand to 8 (MHA) by repetition."""
     overrides = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=4)
     src = make_model("llama", tmp_path / "gqa4", **overrides)
-    original = load(src)
+    original = load_exact(src)
     want = logits(original)
 
     convert(src, tmp_path / "g2", 2)
-    pooled = load(tmp_path / "g2")
+    pooled = load_exact(tmp_path / "g2")
     assert pooled.config.num_key_value_heads == 2
     assert pooled.model.layers[0].self_attn.k_proj.weight.shape == (2 * 4, HIDDEN)
     ref = reference_model(original, "llama", 4, 2, "mean")
@@ -260,7 +250,7 @@ def test_regroup_existing_gqa_llama(tmp_path):
     assert (got - want).abs().max() > 1e-3
 
     convert(src, tmp_path / "g8", 8)
-    expanded = load(tmp_path / "g8")
+    expanded = load_exact(tmp_path / "g8")
     assert expanded.config.num_key_value_heads == 8
     assert expanded.model.layers[0].self_attn.k_proj.weight.shape == (8 * 4, HIDDEN)
     torch.testing.assert_close(logits(expanded), want, atol=1e-6, rtol=0)
@@ -275,7 +265,7 @@ def test_falcon_plan_and_card_say_its_runtime_caches_every_head(tmp_path, capsys
     assert "keeps the MHA cache size" in capsys.readouterr().out
     convert(src, tmp_path / "mqa", 1)
     assert "keeps the MHA cache size" in (tmp_path / "mqa" / "README.md").read_text()
-    model = load(tmp_path / "mqa")
+    model = load_exact(tmp_path / "mqa")
     assert model.config.num_kv_heads == 1
     with torch.no_grad():
         cache = model(input_ids=INPUT_IDS, use_cache=True).past_key_values

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPTJConfig, GPTNeoXConfig, OPTConfig
 
 from gqakit.cli import convert_main
-from families import perturb_
+from families import load_exact, perturb_
 
 VOCAB, HIDDEN, HEADS, LAYERS = 64, 32, 4, 2
 D = HIDDEN // HEADS
@@ -49,14 +49,6 @@ TARGETS = {"neox": "PhiForCausalLM", "neox-nobias": "PhiForCausalLM", "neox-seq"
 FAMILY = {"neox": "GPT-NeoX", "neox-nobias": "GPT-NeoX", "neox-seq": "GPT-NeoX", "gptj": "GPT-J", "gpt2": "GPT-2",
           "opt": "OPT"}
 MQA_ONLY = {"gpt2", "opt"}  # stock GPTBigCode holds G = 1 or G = H; gqakit's grouped class the Gs between
-
-
-def load(path):
-    model, info = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32,
-                                                       output_loading_info=True)
-    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        assert not info[key], (key, info[key])
-    return model.eval()
 
 
 def logits(model):
@@ -125,7 +117,7 @@ def test_rehosted_conversion(source, groups, tmp_path):
     name, path, model = source
     out = tmp_path / "out"
     assert convert_main([str(path), "--groups", str(groups), "-o", str(out), "--quiet"]) == 0
-    converted = load(out)
+    converted = load_exact(out)
     own = name in MQA_ONLY and 1 < groups < HEADS  # gqakit's GroupedGPTBigCodeForCausalLM
     assert type(converted).__name__ == ("GroupedGPTBigCodeForCausalLM" if own else TARGETS[name])
     assert converted.config.num_key_value_heads == groups
@@ -184,7 +176,7 @@ def test_weights_saved_from_the_base_class_convert(source, tmp_path):
               bare / "model.safetensors", metadata={"format": "pt"})
     (bare / "config.json").write_text((path / "config.json").read_text())
     assert convert_main([str(bare), "--groups", "4", "-o", str(tmp_path / "out"), "--quiet"]) == 0
-    torch.testing.assert_close(logits(load(tmp_path / "out")), logits(model), atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits(load_exact(tmp_path / "out")), logits(model), atol=1e-5, rtol=0)
 
 
 def test_an_unknown_tensor_is_refused_not_dropped(tmp_path, capsys):
@@ -290,9 +282,9 @@ def test_rehosted_mqa_uptrains_and_evaluates(tmp_path, capsys, sharding, trainab
                  f"trainable={trainable}",
                  f"data=[{assets / 'pride_and_prejudice.txt'}]", f"eval_data=[{assets / 'heldout_emma.txt'}]",
                  "--quiet"]) == 0
-    trained = load(tmp_path / "up")
+    trained = load_exact(tmp_path / "up")
     assert type(trained).__name__ == "GPTBigCodeForCausalLM" and trained.config.multi_query
-    before = load(tmp_path / "mqa").state_dict()
+    before = load_exact(tmp_path / "mqa").state_dict()
     changed = {n for n, t in trained.state_dict().items() if not torch.equal(t, before[n])}
     assert any(".attn.c_attn." in n for n in changed)  # the attention trained
     if trainable == "attention":  # ... and nothing else did (GPTBigCode's attention is `attn`, not `self_attn`)

@@ -19,7 +19,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 import gqakit  # noqa: F401  (registers gqakit_t5 with the Auto classes)
 from gqakit.cli import convert_main
-from families import perturb_
+from families import load_exact, perturb_
 from gqakit.hf.compat import cache_kwargs
 
 VOCAB, D_MODEL, D_KV, HEADS, LAYERS = 64, 32, 8, 4, 2
@@ -38,11 +38,7 @@ ATTN = "eager"
 
 
 def load(path, attn=ATTN):
-    model, info = AutoModelForSeq2SeqLM.from_pretrained(path, attn_implementation=attn, dtype=torch.float32,
-                                                        output_loading_info=True)
-    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        assert not info[key], (key, info[key])
-    return model.eval()
+    return load_exact(path, AutoModelForSeq2SeqLM, attn)
 
 
 def logits(model):

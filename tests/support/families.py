@@ -103,6 +103,15 @@ def perturb_(model: torch.nn.Module, seed: int = 1) -> None:
                 p.copy_(noise / math.sqrt(p.shape[-1]))
 
 
+def load_exact(path, auto=AutoModelForCausalLM, attn: str = "eager"):
+    """Load in fp32 with `attn` attention; the checkpoint must hold exactly the tensors the model needs
+    (nothing missing and silently re-initialised, nothing unexpected, no shape mismatch)."""
+    model, info = auto.from_pretrained(path, attn_implementation=attn, dtype=torch.float32, output_loading_info=True)
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert not info[key], (key, info[key])
+    return model.eval()
+
+
 def make_model(family: str, path, seed: int = 0, **overrides):
     """Build, perturb and save a tiny random model; returns the saved folder."""
     torch.manual_seed(seed)

@@ -46,7 +46,7 @@ def test_loop_loss_is_t5s_own_loss_per_target_token(t5):
     spans = SpanCorruption(tok, json.loads((t5["model"] / "config.json").read_text()), seq_len, seed=3)
     seqs = torch.randint(20, 300, (3, seq_len + 1), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ce, kd = _sums(model, None, seqs, 1.0, SequenceParallel(1, 0), contextlib.nullcontext, spans=spans)
+        ce, kd = _sums(model, None, seqs, 1.0, SequenceParallel(1, 0), contextlib.nullcontext, seq2seq=spans)
         kwargs, labels = spans.batch(seqs)
         inputs = kwargs["input_ids"]
         want = model(input_ids=inputs, labels=labels).loss  # T5's mean over target tokens
