@@ -114,8 +114,12 @@ def _method_rows(cfg, plan: Plan, calibration) -> str:
         patience = TransferOptions.patience if cfg.transfer_patience is None else cfg.transfer_patience
         stop = (f"stopped after {patience} held-out scores without improvement" if patience
                 else "never stopped early")
-        rows.append(f"| transfer | trained {', '.join(trained)}; at most {cfg.transfer_steps or TransferOptions.steps} "
-                    f"steps per layer, {stop}; the best held-out score's weights kept |")
+        inputs = ("the inputs of the model converted so far (the targets: the original's attention outputs on its "
+                  "own inputs)" if (cfg.transfer_inputs or TransferOptions.inputs) == "converted"
+                  else "the original model's layer inputs")
+        rows.append(f"| transfer | trained {', '.join(trained)} on {inputs}; at most "
+                    f"{cfg.transfer_steps or TransferOptions.steps} steps per layer, {stop}; the best held-out "
+                    "score's weights kept |")
     if calibration is None:
         rows.append("| calibration | none (weights only) |")
     else:

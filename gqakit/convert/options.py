@@ -53,3 +53,8 @@ class ConvertConfig:
     transfer_patience: int | None = option(None, help="transfer: held-out scores (every 20 steps) without "
                                                       "improvement before a layer stops; 0: never stop early, the "
                                                       "best score's weights are kept (default: 3)")
+    transfer_inputs: str | None = option(None, choices=("original", "converted"),
+                                         help="transfer: what each layer is trained on: the original model's "
+                                              "layer inputs, or those of the model converted up to that layer "
+                                              "(the target stays the original's attention output; default: "
+                                              "original)")

@@ -101,14 +101,16 @@ def check_method_options(cfg: ConvertConfig) -> None:
     if not method.transfer:
         given = [flag for flag, value in (("--transfer-params", cfg.transfer_params),
                                           ("--transfer-steps", cfg.transfer_steps),
-                                          ("--transfer-patience", cfg.transfer_patience)) if value is not None]
+                                          ("--transfer-patience", cfg.transfer_patience),
+                                          ("--transfer-inputs", cfg.transfer_inputs)) if value is not None]
         if given:
             raise GqakitError(f"{given[0]} is used only by --method {' or '.join(methods.TRANSFER)}; drop it")
     transfer_options(cfg)  # its own checks
 
 
 def transfer_options(cfg: ConvertConfig) -> TransferOptions:
-    given = {"params": cfg.transfer_params, "steps": cfg.transfer_steps, "patience": cfg.transfer_patience}
+    given = {"params": cfg.transfer_params, "steps": cfg.transfer_steps, "patience": cfg.transfer_patience,
+             "inputs": cfg.transfer_inputs}
     for flag, value in (("--transfer-steps", cfg.transfer_steps), ("--transfer-patience", cfg.transfer_patience)):
         if isinstance(value, bool) or not isinstance(value, (int, type(None))):
             raise GqakitError(f"{flag} must be a whole number, got {value!r}")
@@ -345,11 +347,14 @@ def _transfer(inputs: LayerInputs, plan: Plan, config: dict, tensors: dict[str, 
     prefix = plan.spec.q_proj.format(i=i).rpartition(".")[0] + "."  # "model.layers.3.self_attn."
     original = {name[len(prefix):]: load_tensor(info, name) for name, info in tensors.items()
                 if name.startswith(prefix)}
-    trained, cost_transfer = transfer_merged_layer(
+    student, cost_transfer = transfer_merged_layer(
         inputs.attention_class, config, new_config(config, plan, "auto"), i, inputs.attention_kwargs, original,
         {name[len(prefix):]: t for name, t in merged.items()}, inputs.windows, inputs.read, heldout["x"],
-        how.stats, opts, device, progress)
-    save_file({prefix + name: t.contiguous() for name, t in trained.items()}, str(_transferred_path(how.stats, i)))
+        how.stats, opts, device, progress, inputs.read_target, inputs.held_targets)
+    inputs.trained_attention = student  # with --transfer-inputs converted, the next layer's inputs come through it
+    params = dict(student.named_parameters())
+    save_file({name: params[name[len(prefix):]].detach().cpu().contiguous() for name in merged},
+              str(_transferred_path(how.stats, i)))
     errors.setdefault(i, {}).update({**cost, **cost_transfer})
 
 
@@ -461,7 +466,8 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
             device = cfg.calibration_device or "cpu"
             opts = transfer_options(cfg) if transfer else None
             for layer in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout, how.stats,
-                                   device, cfg.progress, with_inputs=transfer):
+                                   device, cfg.progress, with_inputs=transfer,
+                                   converted_inputs=transfer and opts.inputs == "converted"):
                 if transfer:  # while the layer's inputs are at hand: merge it, then train it
                     _transfer(layer, plan, config, tensors, how, opts, errors, device, cfg.progress)
                 # else each layer's statistics are in their file in how.stats when its index is yielded

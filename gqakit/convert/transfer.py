@@ -25,6 +25,7 @@ files (calibration's), read one batch at a time.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -41,6 +42,7 @@ from gqakit.hf.fields import config_object
 
 # --transfer-params: which projections of the merged attention are trained (the rest stay as merged)
 PARAMS = {"kv": ("k_proj", "v_proj"), "qkvo": ("q_proj", "k_proj", "v_proj", "o_proj")}
+INPUTS = ("original", "converted")  # --transfer-inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,7 @@ class TransferOptions:
     warmup: float = 0.1  # fraction of `steps`
     eval_every: int = 20
     patience: int = 3  # held-out scores without improvement before stopping; 0: never stop early
+    inputs: str = "original"  # each layer's inputs: the original model's, or the model's converted so far
     seed: int = 0
 
     def __post_init__(self):
@@ -61,6 +64,8 @@ class TransferOptions:
             raise GqakitError(f"--transfer-params {self.params!r} is not one of {', '.join(PARAMS)}")
         if self.steps < 1:
             raise GqakitError(f"--transfer-steps {self.steps} must be at least 1")
+        if self.inputs not in INPUTS:
+            raise GqakitError(f"--transfer-inputs {self.inputs!r} is not one of {', '.join(INPUTS)}")
         if self.patience < 0:
             raise GqakitError(f"--transfer-patience {self.patience} must be 0 (never stop early) or more")
 
@@ -187,33 +192,36 @@ def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
 def transfer_merged_layer(cls: type, config: dict, grouped_config: dict, layer: int, kwargs: dict,
                           original: dict[str, torch.Tensor], merged: dict[str, torch.Tensor], windows: int,
                           read_input: Callable[[int], torch.Tensor], held_x: torch.Tensor, scratch: Path,
-                          opts: TransferOptions, device="cpu", progress: bool = True
-                          ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """One layer: the teacher (original weights, `config`) gives the targets, written beside the inputs in a
-    scratch file in `scratch` (removed on the way out); the student (`merged` over `original`, `grouped_config`)
-    is trained by `transfer_layer`. Returns the student's trained tensors among `merged`'s names, and the errors."""
+                          opts: TransferOptions, device="cpu", progress: bool = True,
+                          read_target: Callable[[int], torch.Tensor] | None = None,
+                          held_targets: torch.Tensor | None = None) -> tuple[nn.Module, dict[str, float]]:
+    """One layer: the student (`merged` over `original`, `grouped_config`) is trained by `transfer_layer` to give
+    the targets: `read_target(w)` / `held_targets` where given (the original model's attention outputs on its own
+    inputs, while `read_input` gives the converted model's), else the teacher's (original weights, `config`) on
+    the same inputs, written to a scratch file in `scratch` (removed on the way out). Returns the trained student
+    attention (its parameters named as in `original`) and the errors."""
     how = attention_implementation(config)
-    teacher = build_attention(cls, config, layer, original, how, device)
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    fd, path = tempfile.mkstemp(prefix="transfer-targets-", suffix=".f32", dir=scratch)
-    with os.fdopen(fd, "r+b", buffering=0) as file:
-        try:
+    held_x = held_x.to(device)
+    with contextlib.ExitStack() as stack:
+        if read_target is None:
+            teacher = build_attention(cls, config, layer, original, how, device)
+            fd, path = tempfile.mkstemp(prefix="transfer-targets-", suffix=".f32", dir=scratch)
+            stack.callback(os.unlink, path)
+            file = stack.enter_context(os.fdopen(fd, "r+b", buffering=0))
             targets = None
             with torch.no_grad():
                 for w in range(windows):
-                    x = read_input(w).to(device)
-                    y = attend(teacher, x[None], kwargs)[0]
+                    y = attend(teacher, read_input(w).to(device)[None], kwargs)[0]
                     if targets is None:
                         targets = _WindowStates(file, path, tuple(y.shape))
                     targets.write(w, y)
-                held_x = held_x.to(device)
-                held_y = torch.stack([attend(teacher, x[None], kwargs)[0] for x in held_x])
+                held_targets = torch.stack([attend(teacher, x[None], kwargs)[0] for x in held_x])
             del teacher
-            student = build_attention(cls, grouped_config, layer, {**original, **merged}, how, device)
-            errors = transfer_layer(student, kwargs, windows,
-                                    lambda w: (read_input(w).to(device), targets.read(w, device)[0]),
-                                    held_x, held_y, opts, layer, progress)
-        finally:
-            os.unlink(path)
-    params = dict(student.named_parameters())
-    return {name: params[name].detach().cpu() for name in merged}, errors
+            read_target = lambda w: targets.read(w, device)[0]  # noqa: E731
+        elif held_targets is None:
+            raise ValueError("read_target needs held_targets")
+        student = build_attention(cls, grouped_config, layer, {**original, **merged}, how, device)
+        errors = transfer_layer(student, kwargs, windows, lambda w: (read_input(w).to(device), read_target(w)),
+                                held_x, held_targets.to(device), opts, layer, progress)
+    return student, errors

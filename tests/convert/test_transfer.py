@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from cli_contract import run_refused
 from families import make_model
 from gqakit.cli import convert_main
-from gqakit.convert.calibration.calibrate import LayerInputs, calibrate, make_windows
+from gqakit.convert.calibration.calibrate import LayerInputs, calibrate, load_layer, make_windows
 from gqakit.convert.transfer import (TransferOptions, attend, attention_implementation, build_attention,
                                      relative_error, transfer_layer)
 from gqakit.hf.architectures import find_family
@@ -234,3 +234,88 @@ def test_an_interrupted_transfer_leaves_nothing(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 130 and len(calls) == 2 and len(err.splitlines()) == 1 and "interrupted" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def _perturbed(module: torch.nn.Module, scale: float) -> torch.nn.Module:
+    """A copy of an attention module with o_proj scaled: another attention, of the same class and heads."""
+    import copy
+
+    other = copy.deepcopy(module)
+    with torch.no_grad():
+        other.o_proj.weight.mul_(scale)
+    return other
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_converted_inputs_follow_the_converted_model(family, tmp_path):
+    """calibrate(converted_inputs=True): each layer's inputs are those of the whole model whose earlier layers have
+    the attention the consumer set (reference: the stock model with those weights, one eager forward), and the
+    targets are the original model's attention outputs on its own inputs (fp32, 1e-5)."""
+    src = make_model(family, tmp_path / "src", vocab_size=4096)
+    config = __import__("json").loads((src / "config.json").read_text())
+    tensors = scan_checkpoint(src)
+    spec = find_family(config["architectures"][0])
+    windows = make_windows(torch.randint(3, 4096, (96,), generator=torch.Generator().manual_seed(0)), 24, 96)
+    original = [_attention_outputs(src, windows[w:w + 1]) for w in range(4)]  # per window, per layer (x, y)
+    scales = [0.5 + 0.25 * i for i in range(config["num_hidden_layers"])]
+    changed = tmp_path / "changed"  # the reference: the same model with every layer's o_proj scaled so
+    shutil.copytree(src, changed)
+    state = load_file(changed / "model.safetensors")
+    for i, scale in enumerate(scales):
+        state[f"model.layers.{i}.self_attn.o_proj.weight"] = state[f"model.layers.{i}.self_attn.o_proj.weight"] * scale
+    from safetensors.torch import save_file
+
+    save_file(state, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    converted = [_attention_outputs(changed, windows[w:w + 1]) for w in range(4)]
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    seen = 0
+    for item in calibrate(config, spec, tensors, windows, 1, stats, progress=False, with_inputs=True,
+                          converted_inputs=True):
+        i = item.index
+        for w in range(3):  # fitting windows: the converted model's inputs, the original's outputs
+            torch.testing.assert_close(item.read(w), converted[w][i][0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(item.read_target(w), original[w][i][1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(item.held_targets[0], original[3][i][1], atol=1e-5, rtol=1e-5)
+        held_x = load_layer(stats, i, ())[1]["x"]  # what a merge is scored on: the converted model's inputs
+        torch.testing.assert_close(held_x[0], converted[3][i][0], atol=1e-5, rtol=1e-5)
+        prefix = spec.q_proj.format(i=i).rpartition(".")[0] + "."
+        weights = {n[len(prefix):]: load_tensor(info, n) for n, info in tensors.items() if n.startswith(prefix)}
+        module = build_attention(item.attention_class, config, i, weights, "eager")
+        item.trained_attention = _perturbed(module, scales[i])
+        seen += 1
+    assert seen == config["num_hidden_layers"] and not any(stats.glob("*.f32"))
+
+
+def test_converted_inputs_need_the_trained_attention(tmp_path):
+    src = make_tiny_llama(tmp_path / "src", vocab_size=4096)
+    config = __import__("json").loads((src / "config.json").read_text())
+    windows = make_windows(torch.randint(3, 4096, (64,), generator=torch.Generator().manual_seed(0)), 16, 64)
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    run = calibrate(config, find_family(config["architectures"][0]), scan_checkpoint(src), windows, 1, stats,
+                    progress=False, with_inputs=True, converted_inputs=True)
+    next(run)
+    with pytest.raises(ValueError, match="trained_attention"):
+        next(run)
+    assert not any(stats.glob("*.f32"))  # the scratch files went with the error
+    with pytest.raises(ValueError, match="with_inputs"):
+        next(calibrate(config, find_family(config["architectures"][0]), scan_checkpoint(src), windows, 1, stats,
+                       progress=False, converted_inputs=True))
+
+
+def test_transfer_on_converted_inputs_end_to_end(tmp_path):
+    """--transfer-inputs converted: every layer trained, the card says on what; refused without --method transfer
+    in one line."""
+    from transformers import AutoModelForCausalLM
+
+    src = _with_tokenizer(make_tiny_llama(tmp_path / "src", heads=4, layers=3, head_dim=8, vocab_size=4096))
+    out = tmp_path / "transfer"
+    assert convert_main(["--groups", "1", str(src), "--calibration", str(TEXT), *SMALL, "-q", "--method",
+                         "transfer", "--transfer-steps", "20", "--transfer-inputs", "converted", "-o", str(out)]) == 0
+    rows = _card_rows(out)
+    assert len(rows) == 3 and all(float(r[6]) <= float(r[5]) for r in rows)
+    assert "inputs of the model converted so far" in (out / "README.md").read_text()
+    assert AutoModelForCausalLM.from_pretrained(out).config.num_key_value_heads == 1
+    run_refused(tmp_path, "convert-gqa", "--groups", "1", str(src), "-o", str(tmp_path / "x"), "--transfer-inputs",
+                "converted", needles=("--transfer-inputs is used only by --method transfer",))

@@ -38,6 +38,8 @@ def main() -> None:
             (dump / f"rank-{rank}.json").write_text(json.dumps(row))
 
     uptrain(cfg, on_step=save)
+    if torch.distributed.is_initialized():  # as gqakit's CLI does: a rank that exits with the gloo group alive
+        torch.distributed.destroy_process_group()  # can abort in its teardown ("terminate called without...")
 
 
 if __name__ == "__main__":

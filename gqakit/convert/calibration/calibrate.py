@@ -278,18 +278,26 @@ def _attention_module(layer: nn.Module, spec: ArchSpec, prefix: str, i: int) -> 
 class LayerInputs:
     """What `calibrate(..., with_inputs=True)` yields for a layer whose statistics are complete: the model's own
     attention class, the keyword inputs the model's forward gave that attention (for one window: RoPE tables,
-    mask, ...), and the fitting windows' attention inputs, readable until the next layer starts."""
+    mask, ...), and the fitting windows' attention inputs, readable until the next layer starts.
+
+    With `converted_inputs`, the inputs are those of the model converted so far, and `read_target` /
+    `held_targets` give the original model's attention outputs on its own inputs (what the converted attention
+    should reproduce); the consumer then sets `trained_attention` (the layer's converted attention module) before
+    asking for the next layer, which runs on what that module makes of the inputs."""
 
     index: int
     attention_class: type
     attention_kwargs: dict
     windows: int
     read: Callable[[int], torch.Tensor]  # fitting window w's attention input (T, n)
+    read_target: Callable[[int], torch.Tensor] | None = None  # fitting window w's original attention output (T, n)
+    held_targets: torch.Tensor | None = None  # (N_h, T, n): the held-out windows' original attention outputs
+    trained_attention: nn.Module | None = None  # set by the consumer, with converted_inputs
 
 
 def calibrate(config: dict, spec: ArchSpec, tensors: dict[str, TensorInfo], windows: torch.Tensor, heldout: int,
-              folder: Path, device="cpu", progress: bool = True, with_inputs: bool = False
-              ) -> Iterator[int | LayerInputs]:
+              folder: Path, device="cpu", progress: bool = True, with_inputs: bool = False,
+              converted_inputs: bool = False) -> Iterator[int | LayerInputs]:
     """Calibrate layer by layer into `folder`: yields each layer's index once `layer_path(folder, i)` is complete
     (its `STATS` as float32, the precision they are stored in, summed in float64; read them with `load_layer` or
     `StoredMoment`).
@@ -302,39 +310,94 @@ def calibrate(config: dict, spec: ArchSpec, tensors: dict[str, TensorInfo], wind
     and attention terms, wait in scratch files in `folder`, deleted at the end, also on an error or when the
     caller stops early; the layer files are the caller's. With `with_inputs`, a `LayerInputs` is yielded instead
     of the index (what attention transfer trains on).
+
+    With `converted_inputs` (and `with_inputs`), two streams of hidden states run side by side: the original
+    model's, which gives each layer's target attention outputs, and the converted model's, whose attention inputs
+    are what the statistics and the yielded inputs describe; each layer of the converted stream runs with the
+    `trained_attention` its consumer set (every layer before it already converted).
     """
+    if converted_inputs and not with_inputs:
+        raise ValueError("converted_inputs needs with_inputs: the consumer supplies each converted attention")
     folder = Path(folder)
+    prefixes = {"hidden": "hidden-states-", "inputs": "attention-inputs-", "terms": "attention-terms-"}
+    if converted_inputs:
+        prefixes.update(teacher="original-states-", targets="attention-targets-")
     with contextlib.ExitStack() as stack:
-        files = []
-        for prefix in ("hidden-states-", "attention-inputs-", "attention-terms-"):
+        files = {}
+        for name, prefix in prefixes.items():
             fd, path = tempfile.mkstemp(prefix=prefix, suffix=".f32", dir=folder)
             stack.callback(os.unlink, path)
-            files.append((stack.enter_context(os.fdopen(fd, "r+b", buffering=0)), path))
-        yield from _layer_major(LayerwiseModel(config, spec, tensors, device), windows, heldout, progress, folder,
-                                *files, with_inputs=with_inputs)
+            files[name] = (stack.enter_context(os.fdopen(fd, "r+b", buffering=0)), path)
+        yield from _layer_major(LayerwiseModel(config, spec, tensors, device), windows, heldout, progress, folder, files,
+                                with_inputs=with_inputs, converted_inputs=converted_inputs)
+
+
+def _check_finite(out: torch.Tensor, i: int) -> None:
+    if not torch.isfinite(out).all():
+        raise GqakitError(f"calibration activations became non-finite after layer {i}; the checkpoint "
+                          "may be broken (try evaluating it with gqakit eval ppl)")
+
+
+def _run_original(layer: nn.Module, attn: nn.Module, kwargs: dict, i: int, count: int, fit: int,
+                  states: _WindowStates, targets: _WindowStates, device) -> torch.Tensor:
+    """The original model's stream through layer i: every window's attention output goes to `targets` (fitting
+    windows) or the returned (N_h, T, n) held-out targets, and the layer's output replaces its input in `states`."""
+    held, w_now = [], [0]
+
+    def record(_module, _args, out):
+        y = out[0][0].detach()
+        if w_now[0] < fit:
+            targets.write(w_now[0], y)
+        else:
+            held.append(y.to("cpu", torch.float32))
+
+    hook = attn.register_forward_hook(record)
+    try:
+        with torch.no_grad():
+            for w in range(count):
+                w_now[0] = w
+                out = layer(states.read(w, device), **kwargs)
+                _check_finite(out, i)
+                states.write(w, out)
+    finally:
+        hook.remove()
+    return torch.stack(held)
 
 
 def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progress: bool, folder: Path,
-                 hidden_file: tuple, inputs_file: tuple, terms_file: tuple, with_inputs: bool = False):
+                 files: dict[str, tuple], with_inputs: bool = False, converted_inputs: bool = False):
     from tqdm.auto import tqdm
 
-    states, layer_kwargs = None, None
+    states, teacher, layer_kwargs = None, None, None
     for w, ids in enumerate(windows):
         h, kw = lm.layer_inputs(ids)  # (1, T, n)
         if states is None:
-            states = _WindowStates(*hidden_file, tuple(h.shape[1:]))
+            states = _WindowStates(*files["hidden"], tuple(h.shape[1:]))
+            teacher = _WindowStates(*files["teacher"], tuple(h.shape[1:])) if converted_inputs else None
         states.write(w, h)
+        if teacher is not None:
+            teacher.write(w, h)
         layer_kwargs = layer_kwargs or kw
         del h
     _release(lm.base)  # the final norm (and any embedding read whole) are done with
-    fit = windows.shape[0] - heldout
+    count = windows.shape[0]
+    fit = count - heldout
     T, n = states.shape
-    inputs = _WindowStates(*inputs_file, (T, n))  # the fitting windows' attention inputs
-    terms = _WindowStates(*terms_file, (T + 1, T))  # ... and their attention_terms
+    inputs = _WindowStates(*files["inputs"], (T, n))  # the fitting windows' attention inputs
+    terms = _WindowStates(*files["terms"], (T + 1, T))  # ... and their attention_terms
+    targets = _WindowStates(*files["targets"], (T, n)) if converted_inputs else None
     bar = tqdm(range(len(lm.real)), desc="calibrate", unit="layer", disable=not progress)
     for i in bar:
         layer = lm.load_layer(i)
         attn, q_proj = _attention_module(layer, lm.spec, lm.prefix, i)
+        kwargs = layer_kwargs[i]
+        mask = kwargs.get("attention_mask")
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape[-2:]) != (T, T):
+            raise GqakitError(f"layer {i} received no (T, T) attention mask from the model's forward, so calibration "
+                              "cannot tell which keys each query sees; use --method aligned without --calibration")
+        held_targets = None
+        if converted_inputs:  # first the original stream: its attention outputs are the targets
+            held_targets = _run_original(layer, attn, kwargs, i, count, fit, teacher, targets, lm.device)
         seen: dict = {}
         held_x = []
 
@@ -364,15 +427,10 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
                  attn.register_forward_hook(attended)]
         if with_inputs:  # only attention transfer replays the attention's inputs
             hooks.append(attn.register_forward_pre_hook(called, with_kwargs=True))
-        kwargs = layer_kwargs[i]
-        mask = kwargs.get("attention_mask")
-        if not isinstance(mask, torch.Tensor) or tuple(mask.shape[-2:]) != (T, T):
-            raise GqakitError(f"layer {i} received no (T, T) attention mask from the model's forward, so calibration "
-                              "cannot tell which keys each query sees; use --method aligned without --calibration")
         heads = None
         try:
             with torch.no_grad():
-                for w in range(windows.shape[0]):
+                for w in range(count):
                     seen.clear()
                     seen["w"] = w
                     out = layer(states.read(w, lm.device), **kwargs)  # (1, T, n)
@@ -380,16 +438,16 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
                         raise GqakitError(f"layer {i}'s attention returned no probabilities; calibration needs "
                                           "eager attention weights")
                     heads = seen["heads"]
-                    if not torch.isfinite(out).all():
-                        raise GqakitError(f"calibration activations became non-finite after layer {i}; the checkpoint "
-                                          "may be broken (try evaluating it with gqakit eval ppl)")
-                    states.write(w, out)
+                    _check_finite(out, i)
+                    if not converted_inputs:  # else the converted attention makes the next layer's inputs
+                        states.write(w, out)
                     del out
                     seen.clear()  # this window's activations go before the next window runs
         finally:
             for hk in hooks:
                 hk.remove()
-        lm.free_layer(i)
+        if not converted_inputs:
+            lm.free_layer(i)
         cos, sin = kwargs["position_embeddings"]
         held = {"x": torch.stack(held_x), "cos": cos[0].float().cpu(), "sin": sin[0].float().cpu(),
                 "allowed": (mask.reshape(-1, T, T)[0] == 0).cpu()}
@@ -402,10 +460,36 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
             del held
             sum_moments(fit, lambda w: (inputs.read(w, lm.device)[0], terms.read(w, lm.device)[0]), heads,
                         out_file.write, lm.device)
-        if with_inputs:
-            yield LayerInputs(i, type(attn), attention_kwargs, fit, lambda w: inputs.read(w, lm.device)[0])
-        else:
+        if not with_inputs:
             yield i
+            continue
+        item = LayerInputs(i, type(attn), attention_kwargs, fit, lambda w: inputs.read(w, lm.device)[0])
+        if converted_inputs:
+            item.read_target = lambda w: targets.read(w, lm.device)[0]
+            item.held_targets = held_targets
+        yield item
+        if converted_inputs:
+            if item.trained_attention is None:
+                raise ValueError(f"layer {i}: converted_inputs needs the consumer to set trained_attention")
+            _run_converted(layer, attn, item.trained_attention, kwargs, i, count, states, lm.device)
+            lm.free_layer(i)
+
+
+def _run_converted(layer: nn.Module, attn: nn.Module, converted: nn.Module, kwargs: dict, i: int, count: int,
+                   states: _WindowStates, device) -> None:
+    """The converted stream through layer i, its attention replaced by `converted`: each window's output
+    replaces its input in `states`."""
+    owner_name, _, leaf = next(name for name, m in layer.named_modules() if m is attn).rpartition(".")
+    owner = layer.get_submodule(owner_name) if owner_name else layer
+    setattr(owner, leaf, converted)
+    try:
+        with torch.no_grad():
+            for w in range(count):
+                out = layer(states.read(w, device), **kwargs)
+                _check_finite(out, i)
+                states.write(w, out)
+    finally:
+        setattr(owner, leaf, attn)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
