@@ -39,6 +39,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from gqakit.attention import patterns
+from gqakit.attention.cpu_split import deal, run_split, split_count
 from gqakit.attention.masks import MaskSpec, dense_allowed
 
 _NEG_INF = float("-inf")
@@ -107,6 +108,11 @@ class _Tiles:
         # of at most `span_k` keys, so a causal query block is two matmuls (its full run, its diagonal), not one
         # per key block: on CPU each op is a parallel region, and under load many small ones stall.
         self.steps = [(q0, q1, _fuse(blocks, span_k)) for q0, q1, blocks in self.plan]
+
+    def parts(self, count: int) -> list[list[int]]:
+        """The query blocks (indices of `steps`) dealt into at most `count` parts of about equal work."""
+        costs = [(q1 - q0) * sum(k1 - k0 for k0, k1, _ in blocks) for q0, q1, blocks in self.steps]
+        return deal(costs, min(count, max(1, sum(c > 0 for c in costs))))
 
     def _dense_live(self, Tq: int, Tk: int, block_q: int, block_k: int) -> list[list[bool]]:
         """[query block][key block] -> does the dense mask allow any entry there (one host sync)."""
@@ -203,32 +209,33 @@ class _TiledAttention(torch.autograd.Function):
         sink = _sink_rows(s_aux, B, G, Tq) if s_aux is not None else None  # (B*G, Tq*r)
         out = qf.new_zeros(B * G, Tq * r, dv)  # rows no block visits stay 0, lse -inf (or the sink)
         lse = sink.clone() if sink is not None else qf.new_full(qf.shape[:2], _NEG_INF)  # (B*G, Tq*r)
-        for q0, q1, blocks in tiles.steps:
-            if not blocks:
-                continue
-            rows = slice(q0 * r, q1 * r)
-            qb = qf[:, rows]  # (B*G, n, d), n = (q1 - q0) * r
-            if sink is None:
-                m = qb.new_full(qb.shape[:2], _NEG_INF)  # running row max
-                l = qb.new_zeros(qb.shape[:2])  # running row sum of exp(s - m)
-            else:  # the sink is the first "key": max s_aux, sum exp(s_aux - s_aux) = 1, value 0
-                m, l = sink[:, rows].clone(), qb.new_ones(qb.shape[:2])
-            acc = qb.new_zeros(*qb.shape[:2], dv)  # running unnormalised output
-            for k0, k1, needs_mask in blocks:
-                s, _ = tiles.scores(qb, kf[:, k0:k1])  # (B*G, n, bk)
-                if needs_mask:
-                    tiles.apply_(s, r, q0, q1, k0, k1)
-                m_new = torch.maximum(m, s.amax(dim=2))
-                # A row with no allowed key yet keeps m = -inf; shift it by 0 so exp gives 0, not NaN.
-                m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0) if needs_mask else m_new
-                p = s.sub_(m_safe[:, :, None]).exp_()  # (B*G, n, bk), in place of s
-                alpha = (m - m_safe).exp_()  # rescales what was accumulated under the old max
-                l.mul_(alpha).add_(p.sum(dim=2))
-                acc.mul_(alpha[:, :, None]).baddbmm_(p, vf[:, k0:k1])
-                m = m_new
-            live = l > 0
-            out[:, rows] = acc / torch.where(live, l, 1.0)[:, :, None]
-            lse[:, rows] = torch.where(live, m + l.log(), _NEG_INF)
+        def run(part: list[int]) -> None:  # query blocks of tiles.steps: disjoint rows of out and lse
+            for q0, q1, blocks in (tiles.steps[i] for i in part):
+                rows = slice(q0 * r, q1 * r)
+                qb = qf[:, rows]  # (B*G, n, d), n = (q1 - q0) * r
+                if sink is None:
+                    m = qb.new_full(qb.shape[:2], _NEG_INF)  # running row max
+                    l = qb.new_zeros(qb.shape[:2])  # running row sum of exp(s - m)
+                else:  # the sink is the first "key": max s_aux, sum exp(s_aux - s_aux) = 1, value 0
+                    m, l = sink[:, rows].clone(), qb.new_ones(qb.shape[:2])
+                acc = qb.new_zeros(*qb.shape[:2], dv)  # running unnormalised output
+                for k0, k1, needs_mask in blocks:
+                    s, _ = tiles.scores(qb, kf[:, k0:k1])  # (B*G, n, bk)
+                    if needs_mask:
+                        tiles.apply_(s, r, q0, q1, k0, k1)
+                    m_new = torch.maximum(m, s.amax(dim=2))
+                    # A row with no allowed key yet keeps m = -inf; shift it by 0 so exp gives 0, not NaN.
+                    m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0) if needs_mask else m_new
+                    p = s.sub_(m_safe[:, :, None]).exp_()  # (B*G, n, bk), in place of s
+                    alpha = (m - m_safe).exp_()  # rescales what was accumulated under the old max
+                    l.mul_(alpha).add_(p.sum(dim=2))
+                    acc.mul_(alpha[:, :, None]).baddbmm_(p, vf[:, k0:k1])
+                    m = m_new
+                live = l > 0
+                out[:, rows] = acc / torch.where(live, l, 1.0)[:, :, None]
+                lse[:, rows] = torch.where(live, m + l.log(), _NEG_INF)
+
+        run_split(run, tiles.parts(split_count(q.device)))
         out32 = _unfold_q(out, B, H, Tq)  # (B, H, Tq, dv) fp32
         lse_q = _unfold_q(lse, B, H, Tq)  # (B, H, Tq)
         # The backward's D = rowsum(dO * O) cancels when one key dominates; O rounded to bf16 would cost
@@ -258,23 +265,34 @@ def _backward(q, k, v, out, lse, dout, dlse, scale: float, tiles: _Tiles, s_aux=
     delta = (dof * _fold_q(out.float(), G)).sum(dim=2) - _fold_q(dlse.float(), G)  # (B*G, Tq*r)
     lse_f = _fold_q(lse, G)  # (B*G, Tq*r)
     lse_safe = lse_f.masked_fill(lse_f == _NEG_INF, float("inf"))  # dead rows: exp(s - inf) = 0
-    dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
-    for q0, q1, blocks in tiles.steps:
-        rows = slice(q0 * r, q1 * r)
-        qb, dob, dqb = qf[:, rows], dof[:, rows], dq[:, rows]  # (B*G, n, d|dv)
-        lb, db = lse_safe[:, rows, None], delta[:, rows, None]  # (B*G, n, 1)
-        for k0, k1, needs_mask in blocks:
-            kb, vb = kf[:, k0:k1], vf[:, k0:k1]  # (B*G, bk, d|dv)
-            s, t = tiles.scores(qb, kb, keep_tanh=True)  # (B*G, n, bk)
-            if needs_mask:
-                tiles.apply_(s, r, q0, q1, k0, k1)
-            p = s.sub_(lb).exp_()  # recomputed probabilities
-            dv[:, k0:k1].baddbmm_(p.transpose(1, 2), dob)
-            ds = torch.bmm(dob, vb.transpose(1, 2)).sub_(db).mul_(p)  # (B*G, n, bk): d logits
-            if t is not None:  # through the soft cap: d/dx c * tanh(x / c) = 1 - tanh^2
-                ds.mul_(t.mul_(t).neg_().add_(1.0))
-            dqb.baddbmm_(ds, kb)
-            dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), qb)  # qb carries the scale already
+    dq = torch.zeros_like(qf)
+
+    def run(part: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query blocks `part` of tiles.steps: their rows of dq, and their share of dk and dv."""
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        for q0, q1, blocks in (tiles.steps[i] for i in part):
+            rows = slice(q0 * r, q1 * r)
+            qb, dob, dqb = qf[:, rows], dof[:, rows], dq[:, rows]  # (B*G, n, d|dv)
+            lb, db = lse_safe[:, rows, None], delta[:, rows, None]  # (B*G, n, 1)
+            for k0, k1, needs_mask in blocks:
+                kb, vb = kf[:, k0:k1], vf[:, k0:k1]  # (B*G, bk, d|dv)
+                s, t = tiles.scores(qb, kb, keep_tanh=True)  # (B*G, n, bk)
+                if needs_mask:
+                    tiles.apply_(s, r, q0, q1, k0, k1)
+                p = s.sub_(lb).exp_()  # recomputed probabilities
+                dv[:, k0:k1].baddbmm_(p.transpose(1, 2), dob)
+                ds = torch.bmm(dob, vb.transpose(1, 2)).sub_(db).mul_(p)  # (B*G, n, bk): d logits
+                if t is not None:  # through the soft cap: d/dx c * tanh(x / c) = 1 - tanh^2
+                    ds.mul_(t.mul_(t).neg_().add_(1.0))
+                dqb.baddbmm_(ds, kb)
+                dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), qb)  # qb carries the scale already
+        return dk, dv
+
+    shares = run_split(run, tiles.parts(split_count(q.device)))  # summed in part order: the same bits each call
+    dk, dv = shares[0] if shares else (torch.zeros_like(kf), torch.zeros_like(vf))
+    for dk_part, dv_part in shares[1:]:
+        dk.add_(dk_part)
+        dv.add_(dv_part)
     ds_aux = None
     if s_aux is not None:  # the sink's probability exp(s_aux - lse), its dP is 0: dS_sink = -P_sink * D
         sink = _sink_rows(s_aux, B, G, Tq)  # (B*G, Tq*r)

@@ -1,0 +1,80 @@
+"""Split a CPU kernel's independent pieces over Python threads whose torch ops each run on one core.
+
+On CPU every torch op is a parallel region: its threads split the op and all wait at its end. The tiled
+kernel issues hundreds of small ops (a few per score tile), so on a machine shared with another process
+one descheduled thread stalls every op, and the kernel slows far more than torch's fused sdpa, which
+waits once per call (issue 22: 3.7x sdpa beside one co-running process at T = 4,096). Here the kernel's
+query blocks are dealt out to as many Python threads as torch has intra-op threads; each thread runs its
+blocks' ops single-threaded (torch releases the GIL inside an op), so the threads meet once per call,
+as sdpa's do, and a descheduled thread delays only its own share.
+
+The deal is fixed by the blocks' costs (largest first onto the least-loaded thread), never by timing, so a
+result depends on the number of threads only: the same inputs give the same bits on every call.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+_local = threading.local()  # .worker: this thread is one of the pool's
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_lock = threading.Lock()
+
+
+def _start_worker() -> None:
+    _local.worker = True
+
+
+def split_count(device: torch.device) -> int:
+    """How many threads a kernel on `device` is split over: torch's intra-op threads on CPU; 1 elsewhere, under
+    torch.compile (traced code must not start threads), inside a pool thread (no nesting), or with one thread."""
+    if device.type != "cpu" or getattr(_local, "worker", False) or torch.compiler.is_compiling():
+        return 1
+    return max(1, torch.get_num_threads())
+
+
+def deal(costs: Sequence[float], parts: int) -> list[list[int]]:
+    """Indices of `costs` dealt into `parts` lists of about equal total cost: largest first, each onto the list
+    with the least so far (ties: the lower list); each list in increasing index order. Empty lists are dropped."""
+    loads = [0.0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        j = min(range(parts), key=lambda j: (loads[j], j))
+        loads[j] += costs[i]
+        out[j].append(i)
+    return [sorted(part) for part in out if part]
+
+
+def run_split(fn: Callable[[list[int]], T], parts: list[list[int]]) -> list[T]:
+    """fn(part) for every part, each on its own pool thread (one part: on this thread); results in part order.
+    Gradient mode is this thread's. An exception in any part is raised here once all parts have ended."""
+    if len(parts) <= 1:
+        return [fn(part) for part in parts]
+    global _pool, _pool_size
+    threads = torch.get_num_threads()
+    grad = torch.is_grad_enabled()
+
+    def call(part: list[int]) -> T:
+        torch.set_num_threads(1)  # on every call: torch may re-apply the process default to a thread lazily
+        with torch.set_grad_enabled(grad):
+            return fn(part)
+
+    with _lock:
+        if _pool is None or _pool_size < len(parts):  # a smaller pool may still serve another caller: left be
+            _pool, _pool_size = ThreadPoolExecutor(len(parts), "gqakit-split", initializer=_start_worker), len(parts)
+        pool = _pool
+    try:
+        futures = [pool.submit(call, part) for part in parts]
+        errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+        return [f.result() for f in futures]
+    finally:  # a worker's set_num_threads(1) also sets the default of threads started later: put it back
+        torch.set_num_threads(threads)

@@ -1,0 +1,107 @@
+"""The tiled kernel's query blocks dealt over threads (`attention.cpu_split`).
+
+* `deal` gives every index once, balances the cost (largest first onto the least loaded), and depends on the
+  costs only;
+* tiled attention, forward and backward, on 1, 2 and 3 threads equals the eager reference (fp32, 1e-5 as in
+  test_tiled.py) and the 1-thread run (1e-6: only the order of dK / dV's partial sums differs), and repeated
+  calls on the same number of threads give the same bits;
+* torch's thread setting is the caller's afterwards, also for threads started later; an error in a part is
+  raised in the caller; grad mode is the caller's; a pool thread does not split again.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+from gqakit.attention import cpu_split
+from gqakit.attention.masks import MaskSpec
+from gqakit.attention.reference import eager_reference
+from gqakit.attention.tiled import tiled_attention
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_deal_balances_and_depends_on_costs_only():
+    costs = [1, 2, 3, 4, 5, 6, 7, 8]  # a causal query-block ramp
+    parts = cpu_split.deal(costs, 2)
+    assert sorted(i for part in parts for i in part) == list(range(8))
+    assert [sum(costs[i] for i in part) for part in parts] == [18, 18]
+    assert all(part == sorted(part) for part in parts)
+    assert cpu_split.deal(costs, 2) == parts
+    assert cpu_split.deal([5], 4) == [[0]]  # parts with nothing are dropped
+    assert cpu_split.deal([], 3) == []
+    loads = [sum(costs[i] for i in p) for p in cpu_split.deal(costs, 3)]
+    assert loads == [13, 12, 11]  # largest first onto the least loaded: 8+3+2, 7+4+1, 6+5
+
+
+def _run(q, k, v, spec, block):
+    out = tiled_attention(q, k, v, scale=0.125, spec=spec, block_q=block, block_k=block)
+    grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("spec", [MaskSpec(), MaskSpec(window=40), MaskSpec(causal=False)])
+def test_split_kernel_equals_reference_and_one_thread(spec):
+    gen = torch.Generator().manual_seed(0)
+    B, H, G, T, d = 2, 4, 2, 200, 16
+    q = torch.randn(B, H, T, d, generator=gen).requires_grad_()
+    k = torch.randn(B, G, T, d, generator=gen).requires_grad_()
+    v = torch.randn(B, G, T, d, generator=gen).requires_grad_()
+    allowed = spec.mask(torch.arange(T), torch.arange(T))[None, None]
+    ref = eager_reference(q, k, v, 0.125, allowed)[0]
+    ref_grads = torch.autograd.grad(ref.pow(2).sum(), (q, k, v))
+    with threads(1):
+        one, one_grads = _run(q, k, v, spec, 32)
+    for n in (2, 3):
+        with threads(n):
+            assert len(cpu_split.deal([1] * 7, cpu_split.split_count(q.device))) == n
+            out, grads = _run(q, k, v, spec, 32)
+            again, again_grads = _run(q, k, v, spec, 32)
+        torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, one, atol=1e-6, rtol=1e-6)
+        assert torch.equal(out, again)
+        for g, g_ref, g_one, g_again in zip(grads, ref_grads, one_grads, again_grads):
+            torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(g, g_one, atol=1e-6, rtol=1e-6)
+            assert torch.equal(g, g_again)
+
+
+def test_thread_setting_grad_mode_errors_and_nesting():
+    with threads(2):
+        seen = []
+
+        def part(ids):
+            seen.append((ids, torch.is_grad_enabled(), cpu_split.split_count(torch.device("cpu")),
+                         torch.get_num_threads()))
+            return sum(ids)
+
+        with torch.no_grad():
+            assert cpu_split.run_split(part, [[0, 1], [2]]) == [1, 2]
+        assert sorted(seen) == [([0, 1], False, 1, 1), ([2], False, 1, 1)]  # one thread each, no nesting
+        assert torch.get_num_threads() == 2
+        later = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert later == [2]  # the pool threads' own setting did not become the default
+
+        def failing(ids):
+            if ids == [1]:
+                raise ValueError("part 1 failed")
+            return 0
+
+        with pytest.raises(ValueError, match="part 1 failed"):
+            cpu_split.run_split(failing, [[0], [1]])
+        assert torch.get_num_threads() == 2
+    assert cpu_split.split_count(torch.device("meta")) == 1
