@@ -39,7 +39,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from gqakit.attention import patterns
-from gqakit.attention.cpu_split import deal, run_split, split_count
+from gqakit.common.cpu_split import deal, run_split, split_count
 from gqakit.attention.masks import MaskSpec, dense_allowed
 
 _NEG_INF = float("-inf")

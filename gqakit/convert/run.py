@@ -29,6 +29,7 @@ from gqakit.convert import methods
 from gqakit.convert.options import ConvertConfig
 from gqakit.convert.plan import Plan, TensorOp, check_family, make_plan
 from gqakit.convert.pooling import random_heads, regroup, relative_error
+from gqakit.convert.merge_ahead import MergeAhead, merge_workers
 from gqakit.convert.transfer import TransferOptions, transfer_merged_layer
 from gqakit.common.atomic import check_replaceable
 from gqakit.common.memory import release_freed_memory
@@ -282,6 +283,7 @@ class LayerMerge:
     grouping: str = "similarity"
     stats: Path | None = None  # layer-NNNNN.safetensors files written by the calibration pass
     transferred: bool = False  # the layers were merged and trained during calibration: read transferred-NNNNN files
+    ahead: MergeAhead | None = None  # the write pass's layer merges, computed ahead of it (merge_ahead.py)
 
 
 def _read_stats(folder: Path, layer: int, names: tuple[str, ...]) -> dict:
@@ -310,24 +312,45 @@ def merge_checkpoint_layer(plan: Plan, tensors: dict[str, TensorInfo], layer: in
 
 def _merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, dict[str, float]],
                   layers: dict[int, dict[str, torch.Tensor]], how: LayerMerge) -> torch.Tensor:
-    """One of layer op.layer's q/k/v/o tensors from an aligned merge. The first of them computes the
-    whole layer; the others wait in `layers` until written, so at most one layer's attention (and its
-    calibration statistics) is held."""
+    """One of layer op.layer's q/k/v/o tensors from a layer merge. The first of them takes the whole merged
+    layer (from `how.ahead`, which merges a few layers ahead side by side, or merged here); the others wait in
+    `layers` until written."""
     if op.layer not in layers and how.transferred:
         from safetensors.torch import load_file
 
         layers[op.layer] = load_file(str(_transferred_path(how.stats, op.layer)))
     if op.layer not in layers:
-        # statistics are read back one at a time, in the float32 they were stored in
-        heldout = load_layer(how.stats, op.layer, ())[1] if how.stats is not None else None
-        layers[op.layer], cost = merge_checkpoint_layer(plan, tensors, op.layer, op.sources, how, heldout)
-        del heldout
+        if how.ahead is not None:
+            layers[op.layer], cost = how.ahead.get(op.layer)
+        else:
+            layers[op.layer], cost = merge_one_layer(plan, tensors, how, op.layer, op.sources)
         errors.setdefault(op.layer, {}).update(cost)
     held = layers[op.layer]
     out = held.pop(op.name)
     if not held:
         del layers[op.layer]
     return out
+
+
+def merge_one_layer(plan: Plan, tensors: dict[str, TensorInfo], how: LayerMerge, layer: int,
+                    sources: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """`merge_checkpoint_layer` with the layer's held-out windows read back from its calibration file (if any);
+    statistics are read back one at a time, in the float32 they were stored in."""
+    heldout = load_layer(how.stats, layer, ())[1] if how.stats is not None else None
+    return merge_checkpoint_layer(plan, tensors, layer, sources, how, heldout)
+
+
+def _merges_ahead(plan: Plan, tensors: dict[str, TensorInfo], how: LayerMerge) -> MergeAhead | None:
+    """The layer merges of the write pass, run ahead of it side by side (merge_ahead.py); None for methods that
+    merge no layer there."""
+    if not methods.get(plan.method).layerwise or how.transferred:
+        return None
+    sources = {}
+    for op in plan.ops:
+        if op.kind == "attn":
+            sources.setdefault(op.layer, op.sources)
+    return MergeAhead(list(sources), lambda i: merge_one_layer(plan, tensors, how, i, sources[i]),
+                      merge_workers(len(sources)))
 
 
 def _transferred_path(folder: Path, layer: int) -> Path:
@@ -472,6 +495,8 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
                     _transfer(layer, plan, config, tensors, how, opts, errors, device, cfg.progress)
                 # else each layer's statistics are in their file in how.stats when its index is yielded
             release_freed_memory()  # the calibration model's heap goes back to the OS before the merge
+        ahead = _merges_ahead(plan, tensors, how)
+        how = dataclasses.replace(how, ahead=ahead)
         writer = ShardWriter(tmp, entries, plan.max_shard_bytes)
         # One worker thread computes the next regrouped tensors while this thread streams byte copies
         # (torch kernels and copy_file_range both release the GIL). At most LOOKAHEAD results wait,
@@ -495,6 +520,8 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
             finally:
                 for future in pending:  # only on the way out of an error or an interrupt: do not wait for them
                     future.cancel()
+                if ahead is not None:  # merges still running read files in tmp: they end before it goes
+                    ahead.close()
         writer.finish()
         if how.stats is not None:
             shutil.rmtree(how.stats)

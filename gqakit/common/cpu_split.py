@@ -1,4 +1,4 @@
-"""Split a CPU kernel's independent pieces over Python threads whose torch ops each run on one core.
+"""Split independent CPU work over Python threads whose torch ops each run on one core.
 
 On CPU every torch op is a parallel region: its threads split the op and all wait at its end. The tiled
 kernel issues hundreds of small ops (a few per score tile), so on a machine shared with another process
@@ -10,6 +10,7 @@ as sdpa's do, and a descheduled thread delays only its own share.
 
 The deal is fixed by the blocks' costs (largest first onto the least-loaded thread), never by timing, so a
 result depends on the number of threads only: the same inputs give the same bits on every call.
+`one_threaded_pool` serves the conversion's layer merges the same way (`convert/merge_ahead.py`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,29 @@ _lock = threading.Lock()
 
 def _start_worker() -> None:
     _local.worker = True
+
+
+def on_one_thread(fn: Callable[..., T]) -> Callable[..., T]:
+    """fn, called on a pool thread with torch's ops there on that thread alone and the caller's grad mode."""
+    grad = torch.is_grad_enabled()
+
+    def call(*args, **kwargs) -> T:
+        torch.set_num_threads(1)  # on every call: torch may re-apply the process default to a thread lazily
+        with torch.set_grad_enabled(grad):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def one_threaded_pool(workers: int, name: str) -> ThreadPoolExecutor:
+    """A pool whose threads say they are pool threads (`split_count` is 1 there: no nesting); submit
+    `on_one_thread(fn)` to it, and call `restore_threads` with the caller's thread count when done."""
+    return ThreadPoolExecutor(workers, name, initializer=_start_worker)
+
+
+def restore_threads(threads: int) -> None:
+    """A pool thread's set_num_threads(1) also sets the default of threads started later: put it back."""
+    torch.set_num_threads(threads)
 
 
 def split_count(device: torch.device) -> int:
@@ -58,16 +82,10 @@ def run_split(fn: Callable[[list[int]], T], parts: list[list[int]]) -> list[T]:
         return [fn(part) for part in parts]
     global _pool, _pool_size
     threads = torch.get_num_threads()
-    grad = torch.is_grad_enabled()
-
-    def call(part: list[int]) -> T:
-        torch.set_num_threads(1)  # on every call: torch may re-apply the process default to a thread lazily
-        with torch.set_grad_enabled(grad):
-            return fn(part)
-
+    call = on_one_thread(fn)
     with _lock:
         if _pool is None or _pool_size < len(parts):  # a smaller pool may still serve another caller: left be
-            _pool, _pool_size = ThreadPoolExecutor(len(parts), "gqakit-split", initializer=_start_worker), len(parts)
+            _pool, _pool_size = one_threaded_pool(len(parts), "gqakit-split"), len(parts)
         pool = _pool
     try:
         futures = [pool.submit(call, part) for part in parts]
@@ -76,5 +94,5 @@ def run_split(fn: Callable[[list[int]], T], parts: list[list[int]]) -> list[T]:
             if error is not None:
                 raise error
         return [f.result() for f in futures]
-    finally:  # a worker's set_num_threads(1) also sets the default of threads started later: put it back
-        torch.set_num_threads(threads)
+    finally:
+        restore_threads(threads)

@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from gqakit.attention import cpu_split
+from gqakit.common import cpu_split
 from gqakit.attention.masks import MaskSpec
 from gqakit.attention.reference import eager_reference
 from gqakit.attention.tiled import tiled_attention
