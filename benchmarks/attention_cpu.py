@@ -14,6 +14,7 @@ Causal attention, batch 1, 8 query heads, head_dim 64, forward + backward, side 
     python benchmarks/attention_cpu.py --kv-heads 2 --threads 1     # GQA, one thread
     python benchmarks/attention_cpu.py --seq 1024 4096 --skip-memory --busy   # (b) also beside a co-runner
     python benchmarks/attention_cpu.py --seq 1024 4096 --skip-memory --span-k 128   # one key block per step
+    python benchmarks/attention_cpu.py --seq 1024 4096 --skip-memory --busy --no-split   # the kernel before issue 22
 
 `--busy` times table (b) twice in one run: quiet, then while a bounded co-runner (another torch process doing
 1024 x 1024 matmuls on every core, stopped at the end) shares the CPU, as a second job on a shared
@@ -62,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eager-limit-gb", type=float, default=8.0, help="skip eager above this estimate")
     p.add_argument("--skip-memory", action="store_true", help="skip table (a)")
     p.add_argument("--busy", action="store_true", help="also time table (b) beside a co-running torch process")
+    p.add_argument("--no-split", action="store_true",
+                   help="run the tiled kernel's query blocks on this thread, each op on all of torch's threads (the "
+                        "kernel before issue 22), instead of dealt over one-thread workers")
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "T"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -127,6 +131,8 @@ def memory_table(args) -> list[str]:
         passthrough += ["--span-k", str(args.span_k)]
     if args.threads:
         passthrough += ["--threads", str(args.threads)]
+    if args.no_split:
+        passthrough += ["--no-split"]
     for T in args.seq:
         peaks = {}
         for impl in ("tiled", "eager", "sdpa"):
@@ -206,12 +212,17 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.no_split:
+        import gqakit.attention.tiled as tiled
+
+        tiled.split_count = lambda device: 1
     if args.worker:
         return worker(args)
     print(f"`python {shlex.join(sys.argv)}`\n")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch 1, {args.heads} heads, "
           f"{args.kv_heads} K/V heads, head_dim {args.head_dim}, fp32, causal; tiled block {args.block}"
-          f"{'' if args.span_k is None else f', span_k {args.span_k}'}; "
+          f"{'' if args.span_k is None else f', span_k {args.span_k}'}"
+          f"{'; query blocks not split over threads (--no-split)' if args.no_split else ''}; "
           f"median of {args.repeats}\n")
 
     q, k, v = make_inputs(args, min(args.seq))  # sanity: the kernel agrees with sdpa

@@ -43,6 +43,8 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
         return_freed_memory_eagerly()
     result = convert(cfg, command=command)
     plan = result["plan"]
+    if int(os.environ.get("RANK", "0") or 0):
+        return  # under torchrun rank 0 writes the output and reports it
     if cfg.dry_run:
         _report(describe_plan(plan))
         _report(f"dry run: nothing written (would write {result['output_dir']})")

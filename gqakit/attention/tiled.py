@@ -45,6 +45,10 @@ from gqakit.attention.masks import MaskSpec, dense_allowed
 _NEG_INF = float("-inf")
 # Keys one fused segment may span (see _Tiles.steps): the largest score tile is block_q * r x SPAN_K.
 SPAN_K = 2048
+# Calls with fewer scores run their query blocks on this thread, each op on torch's threads: below this the
+# threads' hand-offs cost more than the per-op waits they save (benchmarks/attention_cpu.py, quiet: 8 heads at
+# T = 1,024, 4.2M scores, 1.30x sdpa on this thread against 1.59x dealt over 2; at T = 4,096, 67M, 1.48x vs 1.38x).
+SPLIT_MIN_SCORES = 16_000_000
 
 
 def _fuse(blocks: list[tuple[int, int, bool]], span_k: int | None) -> list[tuple[int, int, bool]]:
@@ -109,9 +113,12 @@ class _Tiles:
         # per key block: on CPU each op is a parallel region, and under load many small ones stall.
         self.steps = [(q0, q1, _fuse(blocks, span_k)) for q0, q1, blocks in self.plan]
 
-    def parts(self, count: int) -> list[list[int]]:
-        """The query blocks (indices of `steps`) dealt into at most `count` parts of about equal work."""
+    def parts(self, count: int, rows: int) -> list[list[int]]:
+        """The query blocks (indices of `steps`) dealt into at most `count` parts of about equal work; one part
+        when the call computes fewer than SPLIT_MIN_SCORES scores (`rows`: score rows per query position)."""
         costs = [(q1 - q0) * sum(k1 - k0 for k0, k1, _ in blocks) for q0, q1, blocks in self.steps]
+        if sum(costs) * rows < SPLIT_MIN_SCORES:
+            count = 1
         return deal(costs, min(count, max(1, sum(c > 0 for c in costs))))
 
     def _dense_live(self, Tq: int, Tk: int, block_q: int, block_k: int) -> list[list[bool]]:
@@ -235,7 +242,7 @@ class _TiledAttention(torch.autograd.Function):
                 out[:, rows] = acc / torch.where(live, l, 1.0)[:, :, None]
                 lse[:, rows] = torch.where(live, m + l.log(), _NEG_INF)
 
-        run_split(run, tiles.parts(split_count(q.device)))
+        run_split(run, tiles.parts(split_count(q.device), B * H))
         out32 = _unfold_q(out, B, H, Tq)  # (B, H, Tq, dv) fp32
         lse_q = _unfold_q(lse, B, H, Tq)  # (B, H, Tq)
         # The backward's D = rowsum(dO * O) cancels when one key dominates; O rounded to bf16 would cost
@@ -288,7 +295,7 @@ def _backward(q, k, v, out, lse, dout, dlse, scale: float, tiles: _Tiles, s_aux=
                 dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), qb)  # qb carries the scale already
         return dk, dv
 
-    shares = run_split(run, tiles.parts(split_count(q.device)))  # summed in part order: the same bits each call
+    shares = run_split(run, tiles.parts(split_count(q.device), B * H))  # summed in part order: the same bits each call
     dk, dv = shares[0] if shares else (torch.zeros_like(kf), torch.zeros_like(vf))
     for dk_part, dv_part in shares[1:]:
         dk.add_(dk_part)

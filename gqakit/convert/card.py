@@ -9,6 +9,7 @@ from gqakit import __version__
 from gqakit.hf.checkpoint import DTYPES
 from gqakit.convert import methods
 from gqakit.convert.plan import Plan, total_bytes
+from gqakit.convert.layer_share import launched_share
 from gqakit.convert.transfer import PARAMS, TransferOptions
 
 
@@ -117,9 +118,11 @@ def _method_rows(cfg, plan: Plan, calibration) -> str:
         inputs = ("the inputs of the model converted so far (the targets: the original's attention outputs on its "
                   "own inputs)" if (cfg.transfer_inputs or TransferOptions.inputs) == "converted"
                   else "the original model's layer inputs")
+        world = launched_share().world
+        split = f"; layers split over {world} processes (torchrun)" if world > 1 else ""
         rows.append(f"| transfer | trained {', '.join(trained)} on {inputs}; at most "
                     f"{cfg.transfer_steps or TransferOptions.steps} steps per layer, {stop}; the best held-out "
-                    "score's weights kept |")
+                    f"score's weights kept{split} |")
     if calibration is None:
         rows.append("| calibration | none (weights only) |")
     else:

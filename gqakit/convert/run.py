@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from gqakit.common import dtypes
 from gqakit.common.errors import GqakitError
 from gqakit.convert.align import GROUPINGS, check_merge_options, coordinates, merge_coordinates, permute_kv_heads
-from gqakit.convert.calibration.calibrate import LayerInputs, StoredMoment, calibrate, load_layer, logit_error
+from gqakit.convert.calibration.calibrate import (LayerInputs, StoredMoment, calibrate, layer_path, load_layer,
+                                                  logit_error)
 from gqakit.convert.calibration.data import CalibrationData, load_calibration
 from gqakit.convert.card import write_card
 from gqakit.common.atomic import atomic_output
@@ -29,6 +30,8 @@ from gqakit.convert import methods
 from gqakit.convert.options import ConvertConfig
 from gqakit.convert.plan import Plan, TensorOp, check_family, make_plan
 from gqakit.convert.pooling import random_heads, regroup, relative_error
+from gqakit.convert.layer_share import (Share, barrier, check_share, finish, launched_share, meeting_folder,
+                                        read_errors, start, write_errors)
 from gqakit.convert.merge_ahead import MergeAhead, merge_workers
 from gqakit.convert.transfer import TransferOptions, transfer_merged_layer
 from gqakit.common.atomic import check_replaceable
@@ -358,9 +361,11 @@ def _transferred_path(folder: Path, layer: int) -> Path:
 
 
 def _transfer(inputs: LayerInputs, plan: Plan, config: dict, tensors: dict[str, TensorInfo], how: LayerMerge,
-              opts: TransferOptions, errors: dict[int, dict[str, float]], device, progress: bool) -> None:
+              opts: TransferOptions, errors: dict[int, dict[str, float]], device, progress: bool,
+              into: Path | None = None) -> None:
     """Merge layer `inputs.index` by `fit`, train it (`convert.transfer`), and leave its attention tensors in
-    `_transferred_path`, read back by the write pass; its errors go to `errors`."""
+    `_transferred_path` of `into` (default: the statistics folder), read back by the write pass; its errors go
+    to `errors`."""
     from safetensors.torch import save_file
 
     i = inputs.index
@@ -377,7 +382,7 @@ def _transfer(inputs: LayerInputs, plan: Plan, config: dict, tensors: dict[str, 
     inputs.trained_attention = student  # with --transfer-inputs converted, the next layer's inputs come through it
     params = dict(student.named_parameters())
     save_file({name: params[name[len(prefix):]].detach().cpu().contiguous() for name in merged},
-              str(_transferred_path(how.stats, i)))
+              str(_transferred_path(into or how.stats, i)))
     errors.setdefault(i, {}).update({**cost, **cost_transfer})
 
 
@@ -461,21 +466,58 @@ def new_config(config: dict, plan: Plan, dtype: str) -> dict:
 
 
 def convert(cfg: ConvertConfig, command: str = "") -> dict:
-    """Run a conversion end to end; returns a summary (also what the card records)."""
+    """Run a conversion end to end; returns a summary (also what the card records). Under torchrun, attention
+    transfer's layers are split over the processes (`layer_share.py`); rank 0 writes the output."""
+    share = launched_share()
     plan, config, tensors, out, calibration = prepare(cfg)
+    transfer = methods.get(plan.method).transfer
+    check_share(share, transfer, transfer_options(cfg).inputs if transfer else "", cfg.dry_run)
     summary = {"plan": plan, "output_dir": out, "errors": {}, "calibration": calibration}
     if cfg.dry_run:
         return summary
+    start(share)
     try:
-        summary["errors"] = _write(cfg, plan, config, tensors, out, command, calibration)
+        if share.main:
+            summary["errors"] = _write(cfg, plan, config, tensors, out, command, calibration, share)
+        else:
+            _transfer_share(cfg, plan, config, tensors, calibration, share)
     except OSError as e:
         raise GqakitError(f"writing {out} failed ({e.strerror or e}); nothing was written: fix the cause "
                           "(disk space, permissions) and run again") from None
+    finally:
+        finish(share)
     return summary
 
 
+def _calibration_device(cfg: ConvertConfig, share: Share) -> str:
+    device = cfg.calibration_device or "cpu"
+    if share.world > 1 and device == "cuda":  # one GPU per process, as torchrun numbers them
+        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return device
+
+
+def _transfer_share(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, TensorInfo],
+                    calibration: CalibrationData, share: Share) -> None:
+    """A process other than rank 0 under torchrun: calibrate in a scratch folder of its own, inside rank 0's
+    temporary output folder, train the layers it owns and leave them (with their errors) beside rank 0's."""
+    meeting = meeting_folder(share, None)
+    own = meeting / f"rank-{share.rank}"
+    own.mkdir()
+    how = LayerMerge(grouping=cfg.grouping or "similarity", stats=own, transferred=True)
+    opts, device = transfer_options(cfg), _calibration_device(cfg, share)
+    errors: dict[int, dict[str, float]] = {}
+    for layer in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout, own, device,
+                           False, with_inputs=True):
+        if share.owns(layer.index):
+            _transfer(layer, plan, config, tensors, how, opts, errors, device, False, into=meeting)
+            write_errors(meeting, layer.index, errors[layer.index])
+        layer_path(own, layer.index).unlink()  # its statistics are done with
+    barrier(share)
+
+
 def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, TensorInfo], out: Path,
-           command: str, calibration: CalibrationData | None = None) -> dict[int, dict[str, float]]:
+           command: str, calibration: CalibrationData | None = None, share: Share = Share()
+           ) -> dict[int, dict[str, float]]:
     std = plan.initializer_range
     errors: dict[int, dict[str, float]] = {}
     layers: dict[int, dict[str, torch.Tensor]] = {}  # aligned merges: a layer's tensors not yet written
@@ -486,14 +528,20 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
             transfer = methods.get(plan.method).transfer
             how = dataclasses.replace(how, stats=tmp / ".calibration", transferred=transfer)
             how.stats.mkdir()
-            device = cfg.calibration_device or "cpu"
+            meeting_folder(share, how.stats)  # under torchrun: where the other processes leave their layers
+            device = _calibration_device(cfg, share)
             opts = transfer_options(cfg) if transfer else None
             for layer in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout, how.stats,
                                    device, cfg.progress, with_inputs=transfer,
                                    converted_inputs=transfer and opts.inputs == "converted"):
                 if transfer:  # while the layer's inputs are at hand: merge it, then train it
-                    _transfer(layer, plan, config, tensors, how, opts, errors, device, cfg.progress)
+                    if share.owns(layer.index):
+                        _transfer(layer, plan, config, tensors, how, opts, errors, device, cfg.progress)
+                    layer_path(how.stats, layer.index).unlink()  # its statistics are done with
                 # else each layer's statistics are in their file in how.stats when its index is yielded
+            if transfer and share.world > 1:
+                barrier(share)  # every process has left its layers in how.stats
+                errors.update(read_errors(how.stats, range(plan.num_layers), share))
             release_freed_memory()  # the calibration model's heap goes back to the OS before the merge
         ahead = _merges_ahead(plan, tensors, how)
         how = dataclasses.replace(how, ahead=ahead)

@@ -2,7 +2,7 @@
 
 * `deal` gives every index once, balances the cost (largest first onto the least loaded), and depends on the
   costs only;
-* tiled attention, forward and backward, on 1, 2 and 3 threads equals the eager reference (fp32, 1e-5 as in
+* tiled attention (small shapes dealt all the same), forward and backward, on 1, 2 and 3 threads equals the eager reference (fp32, 1e-5 as in
   test_tiled.py) and the 1-thread run (1e-6: only the order of dK / dV's partial sums differs), and repeated
   calls on the same number of threads give the same bits;
 * torch's thread setting is the caller's afterwards, also for threads started later; an error in a part is
@@ -19,6 +19,7 @@ import torch
 from gqakit.common import cpu_split
 from gqakit.attention.masks import MaskSpec
 from gqakit.attention.reference import eager_reference
+from gqakit.attention import tiled
 from gqakit.attention.tiled import tiled_attention
 
 
@@ -52,7 +53,8 @@ def _run(q, k, v, spec, block):
 
 
 @pytest.mark.parametrize("spec", [MaskSpec(), MaskSpec(window=40), MaskSpec(causal=False)])
-def test_split_kernel_equals_reference_and_one_thread(spec):
+def test_split_kernel_equals_reference_and_one_thread(spec, monkeypatch):
+    monkeypatch.setattr(tiled, "SPLIT_MIN_SCORES", 0)  # small shapes: dealt over threads all the same
     gen = torch.Generator().manual_seed(0)
     B, H, G, T, d = 2, 4, 2, 200, 16
     q = torch.randn(B, H, T, d, generator=gen).requires_grad_()
@@ -66,6 +68,7 @@ def test_split_kernel_equals_reference_and_one_thread(spec):
     for n in (2, 3):
         with threads(n):
             assert len(cpu_split.deal([1] * 7, cpu_split.split_count(q.device))) == n
+            assert len(tiled._make_tiles(q, k, v, spec, 0, 0, None, None, 32, 32).parts(n, B * H)) == n
             out, grads = _run(q, k, v, spec, 32)
             again, again_grads = _run(q, k, v, spec, 32)
         torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5)
@@ -75,6 +78,15 @@ def test_split_kernel_equals_reference_and_one_thread(spec):
             torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(g, g_one, atol=1e-6, rtol=1e-6)
             assert torch.equal(g, g_again)
+
+
+def test_small_calls_stay_on_the_calling_thread():
+    q = k = v = torch.zeros(1, 8, 1024, 64)
+    tiles = tiled._make_tiles(q, k, v, MaskSpec(), 0, 0, None, None, 128, 128)
+    assert len(tiles.parts(2, 8)) == 1  # 4.2M scores: below SPLIT_MIN_SCORES
+    q = k = v = torch.zeros(1, 8, 4096, 64)
+    tiles = tiled._make_tiles(q, k, v, MaskSpec(), 0, 0, None, None, 128, 128)
+    assert len(tiles.parts(2, 8)) == 2  # 67M
 
 
 def test_thread_setting_grad_mode_errors_and_nesting():
