@@ -120,8 +120,9 @@ def _method_rows(cfg, plan: Plan, calibration) -> str:
                   else "the original model's layer inputs")
         world = launched_share().world
         split = f"; layers split over {world} processes (torchrun)" if world > 1 else ""
-        rows.append(f"| transfer | trained {', '.join(trained)} on {inputs}; at most "
-                    f"{cfg.transfer_steps or TransferOptions.steps} steps per layer, {stop}; the best held-out "
+        start = cfg.transfer_start or TransferOptions.start
+        rows.append(f"| transfer | from the calibrated `{start}` merge, trained {', '.join(trained)} on {inputs}; "
+                    f"at most {cfg.transfer_steps or TransferOptions.steps} steps per layer, {stop}; the best held-out "
                     f"score's weights kept{split} |")
     if calibration is None:
         rows.append("| calibration | none (weights only) |")

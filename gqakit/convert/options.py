@@ -58,3 +58,6 @@ class ConvertConfig:
                                               "layer inputs, or those of the model converted up to that layer "
                                               "(the target stays the original's attention output; default: "
                                               "original)")
+    transfer_start: str | None = option(None, choices=("fit", "aligned"),
+                                        help="transfer: the calibrated merge that training starts from "
+                                             "(default: fit)")

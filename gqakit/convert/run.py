@@ -106,7 +106,8 @@ def check_method_options(cfg: ConvertConfig) -> None:
         given = [flag for flag, value in (("--transfer-params", cfg.transfer_params),
                                           ("--transfer-steps", cfg.transfer_steps),
                                           ("--transfer-patience", cfg.transfer_patience),
-                                          ("--transfer-inputs", cfg.transfer_inputs)) if value is not None]
+                                          ("--transfer-inputs", cfg.transfer_inputs),
+                                          ("--transfer-start", cfg.transfer_start)) if value is not None]
         if given:
             raise GqakitError(f"{given[0]} is used only by --method {' or '.join(methods.TRANSFER)}; drop it")
     transfer_options(cfg)  # its own checks
@@ -114,7 +115,7 @@ def check_method_options(cfg: ConvertConfig) -> None:
 
 def transfer_options(cfg: ConvertConfig) -> TransferOptions:
     given = {"params": cfg.transfer_params, "steps": cfg.transfer_steps, "patience": cfg.transfer_patience,
-             "inputs": cfg.transfer_inputs}
+             "inputs": cfg.transfer_inputs, "start": cfg.transfer_start}
     for flag, value in (("--transfer-steps", cfg.transfer_steps), ("--transfer-patience", cfg.transfer_patience)):
         if isinstance(value, bool) or not isinstance(value, (int, type(None))):
             raise GqakitError(f"{flag} must be a whole number, got {value!r}")
@@ -371,7 +372,8 @@ def _transfer(inputs: LayerInputs, plan: Plan, config: dict, tensors: dict[str, 
     i = inputs.index
     op = next(op for op in plan.ops if op.kind == "attn" and op.layer == i)
     heldout = load_layer(how.stats, i, ())[1]
-    merged, cost = merge_checkpoint_layer(plan, tensors, i, op.sources, how, heldout)
+    start = dataclasses.replace(plan, method=opts.start)  # the calibrated merge that training starts from
+    merged, cost = merge_checkpoint_layer(start, tensors, i, op.sources, how, heldout)
     prefix = plan.spec.q_proj.format(i=i).rpartition(".")[0] + "."  # "model.layers.3.self_attn."
     original = {name[len(prefix):]: load_tensor(info, name) for name, info in tensors.items()
                 if name.startswith(prefix)}

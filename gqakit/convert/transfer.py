@@ -43,6 +43,7 @@ from gqakit.hf.fields import config_object
 # --transfer-params: which projections of the merged attention are trained (the rest stay as merged)
 PARAMS = {"kv": ("k_proj", "v_proj"), "qkvo": ("q_proj", "k_proj", "v_proj", "o_proj")}
 INPUTS = ("original", "converted")  # --transfer-inputs
+STARTS = ("fit", "aligned")  # --transfer-start: calibrated merges (methods.METHODS) training can start from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,7 @@ class TransferOptions:
     eval_every: int = 20
     patience: int = 3  # held-out scores without improvement before stopping; 0: never stop early
     inputs: str = "original"  # each layer's inputs: the original model's, or the model's converted so far
+    start: str = "fit"  # the calibrated merge that training starts from
     seed: int = 0
 
     def __post_init__(self):
@@ -64,6 +66,8 @@ class TransferOptions:
             raise GqakitError(f"--transfer-params {self.params!r} is not one of {', '.join(PARAMS)}")
         if self.steps < 1:
             raise GqakitError(f"--transfer-steps {self.steps} must be at least 1")
+        if self.start not in STARTS:
+            raise GqakitError(f"--transfer-start {self.start!r} is not one of {', '.join(STARTS)}")
         if self.inputs not in INPUTS:
             raise GqakitError(f"--transfer-inputs {self.inputs!r} is not one of {', '.join(INPUTS)}")
         if self.patience < 0:

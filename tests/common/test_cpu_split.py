@@ -1,10 +1,11 @@
-"""The tiled kernel's query blocks dealt over threads (`attention.cpu_split`).
+"""Work dealt over one-thread Python threads (`common/cpu_split.py`), and the tiled kernel that uses it.
 
 * `deal` gives every index once, balances the cost (largest first onto the least loaded), and depends on the
   costs only;
-* tiled attention (small shapes dealt all the same), forward and backward, on 1, 2 and 3 threads equals the eager reference (fp32, 1e-5 as in
-  test_tiled.py) and the 1-thread run (1e-6: only the order of dK / dV's partial sums differs), and repeated
-  calls on the same number of threads give the same bits;
+* tiled attention (small shapes dealt all the same), forward and backward, on 1, 2 and 3 threads equals the
+  eager reference (fp32, 1e-5 as in test_tiled.py) and the 1-thread run (1e-6: only the order of dK / dV's
+  partial sums differs), and repeated calls on the same number of threads give the same bits; calls under
+  SPLIT_MIN_SCORES stay on the calling thread;
 * torch's thread setting is the caller's afterwards, also for threads started later; an error in a part is
   raised in the caller; grad mode is the caller's; a pool thread does not split again.
 """

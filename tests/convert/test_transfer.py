@@ -319,3 +319,20 @@ def test_transfer_on_converted_inputs_end_to_end(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(out).config.num_key_value_heads == 1
     run_refused(tmp_path, "convert-gqa", "--groups", "1", str(src), "-o", str(tmp_path / "x"), "--transfer-inputs",
                 "converted", needles=("--transfer-inputs is used only by --method transfer",))
+
+
+def test_transfer_can_start_from_aligned(tmp_path):
+    """--transfer-start aligned: each layer's start (the card's 'before' error) is the calibrated aligned merge's,
+    not fit's; the card says which; refused without --method transfer."""
+    src = _with_tokenizer(make_tiny_llama(tmp_path / "src", heads=4, layers=2, head_dim=8, vocab_size=4096))
+    common = ["--groups", "1", str(src), "--calibration", str(TEXT), *SMALL, "-q", "--method", "transfer",
+              "--transfer-steps", "5"]
+    cards = {}
+    for start in ("fit", "aligned"):
+        out = tmp_path / start
+        assert convert_main([*common, "--transfer-start", start, "-o", str(out)]) == 0
+        cards[start] = _card_rows(out)
+        assert f"from the calibrated `{start}` merge" in (out / "README.md").read_text()
+    assert [r[5] for r in cards["fit"]] != [r[5] for r in cards["aligned"]]  # other starts
+    run_refused(tmp_path, "convert-gqa", "--groups", "1", str(src), "-o", str(tmp_path / "x"), "--transfer-start",
+                "aligned", needles=("--transfer-start is used only by --method transfer",))

@@ -62,9 +62,9 @@ METHODS = {m.name: m for m in (
                        "(attention transfer); needs --calibration",
            merge={"align": True, "merge": "pca", "restore": "refit"},
            calibration="required", transfer=True,
-           card_note="the fit merge (least squares on calibration activations), then each layer's merged projections "
-                     "trained to reproduce the original attention's output on the calibration windows, given the "
-                     "original model's layer inputs (attention transfer; best held-out score kept)"),
+           card_note="a calibrated merge (fit, least squares on calibration activations, unless the transfer row "
+                     "says aligned), then each layer's merged projections trained to reproduce the original "
+                     "attention's output on the calibration windows (attention transfer; best held-out score kept)"),
 )}
 NAMES = tuple(METHODS)
 # --grouping of the layer-wise methods: which K/V heads share a group (convert.align)
