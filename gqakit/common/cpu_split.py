@@ -14,6 +14,7 @@ result depends on the number of threads only: the same inputs give the same bits
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,15 @@ _lock = threading.Lock()
 
 def _start_worker() -> None:
     _local.worker = True
+
+
+def _forget_pool() -> None:
+    """In a forked child the pool's threads do not exist: it starts its own pool when it first needs one."""
+    global _pool, _pool_size, _lock
+    _pool, _pool_size, _lock = None, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def on_one_thread(fn: Callable[..., T]) -> Callable[..., T]:

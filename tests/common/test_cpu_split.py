@@ -118,3 +118,21 @@ def test_thread_setting_grad_mode_errors_and_nesting():
             cpu_split.run_split(failing, [[0], [1]])
         assert torch.get_num_threads() == 2
     assert cpu_split.split_count(torch.device("meta")) == 1
+
+
+def test_a_forked_child_starts_its_own_pool():
+    import os
+    import signal
+
+    with threads(2):
+        assert cpu_split.run_split(lambda ids: sum(ids), [[1], [2]]) == [1, 2]  # the parent's pool exists
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's pool threads are not here
+            ok = False
+            try:
+                signal.alarm(60)  # a hang ends the child by SIGALRM, a failure the parent sees
+                ok = cpu_split.run_split(lambda ids: sum(ids), [[3], [4]]) == [3, 4]
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
