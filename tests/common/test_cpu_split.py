@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import pytest
 import torch
@@ -125,7 +126,9 @@ def test_a_forked_child_starts_its_own_pool():
     import signal
 
     with threads(2):
-        assert cpu_split.run_split(lambda ids: sum(ids), [[1], [2]]) == [1, 2]  # the parent's pool exists
+        slow = lambda ids: time.sleep(0.2) or sum(ids)  # noqa: E731  (slow parts: the pool starts both threads)
+        assert cpu_split.run_split(slow, [[1], [2]]) == [1, 2]
+        time.sleep(0.5)  # both threads idle: a child using this pool would wait for them forever
         pid = os.fork()
         if pid == 0:  # the child: the parent's pool threads are not here
             ok = False
