@@ -364,7 +364,8 @@ def _transferred_path(folder: Path, layer: int) -> Path:
 def _transfer(inputs: LayerInputs, plan: Plan, config: dict, tensors: dict[str, TensorInfo], how: LayerMerge,
               opts: TransferOptions, errors: dict[int, dict[str, float]], device, progress: bool,
               into: Path | None = None) -> None:
-    """Merge layer `inputs.index` by `fit`, train it (`convert.transfer`), and leave its attention tensors in
+    """Merge layer `inputs.index` by the calibrated merge training starts from (`fit`, or `aligned` with
+    `--transfer-start aligned`), train it (`convert.transfer`), and leave its attention tensors in
     `_transferred_path` of `into` (default: the statistics folder), read back by the write pass; its errors go
     to `errors`."""
     from safetensors.torch import save_file
@@ -372,8 +373,8 @@ def _transfer(inputs: LayerInputs, plan: Plan, config: dict, tensors: dict[str, 
     i = inputs.index
     op = next(op for op in plan.ops if op.kind == "attn" and op.layer == i)
     heldout = load_layer(how.stats, i, ())[1]
-    start = dataclasses.replace(plan, method=opts.start)  # the calibrated merge that training starts from
-    merged, cost = merge_checkpoint_layer(start, tensors, i, op.sources, how, heldout)
+    start_plan = dataclasses.replace(plan, method=opts.start)  # the calibrated merge that training starts from
+    merged, cost = merge_checkpoint_layer(start_plan, tensors, i, op.sources, how, heldout)
     prefix = plan.spec.q_proj.format(i=i).rpartition(".")[0] + "."  # "model.layers.3.self_attn."
     original = {name[len(prefix):]: load_tensor(info, name) for name, info in tensors.items()
                 if name.startswith(prefix)}
