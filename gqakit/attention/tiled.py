@@ -39,8 +39,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from gqakit.attention import patterns
-from gqakit.common.cpu_split import deal, run_split, split_count
 from gqakit.attention.masks import MaskSpec, dense_allowed
+from gqakit.common.cpu_split import deal, run_split, split_count
 
 _NEG_INF = float("-inf")
 # Keys one fused segment may span (see _Tiles.steps): the largest score tile is block_q * r x SPAN_K.

@@ -10,7 +10,7 @@ from gqakit.hf.checkpoint import DTYPES
 from gqakit.convert import methods
 from gqakit.convert.plan import Plan, total_bytes
 from gqakit.convert.layer_share import launched_share
-from gqakit.convert.transfer import PARAMS, TransferOptions
+from gqakit.convert.transfer import PARAMS, transfer_options
 
 
 def _gb(n: int) -> str:
@@ -111,19 +111,16 @@ def _method_rows(cfg, plan: Plan, calibration) -> str:
             f"| grouping | {cfg.grouping or 'similarity'} (K/V heads that share a group; q_proj rows and o_proj columns "
             "permuted with them, so contiguous `repeat_kv` holds) |"]
     if method.transfer:
-        trained = PARAMS[cfg.transfer_params or TransferOptions.params]
-        patience = TransferOptions.patience if cfg.transfer_patience is None else cfg.transfer_patience
-        stop = (f"stopped after {patience} held-out scores without improvement" if patience
+        opts = transfer_options(cfg)
+        stop = (f"stopped after {opts.patience} held-out scores without improvement" if opts.patience
                 else "never stopped early")
         inputs = ("the inputs of the model converted so far (the targets: the original's attention outputs on its "
-                  "own inputs)" if (cfg.transfer_inputs or TransferOptions.inputs) == "converted"
-                  else "the original model's layer inputs")
+                  "own inputs)" if opts.inputs == "converted" else "the original model's layer inputs")
         world = launched_share().world
         split = f"; layers split over {world} processes (torchrun)" if world > 1 else ""
-        start = cfg.transfer_start or TransferOptions.start
-        rows.append(f"| transfer | from the calibrated `{start}` merge, trained {', '.join(trained)} on {inputs}; "
-                    f"at most {cfg.transfer_steps or TransferOptions.steps} steps per layer, {stop}; the best held-out "
-                    f"score's weights kept{split} |")
+        rows.append(f"| transfer | from the calibrated `{opts.start}` merge, trained {', '.join(PARAMS[opts.params])} "
+                    f"on {inputs}; at most {opts.steps} steps per layer, {stop}; the best held-out score's weights "
+                    f"kept{split} |")
     if calibration is None:
         rows.append("| calibration | none (weights only) |")
     else:

@@ -33,7 +33,7 @@ from gqakit.convert.pooling import random_heads, regroup, relative_error
 from gqakit.convert.layer_share import (Share, barrier, check_share, finish, launched_share, meeting_folder,
                                         read_errors, start, write_errors)
 from gqakit.convert.merge_ahead import MergeAhead, merge_workers
-from gqakit.convert.transfer import TransferOptions, transfer_merged_layer
+from gqakit.convert.transfer import TransferOptions, transfer_merged_layer, transfer_options
 from gqakit.common.atomic import check_replaceable
 from gqakit.common.memory import release_freed_memory
 from gqakit.common.sizes import parse_size
@@ -111,15 +111,6 @@ def check_method_options(cfg: ConvertConfig) -> None:
         if given:
             raise GqakitError(f"{given[0]} is used only by --method {' or '.join(methods.TRANSFER)}; drop it")
     transfer_options(cfg)  # its own checks
-
-
-def transfer_options(cfg: ConvertConfig) -> TransferOptions:
-    given = {"params": cfg.transfer_params, "steps": cfg.transfer_steps, "patience": cfg.transfer_patience,
-             "inputs": cfg.transfer_inputs, "start": cfg.transfer_start}
-    for flag, value in (("--transfer-steps", cfg.transfer_steps), ("--transfer-patience", cfg.transfer_patience)):
-        if isinstance(value, bool) or not isinstance(value, (int, type(None))):
-            raise GqakitError(f"{flag} must be a whole number, got {value!r}")
-    return TransferOptions(seed=cfg.seed, **{k: v for k, v in given.items() if v is not None})
 
 
 def prepare(cfg: ConvertConfig) -> tuple[Plan, dict, dict[str, TensorInfo], Path, CalibrationData | None]:

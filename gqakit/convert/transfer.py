@@ -1,9 +1,10 @@
 """Attention transfer (`--method transfer`): train each layer's merged attention to reproduce the original's.
 
-After the `fit` merge of a layer (`convert.run.merge_layer`), the merged K/V projections (with
-`--transfer-params qkvo` also Q and O) are trained so that the layer's attention output, o_proj included, matches
-the original attention's on the calibration windows, given the original model's own layer inputs (teacher forcing:
-every layer trains on what the unconverted model feeds it, so layers are independent). This is the first,
+After a calibrated merge of a layer (`convert.run.merge_layer`; `fit`, or `aligned` with `--transfer-start`), the
+merged K/V projections (with `--transfer-params qkvo` also Q and O) are trained so that the layer's attention
+output, o_proj included, matches the original attention's on the calibration windows, given the original model's
+own layer inputs (teacher forcing: every layer trains on what the unconverted model feeds it, so layers are
+independent; `--transfer-inputs converted` feeds it the converted model's instead). This is the first,
 layer-local stage of LoLCATs' attention transfer (arXiv 2410.10254) applied to K/V-head merging.
 
 Exactness of what is trained: both the original (teacher) and the merged (student) attention are instances of the
@@ -17,7 +18,7 @@ Loss: ||student(x) - teacher(x)||^2 / ||teacher(x)||^2 per batch of windows. Ada
 rate `lr` times its RMS at the start, with linear warm-up and cosine decay; the held-out calibration windows score
 the layer before training and every `eval_every` steps, training stops after `patience` scores without improvement
 (never, for 0), and the best-scoring weights are kept; a layer whose training never beat its start keeps the
-start (`fit`), so transfer is never worse than `fit` on held-out windows.
+start, so transfer is never worse than its start merge on held-out windows.
 
 Memory: one layer's attention twice (teacher and student, fp32) with AdamW state for the trained projections, the
 held-out windows, and one batch of windows; the fitting windows' inputs and the teacher's outputs wait in scratch
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 from gqakit.common.errors import GqakitError
+from gqakit.convert.options import ConvertConfig
 from gqakit.convert.calibration.streamed import _WindowStates
 from gqakit.hf.fields import config_object
 
@@ -72,6 +74,16 @@ class TransferOptions:
             raise GqakitError(f"--transfer-inputs {self.inputs!r} is not one of {', '.join(INPUTS)}")
         if self.patience < 0:
             raise GqakitError(f"--transfer-patience {self.patience} must be 0 (never stop early) or more")
+
+
+def transfer_options(cfg: ConvertConfig) -> TransferOptions:
+    """The transfer options a `ConvertConfig` asks for, its unset flags at their defaults (checked here)."""
+    given = {"params": cfg.transfer_params, "steps": cfg.transfer_steps, "patience": cfg.transfer_patience,
+             "inputs": cfg.transfer_inputs, "start": cfg.transfer_start}
+    for flag, value in (("--transfer-steps", cfg.transfer_steps), ("--transfer-patience", cfg.transfer_patience)):
+        if isinstance(value, bool) or not isinstance(value, (int, type(None))):
+            raise GqakitError(f"{flag} must be a whole number, got {value!r}")
+    return TransferOptions(seed=cfg.seed, **{k: v for k, v in given.items() if v is not None})
 
 
 def attention_implementation(config: dict) -> str:

@@ -328,14 +328,25 @@ def calibrate(config: dict, spec: ArchSpec, tensors: dict[str, TensorInfo], wind
             fd, path = tempfile.mkstemp(prefix=prefix, suffix=".f32", dir=folder)
             stack.callback(os.unlink, path)
             files[name] = (stack.enter_context(os.fdopen(fd, "r+b", buffering=0)), path)
-        yield from _layer_major(LayerwiseModel(config, spec, tensors, device), windows, heldout, progress, folder, files,
-                                with_inputs=with_inputs, converted_inputs=converted_inputs)
+        yield from _layer_major(LayerwiseModel(config, spec, tensors, device), windows, heldout, progress, folder,
+                                files, with_inputs=with_inputs, converted_inputs=converted_inputs)
 
 
 def _check_finite(out: torch.Tensor, i: int) -> None:
     if not torch.isfinite(out).all():
         raise GqakitError(f"calibration activations became non-finite after layer {i}; the checkpoint "
                           "may be broken (try evaluating it with gqakit eval ppl)")
+
+
+def _advance(layer: nn.Module, kwargs: dict, i: int, count: int, states: _WindowStates, device,
+             before: Callable[[int], None] = lambda w: None) -> None:
+    """Every window through layer i: its output replaces its input in `states` (`before(w)` first)."""
+    with torch.no_grad():
+        for w in range(count):
+            before(w)
+            out = layer(states.read(w, device), **kwargs)
+            _check_finite(out, i)
+            states.write(w, out)
 
 
 def _run_original(layer: nn.Module, attn: nn.Module, kwargs: dict, i: int, count: int, fit: int,
@@ -353,12 +364,7 @@ def _run_original(layer: nn.Module, attn: nn.Module, kwargs: dict, i: int, count
 
     hook = attn.register_forward_hook(record)
     try:
-        with torch.no_grad():
-            for w in range(count):
-                w_now[0] = w
-                out = layer(states.read(w, device), **kwargs)
-                _check_finite(out, i)
-                states.write(w, out)
+        _advance(layer, kwargs, i, count, states, device, before=lambda w: w_now.__setitem__(0, w))
     finally:
         hook.remove()
     return torch.stack(held)
@@ -483,11 +489,7 @@ def _run_converted(layer: nn.Module, attn: nn.Module, converted: nn.Module, kwar
     owner = layer.get_submodule(owner_name) if owner_name else layer
     setattr(owner, leaf, converted)
     try:
-        with torch.no_grad():
-            for w in range(count):
-                out = layer(states.read(w, device), **kwargs)
-                _check_finite(out, i)
-                states.write(w, out)
+        _advance(layer, kwargs, i, count, states, device)
     finally:
         setattr(owner, leaf, attn)
 
