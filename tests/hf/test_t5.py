@@ -174,3 +174,25 @@ def test_pool_encoder_refused_when_encoder_and_decoder_differ(source, tmp_path, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "encoder_num_key_value_heads" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_original_google_class_name_converts_like_t5(source, tmp_path):
+    """The original google T5 checkpoints (t5-small, t5-base, ...) name their class T5WithLMHeadModel in config.json:
+    the same layout as T5ForConditionalGeneration, so the same conversion (MQA equals the pooled reference)."""
+    name, path, model = source
+    if name == "mt5":
+        pytest.skip("T5's legacy name")
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    for item in path.iterdir():
+        (legacy / item.name).write_bytes(item.read_bytes())
+    config = json.loads((path / "config.json").read_text())
+    (legacy / "config.json").write_text(json.dumps({**config, "architectures": ["T5WithLMHeadModel"]}))
+    out = tmp_path / "out"
+    assert convert_main([str(legacy), "--groups", "1", "-o", str(out), "--quiet"]) == 0
+    converted = load(out)
+    assert type(converted).__name__ == "GroupedT5ForConditionalGeneration"
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 1
+    torch.testing.assert_close(logits(converted), logits(pooled_reference(model, 1, False)), rtol=1e-5, atol=1e-5)
+    card = (out / "README.md").read_text()
+    assert "re-hosted" in card and "T5 (" in card

@@ -1,4 +1,5 @@
-"""T5, Flan-T5 and mT5 -> gqakit's GroupedT5ForConditionalGeneration (gqakit/hf/models/grouped_t5.py).
+"""T5, Flan-T5 and mT5 (the original google checkpoints' T5WithLMHeadModel too) -> gqakit's
+GroupedT5ForConditionalGeneration (gqakit/hf/models/grouped_t5.py).
 
 No stock transformers T5 class holds fewer K/V heads than query heads, so a T5 is re-hosted on gqakit's thin
 subclass, which reads the K/V head counts from config.json and is otherwise T5 itself: the same tensors under
@@ -35,6 +36,7 @@ def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str,
     return new, dict(tensors)
 
 
-REHOSTS = (Rehost("T5", ("T5ForConditionalGeneration", "MT5ForConditionalGeneration"),
+# T5WithLMHeadModel: the class name the original google checkpoints (t5-small, ...) still carry in config.json
+REHOSTS = (Rehost("T5", ("T5ForConditionalGeneration", "MT5ForConditionalGeneration", "T5WithLMHeadModel"),
                   "GroupedT5ForConditionalGeneration", build,
                   "exact: the same tensors, in gqakit's T5 subclass that holds grouped K/V heads"),)
