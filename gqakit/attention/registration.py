@@ -22,7 +22,7 @@ from gqakit.attention.flex import attention_forward
 from gqakit.attention.hf_masks import TiledMask, gqakit_mask, uses_alibi
 from gqakit.attention.masks import AttentionOptionError, MaskSpec, dropout_refusal
 from gqakit.attention.options import mask_spec, normalise_options, stored_options
-from gqakit.common.attention_kinds import CONFIG_KEY, DEFAULT, KINDS
+from gqakit.common.attention_kinds import CONFIG_KEY, DEFAULT, KINDS, adds_position_bias, position_bias_refusal
 
 
 # Keywords that transformers models pass to attention functions and that change the result, which the
@@ -163,10 +163,13 @@ def register_all() -> None:
         AttentionMaskInterface.register(f"gqakit_{kind}", gqakit_mask)
 
 
-def check_model(model) -> None:
-    """Refuse, at `use()`, a model that gqakit attention would run wrongly: no AttentionInterface, or ALiBi.
-    (Encoders are welcome: their bidirectional mask reaches the kernel, which then runs non-causal.)"""
+def check_model(model, kind: str = "tiled") -> None:
+    """Refuse, at `use()`, a model that gqakit attention `kind` would run wrongly: T5's relative position bias (its
+    attention does go through the AttentionInterface), no AttentionInterface, or ALiBi. (Encoders are welcome: their
+    bidirectional mask reaches the kernel, which then runs non-causal.)"""
     name = type(model).__name__
+    if adds_position_bias(model.config):
+        raise AttentionOptionError(position_bias_refusal(name, kind))
     if not getattr(type(model), "_supports_attention_backend", False):
         raise AttentionOptionError(
             f"{name} does not route attention through transformers' AttentionInterface, so "
@@ -184,7 +187,7 @@ def use(model, kind: str, **options):
     'sparse': Sparse Transformer pattern='strided' | 'fixed', stride=l, summary=c (fixed), part='both' (merged
     head), 'a1', 'a2' or 'split' (first half of a layer's heads A1, the rest A2). Pattern options take one value,
     one per layer, or per layer one per query head (see `patterns.check_layered`)."""
-    check_model(model)
+    check_model(model, kind)
     normalised = normalise_options(kind, options, model.config)
     register_all()
     for cfg in {id(c): c for c in (model.config, getattr(model.config, "text_config", None)) if c}.values():

@@ -412,7 +412,7 @@ def register_ring() -> None:
 
 def use_ring(model):
     """Switch `model` to ring attention in place (run it inside `ring_context`); returns it."""
-    check_model(model)
+    check_model(model, "ring")
     register_ring()
     model.set_attn_implementation("gqakit_ring")
     return model

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import yaml
 
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 
 KINDS = ("tiled", "sliding", "sinks", "sparse")
 OPTIONS = {
@@ -30,6 +30,21 @@ CONFIG_KEY = "gqakit_attention"
 DEFAULT = "default"  # a command's choice for the model's own attention
 CHOICES = (DEFAULT, *KINDS)
 LONG_CONTEXT = ("sliding", "sinks")  # kinds that make positions past the model's limit sensible
+
+
+def adds_position_bias(config) -> bool:
+    """Whether a model adds T5's learned relative position bias to its attention scores (T5, mT5, UMT5, LongT5,
+    gqakit's grouped T5), from a config.json dict or a transformers config."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    return get("relative_attention_num_buckets") is not None
+
+
+def position_bias_refusal(name: str, kind: str, default: str | None = None) -> str:
+    """One line: gqakit attention `kind` cannot run `name`, which adds T5's relative position bias; the fix is
+    `default`, the model's own attention as the caller spells it (a recipe: attention=default)."""
+    default = default or opt("attention", DEFAULT)
+    return (f"{name} adds T5's relative position bias to its attention scores, an additive bias that gqakit's {kind} "
+            f"attention does not take; use {default} (T5's own sdpa or eager attention)")
 
 
 def _cli_flag(name: str) -> str:

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqakit.common.attention_kinds import command_attention_options
-from gqakit.common.errors import GqakitError
+from gqakit.common.attention_kinds import DEFAULT, command_attention_options, position_bias_refusal
+from gqakit.common.errors import GqakitError, opt
 from gqakit.evaluate.options import PplConfig
 
 
@@ -193,7 +193,9 @@ def _check_seq2seq(cfg: PplConfig, kinds: list[bool | None]) -> None:
         return
     if not all(kinds):
         raise GqakitError(_MIXED)
-    for flag, given in (("--stride", cfg.stride), ("--bos", cfg.bos), ("--attention", cfg.attention)):
+    if cfg.attention not in (None, DEFAULT):
+        raise GqakitError(f"{position_bias_refusal('the encoder-decoder', cfg.attention)}, or drop {opt('attention')}")
+    for flag, given in (("--stride", cfg.stride), ("--bos", cfg.bos)):
         if given:
             raise GqakitError(f"{flag} does not apply to encoder-decoders, which are scored on T5's span corruption "
                               f"of disjoint windows of --max-length tokens; drop {flag}")

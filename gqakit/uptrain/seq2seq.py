@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from gqakit.common.attention_kinds import position_bias_refusal
 from gqakit.common.errors import GqakitError
 from gqakit.common.span_corruption import corrupt_rows, corrupted_lengths, sentinel_ids
 
@@ -92,5 +93,4 @@ def check_seq2seq_recipe(cfg, arch: str) -> None:
         raise GqakitError(f"context_parallel={cfg.context_parallel} splits one decoder sequence over processes, but "
                           f"{arch} is an encoder-decoder; use context_parallel=1")
     if cfg.attention != "default":
-        raise GqakitError(f"attention={cfg.attention}: the encoder-decoder {arch} adds T5's relative position bias "
-                          "inside attention, which gqakit attention does not implement; use attention=default")
+        raise GqakitError(position_bias_refusal(f"the encoder-decoder {arch}", cfg.attention, "attention=default"))

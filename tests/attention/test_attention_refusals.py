@@ -137,3 +137,21 @@ def test_alibi_models_loaded_with_gqakit_attention_are_refused_at_the_first_forw
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="gqakit_tiled")
     with pytest.raises(GqakitError, match="adds ALiBi position biases"):
         model(torch.tensor([[1, 2, 3]]))
+
+
+@pytest.mark.parametrize("kind, grouped", [("tiled", False), ("tiled", True), ("sliding", True)])
+def test_t5_is_refused_at_use_for_its_position_bias(kind, grouped):
+    """T5 (stock, and gqakit's grouped T5, whose attention does call the AttentionInterface) adds its relative
+    position bias to the scores: refused at use() for that reason, naming the alternative, in one line."""
+    from gqakit.hf.models.grouped_t5 import GroupedT5Config
+
+    fields = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4, decoder_start_token_id=0)
+    config = GroupedT5Config(**fields, num_key_value_heads=2) if grouped else transformers.T5Config(**fields)
+    model = transformers.AutoModelForSeq2SeqLM.from_config(config)
+    with pytest.raises(GqakitError) as info:
+        use(model, kind, **({"window": 4} if kind == "sliding" else {}))
+    err = str(info.value)
+    assert "\n" not in err and type(model).__name__ in err, err
+    assert f"relative position bias to its attention scores, an additive bias that gqakit's {kind} attention does " \
+           "not take; use attention=default (T5's own sdpa or eager attention)" in err, err
+    assert "AttentionInterface" not in err and "Llama" not in err, err

@@ -52,12 +52,27 @@ def test_ppl_is_t5s_own_loss_on_the_corrupted_windows(t5, tmp_path):
     (["--stride", "32"], "drop --stride"),
     (["--bos"], "drop --bos"),
     (["--attention", "tiled"], "drop --attention"),
+    (["--attention", "sliding", "--window", "8"], "drop --attention"),
 ])
 def test_decoder_only_options_are_refused(t5, tmp_path, capsys, argv, needle):
     assert main(["eval", "ppl", str(t5["gqa2"]), "--text", str(t5["text"]), "--max-length", "64",
                  "-o", str(tmp_path / "r"), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err and "encoder-decoder" in err, err
+    if argv[0] == "--attention":  # the reason (T5's additive position bias) and the alternative
+        assert f"gqakit's {argv[1]} attention does not take" in err and "relative position bias" in err, err
+        assert "use --attention default (T5's own sdpa or eager attention)" in err, err
+
+
+def test_attention_default_is_t5s_own(t5, tmp_path):
+    """--attention default, the alternative the refusal names, runs (and scores as no --attention does)."""
+    runs = {}
+    for name, extra in (("own", []), ("default", ["--attention", "default"])):
+        out = tmp_path / name
+        assert main(["eval", "ppl", str(t5["gqa2"]), "--text", str(t5["text"]), "--max-length", "64",
+                     "--max-tokens", "200", "-o", str(out), "-q", *extra]) == 0
+        runs[name] = json.loads((out / "results.json").read_text())["results"]["rows"][0]["perplexity"]
+    assert runs["default"] == runs["own"] > 1
 
 
 def test_mixing_decoders_and_encoder_decoders_is_refused(t5, tmp_path, capsys):

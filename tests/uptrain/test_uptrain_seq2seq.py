@@ -78,7 +78,7 @@ def test_trainable_kv_trains_only_the_grouped_projections(t5, tmp_path):
 
 @pytest.mark.parametrize("fields, needle", [
     ({"context_parallel": 2}, "use context_parallel=1"),
-    ({"attention": "tiled"}, "use attention=default"),
+    ({"attention": "tiled"}, "use attention=default (T5's own sdpa or eager attention)"),
 ])
 def test_what_encoder_decoders_do_not_do_is_refused(t5, tmp_path, capsys, fields, needle):
     from gqakit.cli import main
@@ -88,6 +88,8 @@ def test_what_encoder_decoders_do_not_do_is_refused(t5, tmp_path, capsys, fields
     assert main(["uptrain", str(recipe)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err and "encoder-decoder" in err, err
+    if "attention" in fields:
+        assert "relative position bias" in err and "gqakit's tiled attention does not take" in err, err
     assert not (tmp_path / "run").exists()
 
 
