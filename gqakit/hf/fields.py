@@ -11,6 +11,7 @@ import json
 import math
 
 from gqakit.common.errors import GqakitError
+from gqakit.hf.architectures.refused import refusal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,8 @@ def architecture_of(config: dict) -> str:
     """config.architectures[0], checked."""
     archs = config.get("architectures")
     if archs is None or archs == []:
+        if (why := refusal(None, config)) is not None:  # a family gqakit refuses: its reason, not "add" a class
+            raise GqakitError(f"cannot convert: {why}")
         raise GqakitError(
             "config.json names no 'architectures'; add the model class, e.g. \"architectures\": "
             "[\"LlamaForCausalLM\"] (save_pretrained writes it)"

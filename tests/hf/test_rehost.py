@@ -194,6 +194,9 @@ def test_an_unknown_tensor_is_refused_not_dropped(tmp_path, capsys):
     assert not (tmp_path / "m-gqa2").exists()
 
 
+ENCODER = ["is an encoder", "no KV cache", "gqakit converts decoders and encoder-decoders"]
+
+
 def _config_only(tmp_path, config: dict):
     folder = tmp_path / "model"
     folder.mkdir()
@@ -209,6 +212,27 @@ def _config_only(tmp_path, config: dict):
     ({"architectures": ["FalconForCausalLM"], "alibi": True}, ["FalconForCausalLM", "ALiBi"]),
     ({"architectures": ["FalconForCausalLM"], "multi_query": True}, ["FalconForCausalLM", "already multi-query"]),
     ({"architectures": ["FalconForCausalLM"], "multi_query": False}, ["FalconForCausalLM", "new_decoder_architecture"]),
+    # the hub's MPT configs spell the class MPTForCausalLM; with and without model_type
+    ({"architectures": ["MPTForCausalLM"], "model_type": "mpt", "d_model": 64}, ["MPTForCausalLM", "ALiBi"]),
+    ({"architectures": ["MPTForCausalLM"], "n_heads": 8}, ["MPTForCausalLM", "ALiBi"]),
+    # encoders of any head, by model_type, or by class name where the config has none
+    *[({"architectures": [arch], **({"model_type": mt} if mt else {})}, [arch, *ENCODER])
+      for arch, mt in (("XLMRobertaForMaskedLM", "xlm-roberta"), ("BertForSequenceClassification", "bert"),
+                       ("BertForSequenceClassification", None), ("ModernBertForMaskedLM", "modernbert"),
+                       ("ElectraForPreTraining", "electra"), ("AlbertForMaskedLM", None),
+                       ("DebertaForTokenClassification", "deberta"), ("DebertaV2ForSequenceClassification", None),
+                       ("RobertaForQuestionAnswering", "roberta"), ("DistilBertForQuestionAnswering", "distilbert"),
+                       ("CamembertModel", "camembert"), ("T5EncoderModel", "t5"))],
+    # encoder-decoders other than T5 / mT5
+    *[({"architectures": [arch], **({"model_type": mt} if mt else {})}, [arch, "encoder-decoder", "T5, Flan-T5"])
+      for arch, mt in (("MBartForConditionalGeneration", "mbart"), ("PegasusForConditionalGeneration", "pegasus"),
+                       ("MarianMTModel", "marian"), ("UMT5ForConditionalGeneration", "umt5"),
+                       ("LongT5ForConditionalGeneration", None), ("BartForConditionalGeneration", "bart"))],
+    # no architectures: the model_type's family reason, never "add the model class"
+    ({"model_type": "bert", "num_attention_heads": 12}, ["bert (config.json's model_type)", *ENCODER]),
+    ({"model_type": "bloom", "n_head": 8}, ["bloom (config.json's model_type)", "ALiBi"]),
+    ({"model_type": "bart", "d_model": 16}, ["bart (config.json's model_type)", "encoder-decoder"]),
+    ({"model_type": "falcon", "alibi": True}, ["falcon (config.json's model_type)", "ALiBi"]),
 ])
 def test_known_families_are_refused_by_name(tmp_path, capsys, config, needles):
     """A family gqakit does not convert is named with its reason, never told to 'add' a field it spells
@@ -221,6 +245,20 @@ def test_known_families_are_refused_by_name(tmp_path, capsys, config, needles):
     assert "add it" not in err and "num_attention_heads" not in err, err
     for needle in needles:
         assert needle in err, err
+    assert "add the model class" not in err and "gqakit converts decoders;" not in err, err
+
+
+@pytest.mark.parametrize("config, needle", [
+    ({"architectures": ["ModernBertDecoderForCausalLM"], "model_type": "modernbert-decoder"}, "is not supported"),
+    ({"model_type": "llama"}, "add the model class"),  # a family gqakit converts: name the class
+])
+def test_a_prefix_or_model_type_alone_refuses_no_other_family(tmp_path, capsys, config, needle):
+    """ModernBERT's decoder is not ModernBERT the encoder; a config without architectures of a family gqakit does
+    not refuse is asked for its class."""
+    capsys.readouterr()
+    assert convert_main([str(_config_only(tmp_path, config)), "--groups", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and "encoder" not in err, err
 
 
 def test_grouped_bigcode_loads_after_import_gqakit_and_caches_g_heads(source, tmp_path):
