@@ -15,34 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPTJConfig, GPTNeoXConfig, OPTConfig
+from transformers import AutoModelForCausalLM
 
 from gqakit.cli import convert_main
-from families import load_exact, perturb_
+from families import REHOST_SOURCES, load_exact, perturb_
 
 VOCAB, HIDDEN, HEADS, LAYERS = 64, 32, 4, 2
 D = HIDDEN // HEADS
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
 
-SOURCES = {
-    "neox": lambda **kw: GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                                       num_attention_heads=HEADS, intermediate_size=48, rotary_pct=0.5,
-                                       max_position_embeddings=64, **kw),
-    "neox-nobias": lambda **kw: GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                                              num_attention_heads=HEADS, intermediate_size=48, rotary_pct=1.0,
-                                              max_position_embeddings=64, attention_bias=False, **kw),
-    "neox-seq": lambda **kw: GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                                           num_attention_heads=HEADS, intermediate_size=48, rotary_pct=0.5,
-                                           max_position_embeddings=64, use_parallel_residual=False, **kw),
-    "gptj": lambda **kw: GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, rotary_dim=4,
-                                    n_positions=64, **kw),
-    "gpt2": lambda **kw: GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64,
-                                    bos_token_id=1, eos_token_id=2, **kw),
-    "opt": lambda **kw: OPTConfig(**{**dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                                            num_attention_heads=HEADS, ffn_dim=48, word_embed_proj_dim=HIDDEN,
-                                            max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-                                            eos_token_id=2), **kw}),
-}
+SOURCES = REHOST_SOURCES
 TARGETS = {"neox": "PhiForCausalLM", "neox-nobias": "PhiForCausalLM", "neox-seq": "NemotronForCausalLM",
            "gptj": "PhiForCausalLM",
            "gpt2": "GPTBigCodeForCausalLM", "opt": "GPTBigCodeForCausalLM"}
@@ -309,8 +291,8 @@ def test_rehosted_mqa_uptrains_and_evaluates(tmp_path, capsys, sharding, trainab
     assets = Path(__file__).resolve().parents[2] / "gqakit" / "assets"
     tok = AutoTokenizer.from_pretrained(assets / "austen-mha-8h")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4,
-                                                        n_positions=128, bos_token_id=None, eos_token_id=None))
+    model = AutoModelForCausalLM.from_config(SOURCES["gpt2"](vocab_size=len(tok), n_positions=128, bos_token_id=None,
+                                                             eos_token_id=None))
     model.save_pretrained(tmp_path / "gpt2")
     tok.save_pretrained(tmp_path / "gpt2")
     assert convert_main([str(tmp_path / "gpt2"), "--groups", "1", "-o", str(tmp_path / "mqa"), "--quiet"]) == 0

@@ -11,13 +11,17 @@ from transformers import (
     Gemma3TextConfig,
     FalconConfig,
     GemmaConfig,
+    GPT2Config,
     GPTBigCodeConfig,
+    GPTJConfig,
+    GPTNeoXConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
     NemotronConfig,
     Olmo2Config,
     OlmoConfig,
+    OPTConfig,
     Phi3Config,
     PhiConfig,
     Qwen2Config,
@@ -80,6 +84,23 @@ ARCHITECTURES = {
     "gqakit_gpt_bigcode": "GroupedGPTBigCodeForCausalLM",
 }
 
+# MHA families without a grouped-K/V field, re-hosted (tests/hf/test_rehost.py): name -> config, fields overridable
+_NEOX = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+             intermediate_size=48, rotary_pct=0.5, max_position_embeddings=64)
+REHOST_SOURCES = {
+    "neox": lambda **kw: GPTNeoXConfig(**{**_NEOX, **kw}),
+    "neox-nobias": lambda **kw: GPTNeoXConfig(**{**_NEOX, "rotary_pct": 1.0, "attention_bias": False, **kw}),
+    "neox-seq": lambda **kw: GPTNeoXConfig(**{**_NEOX, "use_parallel_residual": False, **kw}),
+    "gptj": lambda **kw: GPTJConfig(**{**dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                              rotary_dim=4, n_positions=64), **kw}),
+    "gpt2": lambda **kw: GPT2Config(**{**dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                              n_positions=64, bos_token_id=1, eos_token_id=2), **kw}),
+    "opt": lambda **kw: OPTConfig(**{**dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                            num_attention_heads=HEADS, ffn_dim=48, word_embed_proj_dim=HIDDEN,
+                                            max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                                            eos_token_id=2), **kw}),
+}
+
 # encoder-decoder families, tested end to end in tests/hf/test_t5.py (their own fixtures)
 SEQ2SEQ_ARCHITECTURES = {"gqakit_t5": "GroupedT5ForConditionalGeneration"}
 
@@ -113,11 +134,11 @@ def load_exact(path, auto=AutoModelForCausalLM, attn: str = "eager"):
 
 
 def make_model(family: str, path, seed: int = 0, **overrides):
-    """Build, perturb and save a tiny random model; returns the saved folder."""
+    """Build, perturb and save a tiny random model (a family of FAMILIES or REHOST_SOURCES); returns the folder."""
     torch.manual_seed(seed)
-    config = _config(family, **overrides)
+    config = REHOST_SOURCES[family](**overrides) if family in REHOST_SOURCES else _config(family, **overrides)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    assert type(model).__name__ == ARCHITECTURES[family]
+    assert family in REHOST_SOURCES or type(model).__name__ == ARCHITECTURES[family]
     perturb_(model, seed + 1)
     model.save_pretrained(path)
     return path

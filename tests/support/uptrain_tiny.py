@@ -33,6 +33,18 @@ def make_uptrain_model(path: Path, kv_heads: int = 2, seed: int = 0, pretraining
     return Path(path)
 
 
+def make_family_model(family: str, path: Path) -> Path:
+    """Save a tiny random model of `family` (tests/support/families.py: a table family or a re-hosted source) with
+    the embedded tokenizer and its vocabulary."""
+    from families import make_model
+
+    source = reference_model_path()
+    make_model(family, path, vocab_size=json.loads((source / "config.json").read_text())["vocab_size"])
+    for name in TOKENIZER_FILES:
+        shutil.copy(source / name, Path(path) / name)
+    return Path(path)
+
+
 def make_text(path: Path, chars: int = 12_000) -> Path:
     Path(path).write_text(Path(HELDOUT_TEXT).read_text(encoding="utf-8")[:chars], encoding="utf-8")
     return Path(path)
@@ -45,19 +57,25 @@ def write_recipe(path: Path, **fields) -> Path:
     return Path(path)
 
 
-def make_t5_model(path: Path, kv_heads: int = 4, seed: int = 0, pretraining_tokens: int | None = 20_000) -> Path:
-    """Save a tiny random encoder-decoder (gqakit's grouped T5 with `kv_heads` of 4 decoder K/V heads) with a small
-    byte-level tokenizer that has T5's <pad>, EOS and 16 <extra_id_N> sentinels."""
-    from transformers import AutoModelForSeq2SeqLM
+def make_t5_model(path: Path, kv_heads: int | None = 4, seed: int = 0, pretraining_tokens: int | None = 20_000
+                  ) -> Path:
+    """Save a tiny random encoder-decoder (gqakit's grouped T5 with `kv_heads` of 4 decoder K/V heads; None: stock
+    T5ForConditionalGeneration) with a small byte-level tokenizer that has T5's <pad>, EOS and 16 <extra_id_N>
+    sentinels."""
+    from transformers import AutoModelForSeq2SeqLM, T5Config
 
     from gqakit.hf.models.grouped_t5 import GroupedT5Config
     from gqakit.reference.tokenizer import train_bpe
 
     tok = train_bpe([Path(HELDOUT_TEXT).read_text(encoding="utf-8")[:30_000]], 400, sentinel_count=16)
-    cfg = GroupedT5Config(vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-                          num_heads=4, num_key_value_heads=kv_heads, relative_attention_num_buckets=8,
-                          dropout_rate=0.0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                          decoder_start_token_id=tok.pad_token_id, architectures=["GroupedT5ForConditionalGeneration"])
+    fields = dict(vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                  relative_attention_num_buckets=8, dropout_rate=0.0, pad_token_id=tok.pad_token_id,
+                  eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
+    if kv_heads is None:
+        cfg = T5Config(**fields, architectures=["T5ForConditionalGeneration"])
+    else:
+        cfg = GroupedT5Config(**fields, num_key_value_heads=kv_heads,
+                              architectures=["GroupedT5ForConditionalGeneration"])
     torch.manual_seed(seed)
     AutoModelForSeq2SeqLM.from_config(cfg).save_pretrained(path)
     tok.save_pretrained(path)
