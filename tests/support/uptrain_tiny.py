@@ -33,13 +33,13 @@ def make_uptrain_model(path: Path, kv_heads: int = 2, seed: int = 0, pretraining
     return Path(path)
 
 
-def make_family_model(family: str, path: Path) -> Path:
+def make_family_model(family: str, path: Path, **overrides) -> Path:
     """Save a tiny random model of `family` (tests/support/families.py: a table family or a re-hosted source) with
     the embedded tokenizer and its vocabulary."""
     from families import make_model
 
     source = reference_model_path()
-    make_model(family, path, vocab_size=json.loads((source / "config.json").read_text())["vocab_size"])
+    make_model(family, path, vocab_size=json.loads((source / "config.json").read_text())["vocab_size"], **overrides)
     for name in TOKENIZER_FILES:
         shutil.copy(source / name, Path(path) / name)
     return Path(path)
