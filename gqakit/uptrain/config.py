@@ -183,7 +183,7 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
     from gqakit.attention.masks import AttentionOptionError
 
     from gqakit.attention.options import normalise_options
-    from gqakit.hf.architectures import find_family
+    from gqakit.hf.architectures.rehost import attention_layout
 
     if cfg.attention != "default":
         try:
@@ -200,7 +200,7 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
 
         check_seq2seq_recipe(cfg, arch)
     if cfg.trainable == "kv":
-        spec = find_family(arch)
+        spec = attention_layout(arch)
         if spec is None or spec.fused:
             why = "fuses them with Q" if spec is not None else "is not in gqakit's architecture tables"
             raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} {why}; use "

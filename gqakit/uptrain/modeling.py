@@ -22,10 +22,10 @@ def load_lm(path: str):
 
 
 def _family(model):
-    from gqakit.hf.architectures import find_family
+    from gqakit.hf.architectures.rehost import attention_layout
 
     arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
-    return arch, find_family(arch)
+    return arch, attention_layout(arch)
 
 
 def _layers(model) -> tuple[int, int]:
@@ -57,7 +57,8 @@ def _kv_names(model) -> list[str]:
         raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} fuses them in "
                           f"{spec.qkv_proj.format(i='N')}; use trainable=attention")
     sites = _sites(spec, model)
-    if spec.encoder_kv is not None and model.config.encoder_num_key_value_heads == model.config.num_heads:
+    if spec.encoder_kv is not None and getattr(model.config, "encoder_num_key_value_heads", None) in (
+            None, model.config.num_heads):  # stock T5 has no such field: all heads
         sites = sites[:-1]  # an MHA encoder is not what was converted
     prefixes = [t.format(i=i) + "." for k, v, layers in sites for i in range(layers) for t in (k, v)]
     for i in range(_layers(model)[0]):

@@ -12,6 +12,7 @@ source's logits (fp32, within 1e-5), and pooled ones equal mean-pooling computed
 """
 from __future__ import annotations
 
+from gqakit.hf.architectures import ArchSpec, find_family
 from gqakit.hf.architectures.rehost import bigcode, gptj, neox, t5
 from gqakit.hf.architectures.rehost.base import Rehost, Rehosted
 from gqakit.hf.checkpoint import TensorInfo
@@ -22,6 +23,15 @@ REHOSTS: dict[str, Rehost] = {arch: entry for entry in (*neox.REHOSTS, *gptj.REH
 
 def find_rehost(architecture: str) -> Rehost | None:
     return REHOSTS.get(architecture)
+
+
+def attention_layout(architecture: str) -> ArchSpec | None:
+    """Where a model of `architecture` keeps its attention: its family's table, or, for the stock source of a re-host
+    (GPT-2, GPT-NeoX, GPT-J, OPT, T5), the source's own layout (None: gqakit knows neither)."""
+    spec = find_family(architecture)
+    if spec is None and (entry := find_rehost(architecture)) is not None:
+        spec = entry.layout or find_family(entry.target)
+    return spec
 
 
 def rehosted_architectures() -> list[str]:

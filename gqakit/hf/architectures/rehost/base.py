@@ -6,6 +6,7 @@ import re
 from collections.abc import Callable
 
 from gqakit.common.errors import GqakitError
+from gqakit.hf.architectures.spec import ArchSpec
 from gqakit.hf.checkpoint import TensorInfo
 
 
@@ -18,6 +19,9 @@ class Rehost:
     target: str  # the target class (its ArchSpec is in the architecture table)
     build: Callable[[dict, dict[str, TensorInfo]], tuple[dict, dict[str, TensorInfo]]]
     exact: str  # what is exact, for the plan, the card and the docs
+    # where the stock source keeps its attention, for uptraining it unconverted (trainable=attention / kv); None:
+    # the source's tensors are the target's own (T5)
+    layout: ArchSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from gqakit.common.errors import GqakitError
+from gqakit.hf.architectures.spec import ArchSpec
 from gqakit.hf.architectures.rehost.base import Rehost, head_dim_of, source_config, token_ids, unused_check
 from gqakit.hf.architectures.rehost.tensors import Source, base_prefix, constant, derived
 from gqakit.hf.checkpoint import TensorInfo
@@ -152,8 +153,13 @@ def build_opt(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[
 REHOSTS = (
     Rehost("GPT-2", ("GPT2LMHeadModel",), "GPTBigCodeForCausalLM", build_gpt2,
            "exact: Conv1D weights transposed, c_attn reordered per head; 1 < G < H goes on to gqakit's "
-           "GroupedGPTBigCodeForCausalLM"),
+           "GroupedGPTBigCodeForCausalLM",
+           ArchSpec("gpt2", ("GPT2LMHeadModel",), k_proj=None, v_proj=None, q_proj=None,
+                    qkv_proj="transformer.h.{i}.attn.c_attn", o_proj="transformer.h.{i}.attn.c_proj")),
     Rehost("OPT", ("OPTForCausalLM",), "GPTBigCodeForCausalLM", build_opt,
            "exact: q/k/v fused per head, positions offset by 2 dropped; 1 < G < H goes on to gqakit's "
-           "GroupedGPTBigCodeForCausalLM; left-padded batches need explicit position_ids"),
+           "GroupedGPTBigCodeForCausalLM; left-padded batches need explicit position_ids",
+           ArchSpec("opt", ("OPTForCausalLM",), **{f"{r}_proj": f"model.decoder.layers.{{i}}.self_attn.{r}_proj"
+                                                    for r in "qkv"},
+                    o_proj="model.decoder.layers.{i}.self_attn.out_proj")),
 )

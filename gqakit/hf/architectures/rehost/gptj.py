@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from gqakit.common.errors import GqakitError
+from gqakit.hf.architectures.spec import ArchSpec
 from gqakit.hf.architectures.rehost.base import Rehost, head_dim_of, source_config, token_ids, unused_check
 from gqakit.hf.architectures.rehost.tensors import Source, constant, derived
 from gqakit.hf.checkpoint import TensorInfo
@@ -75,4 +76,7 @@ def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str,
 
 
 REHOSTS = (Rehost("GPT-J", ("GPTJForCausalLM",), "PhiForCausalLM", build,
-                  "exact: renames, zero biases and a permutation of the rotary rows of q and k"),)
+                  "exact: renames, zero biases and a permutation of the rotary rows of q and k",
+                  ArchSpec("gptj", ("GPTJForCausalLM",),
+                           **{f"{r}_proj": f"transformer.h.{{i}}.attn.{r}_proj" for r in "qkv"},
+                           o_proj="transformer.h.{i}.attn.out_proj")),)

@@ -11,6 +11,7 @@ tests/hf/test_rehost.py).
 from __future__ import annotations
 
 from gqakit.common.errors import GqakitError
+from gqakit.hf.architectures.spec import ArchSpec
 from gqakit.hf.architectures.rehost.base import Rehost, head_dim_of, source_config, token_ids, unused_check
 from gqakit.hf.architectures.rehost.tensors import Source, constant, derived, fold_norm
 from gqakit.hf.checkpoint import TensorInfo
@@ -149,4 +150,7 @@ def build_sequential(src, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[st
 
 REHOSTS = (Rehost("GPT-NeoX", ("GPTNeoXForCausalLM",), "PhiForCausalLM (parallel residual) or NemotronForCausalLM",
                   build, "exact up to the rounding of the LayerNorms folded into the linears that read them "
-                  "(Phi) or stored as scale - 1 (Nemotron)"),)
+                  "(Phi) or stored as scale - 1 (Nemotron)",
+                  ArchSpec("gpt_neox", ("GPTNeoXForCausalLM",), k_proj=None, v_proj=None, q_proj=None,
+                           qkv_proj="gpt_neox.layers.{i}.attention.query_key_value",
+                           o_proj="gpt_neox.layers.{i}.attention.dense")),)
