@@ -23,6 +23,7 @@ from gqakit.attention.hf_masks import TiledMask, gqakit_mask, uses_alibi
 from gqakit.attention.masks import AttentionOptionError, MaskSpec, dropout_refusal
 from gqakit.attention.options import mask_spec, normalise_options, stored_options
 from gqakit.common.attention_kinds import CONFIG_KEY, DEFAULT, KINDS, adds_position_bias, position_bias_refusal
+from gqakit.common.errors import opt
 
 
 # Keywords that transformers models pass to attention functions and that change the result, which the
@@ -172,8 +173,9 @@ def check_model(model, kind: str = "tiled") -> None:
         raise AttentionOptionError(position_bias_refusal(name, kind))
     if not getattr(type(model), "_supports_attention_backend", False):
         raise AttentionOptionError(
-            f"{name} does not route attention through transformers' AttentionInterface, so "
-            "gqakit attention cannot be plugged in; use a model family that does (Llama, Mistral, Qwen2, ...)")
+            f"{name} does not route attention through transformers' AttentionInterface, so gqakit attention cannot "
+            f"be plugged in; keep its own attention ({opt('attention', DEFAULT)}: sdpa or eager), or use a model "
+            "family that does (Llama, Mistral, Qwen2, ...)")
     config = model.config
     if uses_alibi(config):
         raise AttentionOptionError(f"{name} uses ALiBi position biases, which gqakit attention does not implement; "

@@ -155,3 +155,18 @@ def test_t5_is_refused_at_use_for_its_position_bias(kind, grouped):
     assert f"relative position bias to its attention scores, an additive bias that gqakit's {kind} attention does " \
            "not take; use attention=default (T5's own sdpa or eager attention)" in err, err
     assert "AttentionInterface" not in err and "Llama" not in err, err
+
+
+def test_falcon_under_gqakit_attention_is_pointed_to_its_own(tmp_path, capsys):
+    """Falcon's attention bypasses the AttentionInterface: `gqakit eval --attention tiled` says so in one line and
+    names the alternative as the command line spells it."""
+    from gqakit.cli import main
+    from uptrain_tiny import make_family_model, make_text
+
+    model = make_family_model("falcon", tmp_path / "falcon")
+    capsys.readouterr()
+    assert main(["eval", "ppl", str(model), "--text", str(make_text(tmp_path / "t.txt", chars=2_000)),
+                 "--max-length", "32", "--attention", "tiled", "-o", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "FalconForCausalLM does not route attention" in err, err
+    assert "keep its own attention (--attention default: sdpa or eager)" in err, err
