@@ -119,8 +119,9 @@ def _method_rows(cfg, plan: Plan, calibration) -> str:
         world = launched_share().world
         split = f"; layers split over {world} processes (torchrun)" if world > 1 else ""
         rows.append(f"| transfer | from the calibrated `{opts.start}` merge, trained {', '.join(PARAMS[opts.params])} "
-                    f"on {inputs}; at most {opts.steps} steps per layer, {stop}; the best held-out score's weights "
-                    f"kept{split} |")
+                    f"on {inputs}; at most {opts.steps} steps per layer of about {opts.step_tokens:,} tokens, "
+                    f"{opts.dtype}{' autocast' if opts.dtype != 'float32' else ''}, {stop}; the best held-out score's "
+                    f"weights kept{split} |")
     if calibration is None:
         rows.append("| calibration | none (weights only) |")
     else:

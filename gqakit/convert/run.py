@@ -107,7 +107,8 @@ def check_method_options(cfg: ConvertConfig) -> None:
                                           ("--transfer-steps", cfg.transfer_steps),
                                           ("--transfer-patience", cfg.transfer_patience),
                                           ("--transfer-inputs", cfg.transfer_inputs),
-                                          ("--transfer-start", cfg.transfer_start)) if value is not None]
+                                          ("--transfer-start", cfg.transfer_start),
+                                          ("--transfer-dtype", cfg.transfer_dtype)) if value is not None]
         if given:
             raise GqakitError(f"{given[0]} is used only by --method {' or '.join(methods.TRANSFER)}; drop it")
     transfer_options(cfg)  # its own checks

@@ -14,7 +14,9 @@ attention mask with its sliding window, ...). So RoPE, key norms, biases, softca
 model's own code. Attention runs through transformers' sdpa function, or eager where the family softcaps its
 logits (sdpa has no softcap); tests check both against eager.
 
-Loss: ||student(x) - teacher(x)||^2 / ||teacher(x)||^2 per batch of windows. AdamW, each trained tensor's learning
+Loss: ||student(x) - teacher(x)||^2 / ||teacher(x)||^2 per batch of windows (about `step_tokens` tokens: two
+windows of 512, one of 1,024), its forward and backward in float32 or, with `dtype` bfloat16, under bfloat16
+autocast (the weights, the loss and every held-out score stay float32). AdamW, each trained tensor's learning
 rate `lr` times its RMS at the start, with linear warm-up and cosine decay; the held-out calibration windows score
 the layer before training and every `eval_every` steps, training stops after `patience` scores without improvement
 (never, for 0), and the best-scoring weights are kept; a layer whose training never beat its start keeps the
@@ -46,6 +48,7 @@ from gqakit.hf.fields import config_object
 PARAMS = {"kv": ("k_proj", "v_proj"), "qkvo": ("q_proj", "k_proj", "v_proj", "o_proj")}
 INPUTS = ("original", "converted")  # --transfer-inputs
 STARTS = ("fit", "aligned")  # --transfer-start: calibrated merges (methods.METHODS) training can start from
+DTYPES = ("float32", "bfloat16")  # --transfer-dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +58,13 @@ class TransferOptions:
     params: str = "qkvo"
     steps: int = 600  # at most, per layer
     lr: float = 0.05  # relative: each trained tensor's step size is lr x its RMS at the start (scale-free)
-    batch: int = 2  # windows per step
+    step_tokens: int = 1024  # tokens per step: max(1, step_tokens // window) windows (2 windows of 512)
     warmup: float = 0.1  # fraction of `steps`
     eval_every: int = 20
     patience: int = 3  # held-out scores without improvement before stopping; 0: never stop early
     inputs: str = "original"  # each layer's inputs: the original model's, or the model's converted so far
     start: str = "fit"  # the calibrated merge that training starts from
+    dtype: str = "float32"  # training's forward and backward: float32, or bfloat16 autocast
     seed: int = 0
 
     def __post_init__(self):
@@ -72,6 +76,8 @@ class TransferOptions:
             raise GqakitError(f"--transfer-start {self.start!r} is not one of {', '.join(STARTS)}")
         if self.inputs not in INPUTS:
             raise GqakitError(f"--transfer-inputs {self.inputs!r} is not one of {', '.join(INPUTS)}")
+        if self.dtype not in DTYPES:
+            raise GqakitError(f"--transfer-dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.patience < 0:
             raise GqakitError(f"--transfer-patience {self.patience} must be 0 (never stop early) or more")
 
@@ -79,7 +85,7 @@ class TransferOptions:
 def transfer_options(cfg: ConvertConfig) -> TransferOptions:
     """The transfer options a `ConvertConfig` asks for, its unset flags at their defaults (checked here)."""
     given = {"params": cfg.transfer_params, "steps": cfg.transfer_steps, "patience": cfg.transfer_patience,
-             "inputs": cfg.transfer_inputs, "start": cfg.transfer_start}
+             "inputs": cfg.transfer_inputs, "start": cfg.transfer_start, "dtype": cfg.transfer_dtype}
     for flag, value in (("--transfer-steps", cfg.transfer_steps), ("--transfer-patience", cfg.transfer_patience)):
         if isinstance(value, bool) or not isinstance(value, (int, type(None))):
             raise GqakitError(f"{flag} must be a whole number, got {value!r}")
@@ -168,17 +174,21 @@ def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
     best_state = {id(p): p.detach().clone() for p in trained}
     order: list[int] = []
     stale = steps = 0
+    per_step = min(max(1, opts.step_tokens // held_x.shape[-2]), windows)
+    device_type = held_x.device.type
     bar = tqdm(total=opts.steps, desc=f"transfer layer {layer}", unit="step", leave=False, disable=not progress)
     try:
         for step in range(opts.steps):
             batch = []
-            for _ in range(min(opts.batch, windows)):
+            for _ in range(per_step):
                 if not order:
                     order = torch.randperm(windows, generator=generator).tolist()
                 batch.append(read(order.pop()))
             x = torch.stack([b[0] for b in batch])
             y = torch.stack([b[1] for b in batch])
-            loss = (attend(student, x, kwargs) - y).pow(2).sum() / y.pow(2).sum()
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=opts.dtype == "bfloat16"):
+                out = attend(student, x, kwargs)
+            loss = (out.float() - y).pow(2).sum() / y.pow(2).sum()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -336,3 +336,44 @@ def test_transfer_can_start_from_aligned(tmp_path):
     assert [r[5] for r in cards["fit"]] != [r[5] for r in cards["aligned"]]  # other starts
     run_refused(tmp_path, "convert-gqa", "--groups", "1", str(src), "-o", str(tmp_path / "x"), "--transfer-start",
                 "aligned", needles=("--transfer-start is used only by --method transfer",))
+
+
+def test_bfloat16_training_lowers_the_error_scored_in_float32():
+    """--transfer-dtype bfloat16: the forward and backward run under bfloat16 autocast, yet the weights stay float32
+    and the reported held-out error is the float32 score of the kept weights; deterministic for a seed."""
+    def train():
+        student, kwargs, xs, ys = _student_problem()
+        errors = transfer_layer(student, kwargs, 8, lambda w: (xs[w], ys[w]), xs[8:], ys[8:],
+                                TransferOptions(params="kv", steps=40, lr=0.3, eval_every=5, patience=100,
+                                                dtype="bfloat16"), 0, progress=False)
+        return student, errors, kwargs, xs, ys
+
+    student, errors, kwargs, xs, ys = train()
+    assert all(p.dtype == torch.float32 for p in student.parameters())
+    assert errors["transfer_after"] < 0.6 * errors["transfer_before"], errors
+    assert math.isclose(relative_error(student, xs[8:], ys[8:], kwargs), errors["transfer_after"], rel_tol=1e-9)
+    again, errors_again, *_ = train()
+    assert errors_again == errors and torch.equal(again.k_proj.weight, student.k_proj.weight)
+    float32, _, _ = _train(seed=0)
+    assert not torch.equal(float32.k_proj.weight, student.k_proj.weight)  # autocast really ran
+
+
+def test_each_step_reads_about_step_tokens():
+    """Windows per step: max(1, step_tokens // window), at most the fitting windows (2 of 512 by default)."""
+    student, kwargs, xs, ys = _student_problem()  # windows of 16 tokens
+    read = []
+    for step_tokens, per_step in ((64, 4), (16, 1), (8, 1), (1024, 8)):
+        read.clear()
+        transfer_layer(student, kwargs, 8, lambda w: (read.append(w), (xs[w], ys[w]))[1], xs[8:], ys[8:],
+                       TransferOptions(steps=3, eval_every=5, step_tokens=step_tokens), 0, progress=False)
+        assert len(read) == 3 * per_step, (step_tokens, len(read))
+
+
+def test_transfer_dtype_is_refused_elsewhere_and_recorded(tmp_path):
+    src = _with_tokenizer(make_tiny_llama(tmp_path / "src", heads=4, layers=2, head_dim=8, vocab_size=4096))
+    run_refused(tmp_path, "convert-gqa", "--groups", "1", str(src), "-o", str(tmp_path / "x"), "--transfer-dtype",
+                "bfloat16", needles=("--transfer-dtype is used only by --method transfer",))
+    out = tmp_path / "bf16"
+    assert convert_main(["--groups", "1", str(src), "--calibration", str(TEXT), *SMALL, "-q", "--method", "transfer",
+                         "--transfer-steps", "3", "--transfer-dtype", "bfloat16", "-o", str(out)]) == 0
+    assert "bfloat16 autocast" in (out / "README.md").read_text()
