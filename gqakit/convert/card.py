@@ -188,7 +188,8 @@ Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if comm
 
 | | |
 |---|---|
-| architecture | {plan.architecture}{f" (re-hosted: {plan.rehosted.describe()})" if plan.rehosted else ""} |
+| architecture | {plan.own_class[1] + f" (gqakit's own, from {plan.architecture})" if plan.own_class else plan.architecture}{
+f" (re-hosted: {plan.rehosted.describe()})" if plan.rehosted else ""} |
 | attention heads | {plan.num_attention_heads} |
 | K/V heads | {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}) |
 {encoder_row}| method | {plan.method}{f" (seed {cfg.seed})" if methods.get(plan.method).seeded else ""} |

@@ -65,7 +65,7 @@ def test_dry_run_and_card_name_the_target(family, capsys):
     assert convert_main([str(source), "--groups", str(GROUPS), "--dry-run"]) == 0
     plan = capsys.readouterr().out
     card = (out / "README.md").read_text()
-    assert target in plan and target in card, (plan, card[:1200])  # GPT-2 at 1 < G < H: in the loading note
+    assert target in plan and f"| architecture | {target}" in card, (plan, card[:1200])
     if rehosted:
         assert f"re-hosted: {rehosted} (" in plan and f"re-hosted: {rehosted} (" in card, (plan, card[:1200])
     model = _load(out)
