@@ -166,11 +166,16 @@ def kv_bytes_per_token(config, dtype: torch.dtype | str) -> int:
     held in at run time, which is the compute dtype (transformers caches K and V as attention computes
     them), not the dtype stored on disk; `kv_heading` names it in the column heading.
     An encoder-decoder's is its decoder's self-attention cache per generated token (its cross-attention cache
-    holds as many bytes per input token).
+    holds as many bytes per input token). A family whose transformers cache holds K/V expanded to every query head
+    (Falcon) counts every head: that is what its runtime keeps.
     """
+    from gqakit.hf.architectures import find_family
+
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * cached_layers(config) * kv_heads(config) * head_dim(config) * itemsize
+    spec = find_family(((getattr(config, "architectures", None) or [""])[0]))
+    heads = config.num_attention_heads if spec is not None and spec.cache_holds_every_head else kv_heads(config)
+    return 2 * cached_layers(config) * heads * head_dim(config) * itemsize
 
 
 def cached_layers(config) -> int:

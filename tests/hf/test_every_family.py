@@ -82,6 +82,9 @@ def test_eval_ppl_scores_the_converted_model(family, text, tmp_path):
                  "-o", str(tmp_path / "report"), "-q"]) == 0
     row, = json.loads((tmp_path / "report" / "results.json").read_text())["results"]["rows"]
     assert row["kv_heads"] == GROUPS and row["scored_tokens"] > 0
+    # the bytes transformers' own cache keeps per token: Falcon's holds K/V expanded to every query head
+    cached = row["heads"] if name == "falcon" else GROUPS
+    assert row["kv_bytes_per_token"] == 2 * row["layers"] * cached * row["head_dim"] * 4, row
     assert 1 < row["perplexity"] < math.inf
 
 

@@ -50,6 +50,9 @@ class ArchSpec:
     qkv_layout: str = "blocks"
     # What the plan and the card must say about the family's runtime (Falcon's cache holds every head anyway)
     runtime_note: str = ""
+    # transformers' own cache for the family holds K/V expanded to every query head (Falcon): what eval's KV-cache
+    # column counts
+    cache_holds_every_head: bool = False
     # gqakit's own class for a G the family's stock class cannot hold (GPTBigCode: 1 < G < H), or, on a family
     # without multi_query_key, the gqakit class the family itself is: (model_type, architecture, its K/V head key)
     grouped_class: tuple[str, str, str] | None = None

@@ -56,6 +56,7 @@ FAMILIES: tuple[ArchSpec, ...] = (
         notes="new_decoder_architecture only (refused otherwise, see refused.py)",
         runtime_note=("transformers' Falcon expands K and V to every query head before its cache, so its own "
                       "runtime keeps the MHA cache size; the saving needs a runtime that caches K/V heads (e.g. vLLM)"),
+        cache_holds_every_head=True,
     ),
     ArchSpec("nemotron", ("NemotronForCausalLM",)),
     ArchSpec(
