@@ -57,8 +57,9 @@ def source(request, tmp_path_factory):
     return request.param, path, model.eval()
 
 
-def pooled_reference(model, groups: int, encoder: bool):
-    """The source class with every grouped K/V head replaced by its group's mean (an explicit loop over heads)."""
+def pooled_reference(model, groups: int, encoder: bool, first: bool = False):
+    """The source class with every grouped K/V head replaced by its group's mean (an explicit loop over heads), or
+    with `first` by the group's first head (--method first)."""
     ref = copy.deepcopy(model)
     stacks = [("decoder", ("layer.0.SelfAttention", "layer.1.EncDecAttention"))]
     if encoder:
@@ -72,7 +73,8 @@ def pooled_reference(model, groups: int, encoder: bool):
                     for role in "kv":
                         w = state[f"{stack}.block.{i}.{attention}.{role}.weight"].view(HEADS, D_KV, D_MODEL)
                         for g in range(groups):
-                            mean = sum(w[h].double() for h in range(g * r, (g + 1) * r)) / r
+                            mean = w[g * r].double() if first else sum(
+                                w[h].double() for h in range(g * r, (g + 1) * r)) / r
                             for h in range(g * r, (g + 1) * r):
                                 w[h] = mean.float()
     return ref.eval()
@@ -102,6 +104,24 @@ def test_t5_grouped_like_the_paper(source, groups, encoder, tmp_path):
     assert converted.encoder.block[0].layer[0].SelfAttention.v.weight.shape[0] == (groups if encoder else HEADS) * D_KV
     # the relative position bias stays per query head
     assert converted.decoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.shape[1] == HEADS
+
+
+def test_first_and_random_merges(source, tmp_path):
+    """--method first equals the source class with each group's K/V heads replaced by its first head; --method
+    random is a function of --seed."""
+    name, path, model = source
+    out = tmp_path / "first"
+    assert convert_main([str(path), "--groups", "2", "--method", "first", "-o", str(out), "--quiet"]) == 0
+    torch.testing.assert_close(logits(load(out)), logits(pooled_reference(model, 2, False, first=True)),
+                               rtol=1e-5, atol=1e-5)
+    seeded = {}
+    for run, seed in (("a", 1), ("b", 1), ("c", 2)):
+        out = tmp_path / run
+        assert convert_main([str(path), "--groups", "2", "--method", "random", "--seed", str(seed), "-o", str(out),
+                             "--quiet"]) == 0
+        seeded[run] = load(out).decoder.block[0].layer[1].EncDecAttention.k.weight
+    assert torch.equal(seeded["a"], seeded["b"]) and not torch.equal(seeded["a"], seeded["c"])
+    assert not torch.equal(seeded["a"], model.decoder.block[0].layer[1].EncDecAttention.k.weight[:2 * D_KV])
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
