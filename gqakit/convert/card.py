@@ -96,7 +96,7 @@ positions, weights only, biases aside) and the same for values with O_j V_h (0: 
 
 
 _TRANSFER_NOTE = """
-The k_proj, v_proj and logit columns measure the fit merge that training started from. The last three
+The k_proj, v_proj and logit columns measure the {start} merge that training started from. The last three
 columns are the relative error of the layer's attention output (o_proj included) against the original's on
 the held-out calibration windows, sqrt(sum ||y' - y||^2 / sum ||y||^2), before and after training, and the
 training steps taken (the same windows stop training early, and the best-scoring weights are kept).
@@ -165,6 +165,7 @@ def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]],
     held = calibration is not None
     compared = held and any("logits_mean" in e for e in errors.values())
     trained = any("transfer_before" in e for e in errors.values())
+    start = transfer_options(cfg).start if trained else ""
     # other K/V sites of a layer (T5: "cross k", "encoder v", ...), in the table's order
     sites = [f"{site} {role}" for site, *_ in (*plan.spec.kv_sites, ("encoder",)) for role in "kv"
              if any(f"{site} {role}" in e for e in errors.values())]
@@ -203,10 +204,10 @@ chr(10) + "**Runtime:** " + plan.spec.runtime_note + chr(10) if plan.spec.runtim
 chr(10) + "**Loading:** " + own_class_note(plan) + chr(10) if plan.own_class else ""}
 {_error_heading(plan, held)}
 
-{_TRANSFER_NOTE if trained else ""}
+{_TRANSFER_NOTE.format(start=start) if trained else ""}
 | layer | k_proj | v_proj |{"".join(f" {site} |" for site in sites)}{" held-out logits |" if held else ""}{
 " held-out logits, mean-pooled |" if compared else ""}{
-" held-out attention output, fit start | after transfer | steps |" if trained else ""}
+f" held-out attention output, {start} start | after transfer | steps |" if trained else ""}
 |---|---|---|{"---|" * len(sites)}{"---|" if held else ""}{"---|" if compared else ""}{
 "---|---|---|" if trained else ""}
 {rows}
