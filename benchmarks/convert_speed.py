@@ -1,7 +1,8 @@
 """How fast and how lean is `convert-gqa` next to a plain `cp -r` of the same checkpoint?
 
 Synthesises a Llama-2-7B-shaped bf16 MHA checkpoint (HF tensor names, <= 5 GB shards plus
-model.safetensors.index.json, ~13.5 GB) in a scratch folder, then times, side by side in one run,
+model.safetensors.index.json, ~13.5 GB) -- or, with `--family gpt_neox`, a Pythia-6.9B-shaped one, which
+convert-gqa re-hosts on PhiForCausalLM (~13.7 GB) -- in a scratch folder, then times, side by side in one run,
 `cp -r SRC DST` and `convert-gqa --groups G SRC -o DST --quiet` (both as subprocesses, both reading
 an equally cold -- or equally warm -- source), records the converter's peak RSS, checks the output
 cheaply, and prints a markdown table. A benchmark, never a test.
@@ -9,6 +10,7 @@ cheaply, and prints a markdown table. A benchmark, never a test.
     python benchmarks/convert_speed.py --small          # 4 layers, hidden 1024: seconds
     python benchmarks/convert_speed.py                  # 7B shape: needs ~30 GB free disk
     python benchmarks/convert_speed.py --repeats 3 --cache warm
+    python benchmarks/convert_speed.py --family gpt_neox --layers 4   # Pythia-6.9B layer shape, 4 layers
 
 Progress goes to stderr; stdout is only the markdown report.
 """
@@ -58,6 +60,8 @@ class Shape:
 PRESETS = {
     "7b": Shape(layers=32, hidden=4096, intermediate=11008, heads=32, vocab=32000),  # Llama-2-7B
     "small": Shape(layers=4, hidden=1024, intermediate=2816, heads=16, vocab=32000),
+    "pythia-6.9b": Shape(layers=32, hidden=4096, intermediate=16384, heads=32, vocab=50432),
+    "pythia-small": Shape(layers=4, hidden=1024, intermediate=4096, heads=16, vocab=50432),
 }
 
 
@@ -69,15 +73,19 @@ def log(msg: str) -> None:
 # The synthetic checkpoint
 
 
+def shape_config(s: Shape) -> dict:
+    """The config.json keys every family spells alike."""
+    return {"hidden_size": s.hidden, "intermediate_size": s.intermediate, "num_hidden_layers": s.layers,
+            "num_attention_heads": s.heads, "vocab_size": s.vocab, "initializer_range": 0.02,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
 def llama_config(s: Shape) -> dict:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": s.hidden, "intermediate_size": s.intermediate, "num_hidden_layers": s.layers,
-        "num_attention_heads": s.heads, "num_key_value_heads": s.heads, "head_dim": s.head_dim,
-        "vocab_size": s.vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "hidden_act": "silu", "initializer_range": 0.02,
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape_config(s),
+        "num_key_value_heads": s.heads, "head_dim": s.head_dim, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
     }
 
 
@@ -102,6 +110,38 @@ def llama_entries(s: Shape) -> list[tuple[str, str, tuple[int, ...]]]:
     return entries
 
 
+def neox_config(s: Shape) -> dict:
+    """A Pythia-style config.json (legacy keys, as on the hub): parallel residual, a quarter of each head rotary."""
+    return {
+        "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **shape_config(s),
+        "max_position_embeddings": 2048, "rotary_pct": 0.25, "rotary_emb_base": 10000,
+        "use_parallel_residual": True, "layer_norm_eps": 1e-5, "hidden_act": "gelu", "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
+
+
+def neox_entries(s: Shape) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Every tensor of an untied GPTNeoXForCausalLM, named as HF names it, in module (state-dict) order."""
+    h, i = s.hidden, s.intermediate
+    entries = [("gpt_neox.embed_in.weight", "BF16", (s.vocab, h))]
+    for n in range(s.layers):
+        p = f"gpt_neox.layers.{n}."
+        for name, shape in (("input_layernorm", (h,)), ("post_attention_layernorm", (h,)),
+                            ("attention.query_key_value", (3 * h, h)),  # rows per head: [q | k | v]
+                            ("attention.dense", (h, h)), ("mlp.dense_h_to_4h", (i, h)),
+                            ("mlp.dense_4h_to_h", (h, i))):
+            entries += [(p + name + ".weight", "BF16", shape), (p + name + ".bias", "BF16", shape[:1])]
+    entries += [("gpt_neox.final_layer_norm.weight", "BF16", (h,)), ("gpt_neox.final_layer_norm.bias", "BF16", (h,)),
+                ("embed_out.weight", "BF16", (s.vocab, h))]
+    return entries
+
+
+FAMILIES = {  # family -> (config, tensors, full preset, --small preset, label, class convert-gqa writes)
+    "llama": (llama_config, llama_entries, "7b", "small", "Llama-2-7B", "LlamaForCausalLM"),
+    "gpt_neox": (neox_config, neox_entries, "pythia-6.9b", "pythia-small", "Pythia-6.9B", "PhiForCausalLM"),
+}
+
+
 def pattern(shape: tuple[int, ...], salt: int) -> torch.Tensor:
     """A cheap deterministic bf16 fill whose rows (and so heads) differ: row term + column term.
 
@@ -117,12 +157,15 @@ def pattern(shape: tuple[int, ...], salt: int) -> torch.Tensor:
     return out
 
 
-def synthesise(folder: Path, s: Shape, max_shard_bytes: int) -> None:
+def synthesise(folder: Path, s: Shape, max_shard_bytes: int, family: str = "llama") -> None:
     """Write config.json, generation_config.json and the shards, one tensor at a time."""
+    make_config, make_entries = FAMILIES[family][:2]
+    config = make_config(s)
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(llama_config(s), indent=2) + "\n")
-    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
-    entries = llama_entries(s)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    ids = {k: config[k] for k in ("bos_token_id", "eos_token_id")}
+    (folder / "generation_config.json").write_text(json.dumps(ids) + "\n")
+    entries = make_entries(s)
     writer = ShardWriter(folder, entries, max_shard_bytes)
     for k, (name, _, shape) in enumerate(entries):
         writer.write_tensor(name, pattern(shape, k))
@@ -266,20 +309,40 @@ def import_overhead() -> float:
 # A cheap, gqakit-independent check of the converted checkpoint
 
 
-def verify(src: Path, dst: Path, s: Shape, groups: int) -> list[str]:
+def read_tensor(loc: dict[str, Path], name: str) -> torch.Tensor:
+    with safe_open(str(loc[name]), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def attention_rows(loc: dict[str, Path], family: str, s: Shape, layer: int, proj: str) -> torch.Tensor:
+    """Layer `layer`'s q/k/v weight as the class convert-gqa writes holds it before pooling (float32): Llama's own;
+    for GPT-NeoX, its rows of the fused query_key_value times input_layernorm's scale (folded in for Phi)."""
+    if family == "llama":
+        return read_tensor(loc, f"model.layers.{layer}.self_attn.{proj}.weight").float()
+    a = f"gpt_neox.layers.{layer}."
+    qkv = read_tensor(loc, a + "attention.query_key_value.weight").float()
+    rows = qkv.view(s.heads, 3, s.head_dim, s.hidden)[:, "qkv".index(proj[0])]  # (H, d, in)
+    return rows.reshape(s.heads * s.head_dim, s.hidden) * read_tensor(loc, a + "input_layernorm.weight").float()
+
+
+def verify(src: Path, dst: Path, s: Shape, groups: int, family: str = "llama") -> list[str]:
     """Return a list of problems (empty when the output looks right)."""
     problems = []
     config = json.loads((dst / "config.json").read_text())
     if config.get("num_key_value_heads") != groups:
         problems.append(f"config num_key_value_heads={config.get('num_key_value_heads')}, expected {groups}")
+    if config.get("architectures") != [FAMILIES[family][5]]:
+        problems.append(f"config architectures={config.get('architectures')}, expected [{FAMILIES[family][5]}]")
     src_loc, dst_loc = tensor_locations(src), tensor_locations(dst)
-    if set(src_loc) != set(dst_loc):
+    if family == "llama" and set(src_loc) != set(dst_loc):
         problems.append(f"tensor names differ: {sorted(set(src_loc) ^ set(dst_loc))[:4]}")
         return problems
     want = [groups * s.head_dim, s.hidden]
     for n in range(s.layers):
         for proj in ("k_proj", "v_proj"):
             name = f"model.layers.{n}.self_attn.{proj}.weight"
+            if name not in dst_loc:
+                return problems + [f"{name} is missing from the output"]
             with safe_open(str(dst_loc[name]), framework="pt") as f:
                 got = f.get_slice(name).get_shape()
             if list(got) != want:
@@ -288,14 +351,12 @@ def verify(src: Path, dst: Path, s: Shape, groups: int) -> list[str]:
     per = s.heads // groups
     for proj in ("k_proj", "v_proj", "q_proj"):
         name = f"model.layers.{layer}.self_attn.{proj}.weight"
-        with safe_open(str(src_loc[name]), framework="pt") as f:
-            before = f.get_tensor(name)
-        with safe_open(str(dst_loc[name]), framework="pt") as f:
-            after = f.get_tensor(name)
+        before = attention_rows(src_loc, family, s, layer, proj)
+        after = read_tensor(dst_loc, name)
         if proj == "q_proj":
-            expect = before  # passed through byte for byte
+            expect = before.to(torch.bfloat16)  # passed through byte for byte (GPT-NeoX: folded, not pooled)
         else:
-            heads = before.view(s.heads, s.head_dim, s.hidden).float()  # (H, d, in)
+            heads = before.view(s.heads, s.head_dim, s.hidden)  # (H, d, in)
             expect = (heads.view(groups, per, s.head_dim, s.hidden).sum(dim=1) / per)  # (G, d, in)
             expect = expect.reshape(groups * s.head_dim, s.hidden).to(torch.bfloat16)
         if after.shape != expect.shape:
@@ -323,7 +384,7 @@ def measure_cp(src: Path, dst: Path, files: list[Path], cache: str, scratch: Pat
 
 
 def measure_convert(src: Path, dst: Path, files: list[Path], cache: str, scratch: Path, groups: int,
-                    max_shard: str, s: Shape, check: bool) -> dict:
+                    max_shard: str, s: Shape, check: bool, family: str = "llama") -> dict:
     resident = prepare_cache(files, cache)
     log(f"convert-gqa --groups {groups} (source {_pct(resident)} cached) ...")
     cmd = [*converter_command(), "--groups", str(groups), str(src), "-o", str(dst), "--quiet",
@@ -333,7 +394,7 @@ def measure_convert(src: Path, dst: Path, files: list[Path], cache: str, scratch
     result = {"seconds": seconds, "rss_mb": rss_kib / 1024, "resident": resident,
               "out_bytes": tree_bytes(dst)}
     if check:
-        result["problems"] = verify(src, dst, s, groups)
+        result["problems"] = verify(src, dst, s, groups, family)
         log(f"output check: {'ok' if not result['problems'] else result['problems']}")
     shutil.rmtree(dst)
     return result
@@ -354,6 +415,8 @@ def _verdict(ok: bool) -> str:
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Shape]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="llama",
+                   help="source to synthesise: Llama-2-7B-shaped (default) or Pythia-6.9B-shaped GPT-NeoX")
     p.add_argument("--small", action="store_true", help="quick preset: 4 layers, hidden 1024, 16 heads")
     p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int)
@@ -369,7 +432,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Shape]:
     p.add_argument("--source", default=None, help="use this existing checkpoint instead of synthesising one")
     p.add_argument("--keep", action="store_true", help="keep the work folder (synthesised checkpoint)")
     args = p.parse_args(argv)
-    base = PRESETS["small" if args.small else "7b"]
+    base = PRESETS[FAMILIES[args.family][3 if args.small else 2]]
     shape = Shape(**{f.name: getattr(args, f.name) or getattr(base, f.name) for f in dataclasses.fields(Shape)})
     if shape.hidden % shape.heads:
         p.error(f"--hidden {shape.hidden} is not divisible by --heads {shape.heads}")
@@ -383,6 +446,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Shape]:
         p.error(str(e))
     if args.source:
         cfg = json.loads((Path(args.source) / "config.json").read_text())
+        args.family = "gpt_neox" if cfg.get("model_type") == "gpt_neox" else "llama"
         shape = Shape(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"],
                       cfg["num_attention_heads"], cfg["vocab_size"])
     return args, shape
@@ -392,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     args, shape = parse_args(argv)
     scratch = Path(args.scratch).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
-    entries = llama_entries(shape)
+    entries = FAMILIES[args.family][1](shape)
     need = sum(math.prod(e[2]) * 2 for e in entries) * (1 if args.source else 2) + (2 << 30)
     free = shutil.disk_usage(scratch).free
     if free < need:
@@ -404,10 +468,10 @@ def main(argv: list[str] | None = None) -> int:
             src = Path(args.source).resolve()
             synth_s = None
         else:
-            src = work / "llama-mha"
+            src = work / f"{args.family}-mha"
             log(f"synthesising a {shape.label(shape.heads)} bf16 checkpoint in {src} ...")
             start = time.perf_counter()
-            synthesise(src, shape, max_shard_bytes(args.max_shard_size))
+            synthesise(src, shape, max_shard_bytes(args.max_shard_size), args.family)
             synth_s = time.perf_counter() - start
         files = weight_files(src)
         src_bytes = tree_bytes(src)
@@ -428,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                     cps.append(measure_cp(src, work / "copy", files, args.cache, scratch))
                 else:
                     convs.append(measure_convert(src, work / "gqa", files, args.cache, scratch, args.groups,
-                                                 args.max_shard_size, shape, check=rep == 0))
+                                                 args.max_shard_size, shape, check=rep == 0, family=args.family))
 
         cp_s = statistics.median(r["seconds"] for r in cps)
         cp_sync_s = statistics.median(r["sync_seconds"] for r in cps)
@@ -452,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{_verdict(ratio_sync <= RATIO_TARGET)} |")
         print(f"| memory: convert peak RSS | {rss_mb:.0f} MiB | <= {RSS_TARGET_MB} MiB (1.5 GiB) | "
               f"{_verdict(rss_mb <= RSS_TARGET_MB)} |")
-        print(f"| output: k/v shapes [G*d, hidden], pooled k/v = head mean, q unchanged | "
+        print(f"| output: k/v shapes [G*d, hidden], pooled k/v = head mean, q unchanged"
+              f"{' (its norm folded in)' if args.family == 'gpt_neox' else ''} | "
               f"{'ok' if not problems else '; '.join(problems)} | exact | {_verdict(not problems)} |")
 
         load = os.getloadavg()
@@ -472,7 +537,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- Peak RSS is the converter process's own VmHWM, written by it at exit. Every convert run includes "
               f"~{overhead:.2f} s of interpreter start and imports (torch), measured separately with a warm cache; "
               f"without it convert / cp -r would be {(conv_s - overhead) / cp_s:.2f}x.")
-        print(f"- Source: synthetic {'Llama-2-7B-shaped ' if shape == PRESETS['7b'] else ''}bf16 LlamaForCausalLM "
+        _, _, full, _, label, _ = FAMILIES[args.family]
+        arch = "GPTNeoXForCausalLM (re-hosted on PhiForCausalLM)" if args.family == "gpt_neox" else "LlamaForCausalLM"
+        print(f"- Source: synthetic {label + '-shaped ' if shape == PRESETS[full] else ''}bf16 {arch} "
               f"({shape.label(shape.heads)}), {len(files)} weight file(s), shard cap {args.max_shard_size}; "
               f"converted with `convert-gqa --groups {args.groups} SRC -o DST --quiet --max-shard-size "
               f"{args.max_shard_size}`.")
