@@ -1,6 +1,8 @@
 """Building blocks of the re-host mappings: take stored tensors by name, derive new ones lazily."""
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -10,10 +12,17 @@ from gqakit.hf.checkpoint import DTYPES, DerivedTensor, TensorInfo, load_tensor
 
 
 class Source:
-    """The source checkpoint's tensors; records which ones a mapping used."""
+    """The source checkpoint's tensors; records which ones a mapping used. Its loaders keep the last few tensors
+    they read (`RECENT`), so the several tensors derived from one stored tensor, written one after another (q, k
+    and v of a fused projection, each weight and its folded bias), read and upcast it once; callers never change
+    a loaded tensor in place."""
+
+    RECENT = 4
 
     def __init__(self, family: str, tensors: dict[str, TensorInfo]):
         self.family, self.tensors, self.used = family, tensors, set()
+        self._recent: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -32,7 +41,18 @@ class Source:
     def loader(self, name: str, shape: tuple[int, ...] | None = None) -> Callable[[], torch.Tensor]:
         """A function that reads the tensor (float32) when called; the name is checked now."""
         info = self.info(name, shape)
-        return lambda: load_tensor(info, name).float()
+        return lambda: self._load(info, name)
+
+    def _load(self, info: TensorInfo, name: str) -> torch.Tensor:
+        with self._lock:
+            if name in self._recent:
+                self._recent.move_to_end(name)
+                return self._recent[name]
+            tensor = load_tensor(info, name).float()
+            self._recent[name] = tensor
+            while len(self._recent) > self.RECENT:
+                self._recent.popitem(last=False)
+            return tensor
 
 
 def derived(like: TensorInfo, shape: tuple[int, ...], make: Callable[[], torch.Tensor]) -> DerivedTensor:
