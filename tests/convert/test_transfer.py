@@ -380,3 +380,18 @@ def test_transfer_dtype_is_refused_elsewhere_and_recorded(tmp_path):
     assert convert_main(["--groups", "1", str(src), "--calibration", str(TEXT), *SMALL, "-q", "--method", "transfer",
                          "--transfer-steps", "3", "--transfer-dtype", "bfloat16", "-o", str(out)]) == 0
     assert "bfloat16 autocast" in (out / "README.md").read_text()
+
+
+def test_bfloat16_transfer_warns_on_a_cpu_without_fast_bfloat16(tmp_path, monkeypatch, capsys):
+    from gqakit.common import precision
+
+    src = _with_tokenizer(make_tiny_llama(tmp_path / "src", heads=4, layers=2, head_dim=8, vocab_size=4096))
+    args = ["--groups", "1", str(src), "--calibration", str(TEXT), *SMALL, "-q", "--method", "transfer",
+            "--transfer-steps", "2", "--transfer-dtype", "bfloat16"]
+    for slowdown, warned in ((4.0, True), (0.4, False)):
+        monkeypatch.setattr(precision, "cpu_bf16_slowdown", lambda slowdown=slowdown: slowdown)
+        capsys.readouterr()
+        assert convert_main([*args, "-o", str(tmp_path / f"out-{slowdown}")]) == 0
+        err = capsys.readouterr().err
+        assert ("--transfer-dtype bfloat16 on this CPU: a bf16 matmul takes 4.0x" in err) == warned, err
+        assert ("--transfer-dtype float32 runs faster" in err) == warned
