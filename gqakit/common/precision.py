@@ -38,3 +38,12 @@ def bf16_cpu_warning(what: str, instead: str) -> str | None:
         return None
     return (f"{what} on this CPU: a bf16 matmul takes {ratio:.1f}x as long as an fp32 one here (no fast bf16 "
             f"arithmetic); {instead} runs faster on this machine")
+
+
+def warn_if_slow_bf16(command: str, what: str, instead: str) -> None:
+    """Print `bf16_cpu_warning(what, instead)` to stderr as `command: warning: ...` where bf16 is slow here."""
+    import sys
+
+    slow = bf16_cpu_warning(what, instead)
+    if slow:
+        print(f"{command}: warning: {slow}", file=sys.stderr, flush=True)

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -528,11 +527,9 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
             device = _calibration_device(cfg, share)
             opts = transfer_options(cfg) if transfer else None
             if opts is not None and opts.dtype == "bfloat16" and str(device).startswith("cpu") and share.rank == 0:
-                from gqakit.common.precision import bf16_cpu_warning
+                from gqakit.common.precision import warn_if_slow_bf16
 
-                slow = bf16_cpu_warning("--transfer-dtype bfloat16", "--transfer-dtype float32")
-                if slow:
-                    print(f"convert-gqa: warning: {slow}", file=sys.stderr, flush=True)
+                warn_if_slow_bf16("convert-gqa", "--transfer-dtype bfloat16", "--transfer-dtype float32")
             for layer in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout, how.stats,
                                    device, cfg.progress, with_inputs=transfer,
                                    converted_inputs=transfer and opts.inputs == "converted"):

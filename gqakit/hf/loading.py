@@ -9,7 +9,6 @@ line, never a traceback or a silently half-random model.
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 
 import torch
@@ -116,11 +115,9 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
         local_only = check_hub_name(path)
     target = resolve_device(device)
     if dtype == "bfloat16" and target.type == "cpu":
-        from gqakit.common.precision import bf16_cpu_warning
+        from gqakit.common.precision import warn_if_slow_bf16
 
-        slow = bf16_cpu_warning("--dtype bfloat16", "--dtype float32")
-        if slow:
-            print(f"gqakit: warning: {slow}", file=sys.stderr, flush=True)
+        warn_if_slow_bf16("gqakit", "--dtype bfloat16", "--dtype float32")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=local_only)
     except ValueError as e:  # e.g. no model_type, an architecture this transformers does not know
@@ -173,7 +170,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype | str) -> int:
 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    spec = find_family(((getattr(config, "architectures", None) or [""])[0]))
+    spec = find_family((getattr(config, "architectures", None) or [""])[0])
     heads = config.num_attention_heads if spec is not None and spec.cache_holds_every_head else kv_heads(config)
     return 2 * cached_layers(config) * heads * head_dim(config) * itemsize
 
