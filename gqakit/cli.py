@@ -6,6 +6,7 @@
     gqakit eval ppl|stream|passkey MODEL ...
     gqakit uptrain RECIPE.yaml [key=value ...]   (also under torchrun / accelerate launch)
     gqakit tokenize DATA... -o TOKENS --tokenizer MODEL   (a token cache that uptrain's data: can name)
+    gqakit sample MODEL -o SAMPLES.jsonl --tokens 65536   (calibration text drawn from the model itself)
     gqakit uptrain RECIPE.yaml --plan --processes 8 --device-memory 80GB   (memory per rank; trains nothing)
 """
 from __future__ import annotations
@@ -138,6 +139,14 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
           f"({record['budget']['source']}) in {record['train_seconds']:.0f} s")
 
 
+def _run_sample(args: argparse.Namespace, command: str) -> None:
+    from gqakit.convert.calibration.sample import SampleConfig, sample
+
+    done = sample(from_args(SampleConfig, args))
+    _report(f"wrote {done['output']}: {counted(done['samples'], 'sample')} of the model's own text, "
+            f"{counted(done['tokens'], 'token')} in {done['seconds']:.1f} s")
+
+
 def _run_tokenize(args: argparse.Namespace, command: str) -> None:
     from gqakit.uptrain.data.token_build import tokenize_to
 
@@ -177,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(see gqakit.uptrain.data.token_build)")
     add_arguments(tok, TokenizeConfig)
     tok.set_defaults(func=_run_tokenize, options=TokenizeConfig, interrupted="nothing was written")
+    from gqakit.convert.calibration.sample import SampleConfig  # torch-free
+
+    samp = sub.add_parser("sample", help="calibration text sampled from the model itself (convert-gqa --calibration)")
+    add_arguments(samp, SampleConfig)
+    samp.set_defaults(func=_run_sample, options=SampleConfig, interrupted="nothing was written")
     add_eval_parser(sub)
     return parser
 

@@ -1,0 +1,119 @@
+"""`gqakit sample`: calibration text drawn from the model itself, for when no text of its training domain is at hand.
+
+A merge fitted or trained on calibration windows learns the original attention on the inputs those windows give
+it; with one K/V head for many query heads it cannot keep everything, and what it keeps follows the calibration
+text's domain. SmolLM2-135M trained on *Pride and Prejudice* reproduces its original attention on held-out Austen
+far better than on Wikipedia (docs/results.md, "Calibration text"). The model's own samples are the nearest thing to
+its training distribution that needs no data at all: each sample starts a new document (the tokenizer's BOS, or
+its EOS where it has none) and draws `length` tokens at temperature 1 from the model's full distribution (top-p 1),
+as data-free distillation does (LLM-QAT, arXiv 2305.17888, samples its own training data the same way).
+
+The output is one JSON-lines file, one `{"text": ...}` row per sample, that `convert-gqa --calibration` (and
+`gqakit eval`'s `--dataset`) reads as documents; it is written beside its final name and renamed into place, so an
+interrupted run leaves nothing behind. Sampling is deterministic for a seed on one machine (each batch reseeds).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from gqakit.common.dtypes import NAMES as DTYPES
+from gqakit.common.errors import GqakitError
+from gqakit.common.options import FieldError, check_fields, flags, option
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    """`gqakit sample`'s options, checked on construction (`gqakit.common.options`)."""
+
+    model: str = option(flag="MODEL", help="Hugging Face checkpoint folder (a decoder) to sample from")
+    output: str = option(flag="-o/--output", metavar="FILE.jsonl",
+                         help="the JSON-lines file to write, one {\"text\": ...} row per sample")
+    tokens: int = option(65_536, at_least=1, help="tokens to sample in all, rounded up to whole samples "
+                                                   "(default: 65,536)")
+    length: int = option(512, at_least=1, help="tokens per sample (default: 512, a calibration window)")
+    batch_size: int = option(16, at_least=1, help="samples drawn at once (default: 16)")
+    temperature: float = option(1.0, above=0.0, help="softmax temperature (default: 1.0, the model's distribution)")
+    top_p: float = option(1.0, above=0.0, at_most=1.0,
+                          help="nucleus probability mass kept, in (0, 1] (default: 1.0 = every token)")
+    seed: int = option(0, at_least=0, help="seed of the sampler (default: 0)")
+    dtype: str = option("float32", choices=DTYPES, help="compute dtype (default: float32)")
+    force: bool = option(False, help="replace an existing -o file")
+    progress: bool = option(True, flag="-q/--quiet", invert=True, help="no progress bar")
+
+    def __post_init__(self):
+        try:
+            check_fields(self)
+        except FieldError as e:  # name the flag the user typed, not the field
+            flag = flags(SampleConfig).get(e.field, e.field)
+            raise GqakitError(str(e).replace(f"{e.field}=", f"{flag} ", 1)) from None
+        if not self.output.endswith(".jsonl"):
+            raise GqakitError(f"-o {self.output}: name the output FILE.jsonl (JSON lines, as --calibration reads)")
+
+
+def start_token(tokenizer) -> int:
+    """The token that begins a new document: BOS, or EOS (the document separator) where there is no BOS."""
+    for name in ("bos_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            return int(value)
+    raise GqakitError("the tokenizer has neither a BOS nor an EOS token to start a document with; "
+                      "pass calibration text with convert-gqa --calibration instead")
+
+
+def sample_ids(model, start: int, count: int, length: int, temperature: float, top_p: float, seed: int):
+    """(count, length) token ids: each row `length` tokens sampled after the token `start` with torch's generator
+    seeded by `seed`. The end-of-text token is held back until `length` tokens (transformers' min_new_tokens), so
+    no row stops early."""
+    import torch
+    from transformers import GenerationConfig
+
+    prompt = torch.full((count, 1), start, dtype=torch.long, device=model.device)
+    config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                              max_new_tokens=length, min_new_tokens=length, pad_token_id=start,
+                              eos_token_id=None, use_cache=True)
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config)
+    return out[:, 1:]
+
+
+def sample(cfg: SampleConfig) -> dict:
+    """Write cfg.tokens (rounded up to whole samples) of the model's own text to cfg.output; returns a summary."""
+    from tqdm.auto import tqdm
+
+    from gqakit.hf.loading import load_model
+
+    out = Path(cfg.output)
+    if out.is_dir():
+        raise GqakitError(f"-o {out} is a folder; name a FILE.jsonl to write")
+    if out.exists() and not cfg.force:
+        raise GqakitError(f"{out} already exists; pass --force to replace it or choose another -o")
+    if not out.parent.exists():
+        raise GqakitError(f"the folder of -o {out} does not exist; create it first")
+    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)
+    start = start_token(tokenizer)
+    samples = math.ceil(cfg.tokens / cfg.length)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    t0 = time.perf_counter()
+    bar = tqdm(total=samples * cfg.length, desc="sample", unit="tok", unit_scale=True, disable=not cfg.progress)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for b, first in enumerate(range(0, samples, cfg.batch_size)):
+                count = min(cfg.batch_size, samples - first)
+                ids = sample_ids(model, start, count, cfg.length, cfg.temperature, cfg.top_p, cfg.seed * 1_000_003 + b)
+                for row in ids.tolist():
+                    fh.write(json.dumps({"text": tokenizer.decode(row, skip_special_tokens=True)}) + "\n")
+                bar.update(count * cfg.length)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    return {"output": str(out), "samples": samples, "tokens": samples * cfg.length, "seconds": seconds}
