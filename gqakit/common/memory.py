@@ -1,7 +1,20 @@
 """Hand freed heap back to the operating system (glibc only; a no-op elsewhere)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from collections.abc import Iterator
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+DEFAULT_TRIM_THRESHOLD = 128 * 1024  # glibc's
+_eager: int | None = None  # the mmap threshold return_freed_memory_eagerly set, if it did
+
+
+def _mallopt(param: int, value: int) -> bool:
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(param, value))
+    except (OSError, AttributeError):
+        return False
 
 
 def release_freed_memory() -> None:
@@ -19,7 +32,26 @@ def return_freed_memory_eagerly(threshold: int = 1 << 20) -> None:
     then keeps freed blocks of up to 32 MiB on its heap, where a layer merge's many temporaries count against
     resident memory long after they are gone. Process-wide, so the console script sets it for its own
     process (a library caller that goes on to train keeps its allocator as it was)."""
+    global _eager
+    if _mallopt(M_MMAP_THRESHOLD, threshold):  # also stops glibc's adaptation of the thresholds
+        _eager = threshold
+
+
+@contextlib.contextmanager
+def heap_kept(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> Iterator[None]:
+    """Within this block glibc keeps freed blocks for reuse, after `return_freed_memory_eagerly` (else a no-op):
+    a training loop that allocates the same activations at every step then maps and faults in its pages once, not
+    at every step (a transfer step of SmolLM2's attention: 12,000 page faults and 1.5x the time otherwise;
+    `benchmarks/heap_reuse.py`). What the block holds at its peak is what it keeps; on leaving, the eager
+    threshold returns and the freed heap goes back to the OS."""
+    if _eager is None:
+        yield
+        return
+    _mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+    _mallopt(M_TRIM_THRESHOLD, trim_threshold)
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD (malloc.h); also stops its adaptation
-    except (OSError, AttributeError):
-        pass
+        yield
+    finally:
+        _mallopt(M_MMAP_THRESHOLD, _eager)
+        _mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+        release_freed_memory()
