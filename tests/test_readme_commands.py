@@ -37,6 +37,7 @@ TINY = [
     (r"gqakit(\.cli)? uptrain", "steps=2 seq_len=64 batch_size=1 eval_sequences=2 eval_every=0 "
                                 "gradient_accumulation_steps=1"),
     (r"^gqakit generate", "--max-new-tokens 8"),
+    (r"^gqakit sample", "--tokens 2048 --length 128"),
     (r"^gqakit eval ppl", "--max-tokens 256 --max-length 128"),
     (r"^gqakit eval stream", "--tokens 512 --chunk 128"),
     (r"^gqakit eval passkey", "--trials 1 --depths 0.5"),
