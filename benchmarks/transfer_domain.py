@@ -22,32 +22,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from gqakit.convert.transfer import TransferOptions, build_attention, transfer_layer
+from gqakit.common.text import ROW_SUFFIXES, encode_documents, load_documents
+from gqakit.convert.transfer import TransferOptions, build_attention, relative_error, transfer_layer
 
 WINDOW = 512
 
 
 def read_ids(tokenizer, path: str, tokens: int) -> torch.Tensor:
-    """The first `tokens` token ids of a .txt file, or of a .jsonl file's rows joined with EOS."""
-    if path.endswith(".jsonl"):
-        rows = [json.loads(line)["text"] for line in open(path, encoding="utf-8") if line.strip()]
-        ids: list[int] = []
-        for row in rows:
-            ids.extend(tokenizer(row, add_special_tokens=False).input_ids + [tokenizer.eos_token_id])
-            if len(ids) >= tokens:
-                break
-    else:
-        text = open(path, encoding="utf-8").read()
-        ids = tokenizer(text[: tokens * 8], add_special_tokens=False).input_ids
+    """The first `tokens` token ids of a text file, or of a .jsonl file's rows joined with EOS, read as `gqakit
+    eval` reads them (`gqakit.common.text`)."""
+    is_text = Path(path).suffix.lower() not in ROW_SUFFIXES
+    documents = load_documents(text=path if is_text else None, dataset=None if is_text else path)
+    ids = encode_documents(documents, tokenizer, tokens)
     if len(ids) < tokens:
         raise SystemExit(f"{path} gives {len(ids)} tokens, fewer than the {tokens} asked")
-    return torch.tensor(ids[:tokens])
+    return ids
 
 
 class Recorder:
@@ -78,16 +73,6 @@ class Recorder:
             for w in windows:
                 self.model(w[None], use_cache=False)
         return {i: (torch.stack(s["x"]), torch.stack(s["y"]), s["kwargs"]) for i, s in self.seen.items()}
-
-
-def relative_error(module, xs, ys, kwargs) -> float:
-    num = den = 0.0
-    with torch.no_grad():
-        for x, y in zip(xs, ys):
-            out = module(x[None], **kwargs)[0][0]
-            num += float((out - y).double().pow(2).sum())
-            den += float(y.double().pow(2).sum())
-    return math.sqrt(num / den)
 
 
 def main(argv=None) -> int:

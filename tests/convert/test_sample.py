@@ -132,3 +132,14 @@ def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
         sample(SampleConfig(model=str(EMBEDDED), output=str(tmp_path / "s.jsonl"), tokens=64, length=16,
                             batch_size=2, progress=False))
     assert len(calls) == 2 and list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_runs_leftover_is_removed(tmp_path):
+    """A run killed outright (no cleanup) leaves its hidden working file; the next run removes it."""
+    from gqakit.common.atomic import sibling
+
+    out = tmp_path / "s.jsonl"
+    leftover = sibling(out, "tmp", pid=2 ** 22 + 12345)  # above Linux's largest pid: no such process
+    leftover.write_text('{"text": "half"}\n')
+    sample(SampleConfig(model=str(EMBEDDED), output=str(out), tokens=16, length=16, progress=False))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.jsonl"]

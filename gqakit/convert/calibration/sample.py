@@ -9,8 +9,9 @@ its EOS where it has none) and draws `length` tokens at temperature 1 from the m
 as data-free distillation does (LLM-QAT, arXiv 2305.17888, samples its own training data the same way).
 
 The output is one JSON-lines file, one `{"text": ...}` row per sample, that `convert-gqa --calibration` (and
-`gqakit eval`'s `--dataset`) reads as documents; it is written beside its final name and renamed into place, so an
-interrupted run leaves nothing behind. Sampling is deterministic for a seed on one machine (each batch reseeds).
+`gqakit eval`'s `--dataset`) reads as documents; it is written under the hidden working name of
+`common.atomic.sibling` and renamed into place, so an interrupted run leaves nothing behind (and what a killed
+one left, the next run removes, as for the other commands' outputs). Sampling is deterministic for a seed on one machine (each batch reseeds).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import os
 import time
 from pathlib import Path
 
+from gqakit.common.atomic import remove_stale_leftovers, sibling
 from gqakit.common.dtypes import NAMES as DTYPES
 from gqakit.common.errors import GqakitError
 from gqakit.common.options import FieldError, check_fields, flags, option
@@ -74,8 +76,7 @@ def sample_ids(model, start: int, count: int, length: int, temperature: float, t
 
     prompt = torch.full((count, 1), start, dtype=torch.long, device=model.device)
     config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                              max_new_tokens=length, min_new_tokens=length, pad_token_id=start,
-                              eos_token_id=None, use_cache=True)
+                              max_new_tokens=length, min_new_tokens=length, pad_token_id=start, use_cache=True)
     torch.manual_seed(seed)
     with torch.inference_mode():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config)
@@ -98,7 +99,8 @@ def sample(cfg: SampleConfig) -> dict:
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)
     start = start_token(tokenizer)
     samples = math.ceil(cfg.tokens / cfg.length)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    remove_stale_leftovers(out)
+    tmp = sibling(out, "tmp")
     t0 = time.perf_counter()
     bar = tqdm(total=samples * cfg.length, desc="sample", unit="tok", unit_scale=True, disable=not cfg.progress)
     try:
