@@ -1,6 +1,6 @@
 """Does aligning K/V heads before merging them keep more of a model than mean-pooling? (issue 13)
 
-Builds each converted model in memory (gqakit.convert.align.align_and_merge_layer on every layer,
+Builds each converted model in memory (gqakit.convert.methods.align.align_and_merge_layer on every layer,
 `num_key_value_heads = G`, `from_config` + `load_state_dict`), rounds the converted tensors to the
 checkpoint's own dtype as `convert-gqa --dtype auto` would, and scores perplexity with
 gqakit.evaluate.perplexity in fp32:
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from gqakit.convert.align import align_and_merge_layer
+from gqakit.convert.methods.align import align_and_merge_layer
 from gqakit.evaluate.perplexity import perplexity
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +150,7 @@ def convert_in_memory(model, groups: int, variant: dict, moments=None, store_dty
     the merged heads are repeated back (an exact stand-in for the merged side) and the other side is untouched;
     `"both"` repeats both back. `layers` (with `only`) merges just those layers.
     """
-    from gqakit.convert.pooling import expand_heads
+    from gqakit.convert.methods.pooling import expand_heads
     from transformers import AutoModelForCausalLM
 
     cfg = copy.deepcopy(model.config)

@@ -47,10 +47,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert_speed import PRESETS, converter_command, llama_config, llama_entries, log, run_child  # noqa: E402
 
-from gqakit.convert.calibration.calibrate import MLP_TOKENS  # noqa: E402
+from gqakit.convert.calibration.runner import MLP_TOKENS  # noqa: E402
 from gqakit.hf.checkpoint import ShardWriter  # noqa: E402
-from gqakit.convert.grams import BLOCK  # noqa: E402
-from gqakit.convert.run import max_shard_bytes  # noqa: E402
+from gqakit.convert.methods.grams import BLOCK  # noqa: E402
+from gqakit.convert.output import max_shard_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "gqakit" / "assets" / "austen-mha-8h"

@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 
 from gqakit.hf.checkpoint import INDEX, SINGLE, ShardWriter
-from gqakit.convert.run import max_shard_bytes
+from gqakit.convert.output import max_shard_bytes
 from gqakit.common.errors import GqakitError
 
 RATIO_TARGET = 1.5  # convert may take at most 1.5x the time of cp -r

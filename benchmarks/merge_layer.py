@@ -13,7 +13,7 @@ process returns freed blocks of 1 MiB and more to the OS, as `convert-gqa` does 
     python benchmarks/merge_layer.py --hidden 1024 --heads 16 --layers 4 --busy   # a pass over 4 layers
 
 With `--layers N` a pass over N such layers is timed two ways side by side: one merge at a time on all of
-torch's threads (convert-gqa's policy before issue 22), and `convert.merge_ahead.MergeAhead`, which
+torch's threads (convert-gqa's policy before issue 22), and `convert.methods.merge_ahead.MergeAhead`, which
 convert-gqa now uses: up to min(threads, 8) layers merged at once, each on one thread.
 
 `--busy` times every method twice in one run: quiet, then while a bounded co-runner (another torch process doing
@@ -34,10 +34,11 @@ from pathlib import Path
 import torch
 
 from co_runner import co_running
-from gqakit.convert.calibration.calibrate import save_layer
+from gqakit.convert.calibration.stored import save_layer
 from gqakit.common.memory import return_freed_memory_eagerly
-from gqakit.convert.merge_ahead import MergeAhead, merge_workers
-from gqakit.convert.run import _read_stats, merge_layer
+from gqakit.convert.methods.merge_ahead import MergeAhead, merge_workers
+from gqakit.convert.methods.engine import read_stats
+from gqakit.convert.methods.layer import merge_layer
 
 
 def resident_mib() -> float:
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         for method in args.methods:
             plan = types.SimpleNamespace(num_attention_heads=H, num_key_value_heads=H, groups=args.groups,
                                          head_dim=d, method=method)
-            stats = (lambda names: _read_stats(Path(folder), 0, names)) if method == "fit" else None
+            stats = (lambda names: read_stats(Path(folder), 0, names)) if method == "fit" else None
             policies = POLICIES if args.layers > 1 else {"one at a time, all threads": one_at_a_time}
             for policy, run in policies.items():
                 runs = timed(run, plan, weights, stats, args.layers, args.repeats)

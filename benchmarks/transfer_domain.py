@@ -6,7 +6,7 @@ of PATH (a .txt file, or a .jsonl file of `{"text": ...}` rows such as `gqakit s
 probed layer's attention inputs and outputs; the evaluation text's first `--eval-tokens` tokens, in 1,024-token
 windows as `gqakit eval ppl` scores them, are recorded the same way. Then for every layer and every `--mix`
 (a comma-separated list of source names) the layer's K/V heads are mean-pooled to `--groups` and trained with
-`convert.transfer.transfer_layer` (the `TransferOptions` in `--options`) on the mix's windows, one in eight of
+`convert.methods.transfer.transfer_layer` (the `TransferOptions` in `--options`) on the mix's windows, one in eight of
 each source held out to pick the best weights, exactly as `convert-gqa --method transfer` trains; the table gives
 the relative error of the attention output, sqrt(sum ||y' - y||^2 / sum ||y||^2), on the held-out calibration
 windows and on the evaluation windows, before and after training.
@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from gqakit.common.text import ROW_SUFFIXES, encode_documents, load_documents
-from gqakit.convert.transfer import TransferOptions, build_attention, relative_error, transfer_layer
+from gqakit.convert.methods.transfer import build_attention, relative_error, transfer_layer
+from gqakit.convert.options import TransferOptions
 
 WINDOW = 512
 

@@ -25,11 +25,15 @@ from pathlib import Path
 
 import torch
 
-from gqakit.convert.calibration.calibrate import calibrate, load_layer
+from gqakit.convert.calibration.runner import calibrate
+from gqakit.convert.calibration.stored import load_layer
 from gqakit.convert.options import ConvertConfig
-from gqakit.convert.run import LayerMerge, merge_checkpoint_layer, new_config, prepare
-from gqakit.convert.transfer import (TransferOptions, attend, attention_implementation, build_attention,
-                                     relative_error, transfer_merged_layer)
+from gqakit.convert.methods.engine import LayerMerge, merge_checkpoint_layer
+from gqakit.convert.output import new_config
+from gqakit.convert.run import prepare
+from gqakit.convert.methods.transfer import (attend, attention_implementation, build_attention, relative_error,
+                                             transfer_merged_layer)
+from gqakit.convert.options import TransferOptions
 from gqakit.hf.checkpoint import load_tensor
 
 

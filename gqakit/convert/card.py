@@ -10,7 +10,7 @@ from gqakit.hf.checkpoint import DTYPES
 from gqakit.convert import methods
 from gqakit.convert.plan import Plan, total_bytes
 from gqakit.convert.layer_share import launched_share
-from gqakit.convert.transfer import PARAMS, transfer_options
+from gqakit.convert.options import PARAMS, transfer_options
 
 
 def _gb(n: int) -> str:
@@ -72,7 +72,7 @@ def own_class_note(plan: Plan) -> str:
 
 
 def exactness_note(plan: Plan) -> str:
-    if methods.get(plan.method).pooling == "random":
+    if methods.get(plan.method).reinitialises:
         return "K/V projections are re-initialised at random: the model needs uptraining before use."
     return ("this family normalises keys after the projection (per head, or across heads for OLMo2), so a pooled "
             "head computes the norm of the mean key rather than the mean of the normalised keys: pooling is "

@@ -19,7 +19,7 @@ from gqakit.hf.architectures.refused import refusal
 from gqakit.hf.architectures.rehost import Rehosted, find_rehost, rehost, rehosted_architectures
 from gqakit.hf.fields import ModelFields, architecture_of, positive_int, read_fields
 from gqakit.convert import methods
-from gqakit.convert.pooling import valid_groups
+from gqakit.convert.methods.pooling import valid_groups
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
@@ -93,7 +93,7 @@ class Plan:
     @property
     def exact(self) -> bool:
         """Does the output compute exactly the mean of each group's keys (or the same function)?"""
-        if self.method == "random":
+        if methods.get(self.method).reinitialises:
             return False
         if self.mode != "pool":
             return True

@@ -1,14 +1,14 @@
-"""Aligned K/V merges (gqakit.convert.align): exact transforms on tiny Llamas and plain tensors."""
+"""Aligned K/V merges (gqakit.convert.methods.align): exact transforms on tiny Llamas and plain tensors."""
 import copy
 import math
 
 import pytest
 import torch
 
-from gqakit.convert.align import (align_and_merge_layer, orthogonal_procrustes, pair_rotation_to,
+from gqakit.convert.methods.align import (align_and_merge_layer, orthogonal_procrustes, pair_rotation_to,
                                   permute_kv_heads, rotation, scaled_rotation, to_pairs,
                                   transform_keys, transform_values)
-from gqakit.convert.pooling import pool_heads
+from gqakit.convert.methods.pooling import pool_heads
 from tiny_models import make_tiny_llama
 
 D = 8  # head_dim of the tiny models
@@ -361,7 +361,7 @@ def test_refusals():
 
 @pytest.mark.parametrize("limit", [5000, 0])  # exact search, greedy
 def test_similarity_groups_finds_related_heads(limit):
-    from gqakit.convert.align import similarity_groups
+    from gqakit.convert.methods.align import similarity_groups
 
     g = _gen(11)
     kv, n = 6, 16
@@ -382,7 +382,7 @@ def test_similarity_groups_finds_related_heads(limit):
 def test_generalized_procrustes_on_grams_equals_the_direct_iteration(reference):
     """The Gram-space iteration must give the maps of the obvious one: re-align every head to the mean of
     the aligned heads (computed on the blocks themselves) until the mean stops moving."""
-    from gqakit.convert.align import generalized_procrustes, orthogonal_from_cross, rotation_from_cross
+    from gqakit.convert.methods.align import generalized_procrustes, orthogonal_from_cross, rotation_from_cross
 
     gen = torch.Generator().manual_seed(5)
     for blocks, fit, direct_fit in (

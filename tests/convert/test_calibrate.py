@@ -26,12 +26,13 @@ from torch import nn
 
 from cli_contract import run_refused
 from gqakit.cli import convert_main
-from gqakit.convert.calibration import calibrate as calibrate_module
+from gqakit.convert.calibration import runner as runner_module
 from gqakit.convert.calibration import streamed as streamed_module
 from gqakit.hf.architectures import find_family
-from gqakit.convert.calibration.calibrate import (STATS, LayerwiseModel, attention_terms, calibrate, layer_path,
-                                                  load_layer, logit_error, reference_moments, rope, save_layer,
-                                                  sum_moments)
+from gqakit.convert.calibration.moments import (STATS, attention_terms, logit_error, reference_moments, rope,
+                                                sum_moments)
+from gqakit.convert.calibration.runner import LayerwiseModel, calibrate
+from gqakit.convert.calibration.stored import layer_path, load_layer, save_layer
 from gqakit.hf.checkpoint import read_header
 from gqakit.hf.checkpoint import scan_checkpoint
 from gqakit.convert.calibration.streamed import StreamedLinear
@@ -119,7 +120,7 @@ def test_layer_by_layer_pass_sees_what_the_whole_model_sees(family, tmp_path):
                                                ("gemma2", {}), ("phi3", {}), ("stablelm", {})])
 def test_streamed_layer_gives_the_materialised_layers_output(family, overrides, tmp_path, monkeypatch):
     monkeypatch.setattr(streamed_module, "BLOCK_BYTES", 3 * 32 * 4)  # 3 rows of 32: 11 blocks, the last of 2 rows
-    monkeypatch.setattr(calibrate_module, "MLP_TOKENS", 5)  # the MLP over 4 chunks of the window, the last of 1
+    monkeypatch.setattr(runner_module, "MLP_TOKENS", 5)  # the MLP over 4 chunks of the window, the last of 1
     src = make_model(family, tmp_path / "src", **overrides)
     config = json.loads((src / "config.json").read_text())
     lm = LayerwiseModel(config, find_family(config["architectures"][0]), scan_checkpoint(src))
@@ -275,7 +276,7 @@ def test_bad_calibration_input_is_refused_in_one_line(tmp_path):
 def test_a_layer_file_left_partial_is_removed(tmp_path):
     """Its header is complete from the start, so a partial file would read as zeros: an error inside the `with`
     block, or a tensor never written, removes it."""
-    from gqakit.convert.calibration.calibrate import LayerFile
+    from gqakit.convert.calibration.stored import LayerFile
 
     path = tmp_path / "layer.safetensors"
     with pytest.raises(OSError, match="disk full"):
@@ -299,7 +300,7 @@ def test_a_slightly_indefinite_statistic_gets_the_next_ridge_and_a_broken_one_a_
     makes positive semi-definite is a GqakitError."""
     import types
 
-    from gqakit.convert import run as run_module
+    from gqakit.convert.methods import layer as layer_module
     from gqakit.common.errors import GqakitError
 
     gen = torch.Generator().manual_seed(7)
@@ -316,23 +317,23 @@ def test_a_slightly_indefinite_statistic_gets_the_next_ridge_and_a_broken_one_a_
     def stats(m):
         return lambda names: {k: {"key": m, "value": m, "value_mean": x.mean(0)}[k] for k in names}
 
-    got, _ = run_module.merge_layer(plan, weights, "contiguous", stats(slightly))
-    monkeypatch.setattr(run_module, "RIDGES", (1e-6,))
+    got, _ = layer_module.merge_layer(plan, weights, "contiguous", stats(slightly))
+    monkeypatch.setattr(layer_module, "RIDGES", (1e-6,))
     with pytest.raises(GqakitError, match="not positive semi-definite even with a ridge of 1e-06"):
-        run_module.merge_layer(plan, weights, "contiguous", stats(slightly))  # the smallest alone does not do
-    monkeypatch.setattr(run_module, "RIDGES", (1e-2,))
-    want, _ = run_module.merge_layer(plan, weights, "contiguous", stats(slightly))
+        layer_module.merge_layer(plan, weights, "contiguous", stats(slightly))  # the smallest alone does not do
+    monkeypatch.setattr(layer_module, "RIDGES", (1e-2,))
+    want, _ = layer_module.merge_layer(plan, weights, "contiguous", stats(slightly))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     monkeypatch.undo()
     with pytest.raises(GqakitError, match="recalibrate"):
-        run_module.merge_layer(plan, weights, "contiguous", stats(-moment - torch.eye(n)))
+        layer_module.merge_layer(plan, weights, "contiguous", stats(-moment - torch.eye(n)))
 
 
 def test_stored_moment_is_read_in_row_blocks_and_gives_the_same_gram(tmp_path, monkeypatch):
     """The merge reads an n x n statistic from the layer file one block of rows at a time; blocks of 3 rows,
     the last one ragged, give the stored matrix, its diagonal, and the Gram of the in-memory metric."""
-    from gqakit.convert import grams
-    from gqakit.convert.calibration.calibrate import StoredMoment
+    from gqakit.convert.methods import grams
+    from gqakit.convert.calibration.stored import StoredMoment
 
     monkeypatch.setattr(grams, "BLOCK", 3)
     gen = torch.Generator().manual_seed(5)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from cli_contract import run_refused
 from gqakit.cli import convert_main
-from gqakit.convert.align import scaled_rotation, transform_keys
+from gqakit.convert.methods.align import scaled_rotation, transform_keys
 from tiny_models import checkpoint_logits, make_disguised_llama, make_tiny_llama
 
 

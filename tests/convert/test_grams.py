@@ -1,11 +1,11 @@
-"""Metric Grams in blocks (gqakit.convert.grams) against explicit whitening, and the merge's stages."""
+"""Metric Grams in blocks (gqakit.convert.methods.grams) against explicit whitening, and the merge's stages."""
 import pytest
 import torch
 
-from gqakit.convert import grams
-from gqakit.convert.align import align_and_merge_layer, permute_kv_heads
-from gqakit.convert.grams import Metric, factor, gram, metric_from_matrix, row_energies
-from gqakit.convert.run import bilinear_error
+from gqakit.convert.methods import grams
+from gqakit.convert.methods.align import align_and_merge_layer, permute_kv_heads
+from gqakit.convert.methods.grams import Metric, factor, gram, metric_from_matrix, row_energies
+from gqakit.convert.methods.layer import bilinear_error
 
 F64 = torch.float64
 

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from gqakit.cli import convert_main
-from gqakit.convert.merge_ahead import MergeAhead, merge_workers
+from gqakit.convert.methods.merge_ahead import MergeAhead, merge_workers
 from tiny_models import make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from gqakit.convert.pooling import (expand_heads, pool_heads, random_heads, regroup, relative_error,
+from gqakit.convert.methods.pooling import (expand_heads, pool_heads, random_heads, regroup, relative_error,
                                     valid_groups)
 
 H, D, IN = 8, 4, 6

@@ -22,9 +22,12 @@ from safetensors.torch import load_file
 from cli_contract import run_refused
 from families import make_model
 from gqakit.cli import convert_main
-from gqakit.convert.calibration.calibrate import LayerInputs, calibrate, load_layer, make_windows
-from gqakit.convert.transfer import (TransferOptions, attend, attention_implementation, build_attention,
-                                     relative_error, transfer_layer)
+from gqakit.convert.calibration.data import make_windows
+from gqakit.convert.calibration.runner import LayerInputs, calibrate
+from gqakit.convert.calibration.stored import load_layer
+from gqakit.convert.methods.transfer import (attend, attention_implementation, build_attention, relative_error,
+                                             transfer_layer)
+from gqakit.convert.options import TransferOptions
 from gqakit.hf.architectures import find_family
 from gqakit.hf.checkpoint import load_tensor, scan_checkpoint
 from tiny_models import make_tiny_llama
@@ -215,7 +218,7 @@ def test_transfer_options_are_refused_elsewhere(tmp_path):
 
 def test_an_interrupted_transfer_leaves_nothing(tmp_path, monkeypatch, capsys):
     """Ctrl-C while a layer trains: exit 130, one line, no output folder, no scratch or temporary files."""
-    from gqakit.convert import transfer
+    from gqakit.convert.methods import transfer
 
     src = _with_tokenizer(make_tiny_llama(tmp_path / "src", vocab_size=4096))
     real, calls = transfer.transfer_layer, []

@@ -40,7 +40,7 @@ def make_disguised_llama(path: Path, heads: int = 4, head_dim: int = 8, layers: 
     contiguous grouping puts the wrong heads together)."""
     from safetensors.torch import load_file, save_file
 
-    from gqakit.convert.align import rotation, transform_keys, transform_values
+    from gqakit.convert.methods.align import rotation, transform_keys, transform_values
 
     make_tiny_llama(path, heads=heads, layers=layers, head_dim=head_dim, seed=3, vocab_size=vocab_size)
     weights = load_file(path / "model.safetensors")

@@ -56,7 +56,7 @@ def _entries(files) -> list[str]:
     return [str(files["a"]), str(files["jsonl"]), str(files["pq"]), str(files["b"])]
 
 
-def _stream(cache) -> torch.Tensor:
+def stream_weights(cache) -> torch.Tensor:
     return torch.from_numpy(cache.read(0, cache.tokens).astype(np.int64))
 
 
@@ -93,7 +93,7 @@ def test_cache_equals_the_in_memory_stream_for_any_number_of_workers(files, tok,
         header = build_cache(sources, tmp_path / f"c{workers}", tok, num_proc=workers, chunk_bytes=1000,
                              segment_bytes=15_000)
         cache = open_cache(tmp_path / f"c{workers}", verify=True)
-        streams.append(_stream(cache))
+        streams.append(stream_weights(cache))
         assert header["dtype"] == "<u2" and header["documents"] == len(read_documents(tuple(entries))) == 2 + 30 + 10
         bounds = _boundaries(cache)
         assert bounds[0] == 0 and bounds[-1] == cache.tokens
@@ -108,7 +108,7 @@ def test_save_to_disk_folder_is_a_source(tok, tmp_path):
     docs = [EMMA[i * 500: i * 500 + 200] for i in range(12)]
     datasets.Dataset.from_dict({"body": docs, "n": list(range(12))}).save_to_disk(str(tmp_path / "saved"))
     build_cache([resolve_source(str(tmp_path / "saved"))], tmp_path / "c", tok, text_column="body")
-    assert torch.equal(_stream(open_cache(tmp_path / "c")), tokenize_stream(docs, tok))
+    assert torch.equal(stream_weights(open_cache(tmp_path / "c")), tokenize_stream(docs, tok))
     with pytest.raises(GqakitError, match="has no column 'text'"):
         build_cache([resolve_source(str(tmp_path / "saved"))], tmp_path / "d", tok)
     assert not (tmp_path / "d").exists()
@@ -227,7 +227,7 @@ def test_windows_read_from_disk_equal_pack(files, tok, tmp_path):
         build_cache([resolve_source(str(entry))], tmp_path / name, tok)
     caches = [open_cache(tmp_path / n) for n in "aj"]
     corpus = Corpus(caches)
-    stream = torch.cat([_stream(c) for c in caches])
+    stream = torch.cat([stream_weights(c) for c in caches])
     for seq_len in (7, 32):
         windows = Windows(corpus.spans(0, corpus.tokens), seq_len)
         packed = pack(stream, seq_len)
@@ -297,7 +297,7 @@ def test_tokenize_cli_end_to_end_and_its_refusals(files, tok, tmp_path, capsys):
     line = capsys.readouterr().out.strip()
     expected = tokenize_stream(read_documents((str(files["a"]), str(files["jsonl"]))), tok)
     assert line.startswith(f"wrote {out}: {len(expected):,} tokens, 31 documents in ") and line.endswith(" s")
-    assert torch.equal(_stream(open_cache(out, verify=True)), expected)
+    assert torch.equal(stream_weights(open_cache(out, verify=True)), expected)
 
     assert "already holds a token cache; pass --force to replace it" in _one_line_error(capsys, argv)
     assert main([*argv, "--force"]) == 0

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from gqakit.common.errors import GqakitError, renamed
-from gqakit.convert.calibration.calibrate import heldout_count, make_windows
 
 DEFAULT_TOKENS = 16_384
 DEFAULT_WINDOW = 512
@@ -96,3 +95,14 @@ def load_calibration(path: str, model_dir: Path, config: dict, tokens: int | Non
         path=str(path), windows=windows, heldout=heldout_count(windows.shape[0]),
         sha256=hashlib.sha256(windows.to(torch.int64).numpy().tobytes()).hexdigest(), file_sha256=_file_hash(source),
     )
+
+
+def make_windows(ids: torch.Tensor, window: int, tokens: int) -> torch.Tensor:
+    """Disjoint windows (N, window) from the first `tokens` ids (a partial last window is dropped)."""
+    count = min(tokens, ids.numel()) // window
+    return ids[: count * window].reshape(count, window)
+
+
+def heldout_count(windows: int) -> int:
+    """Windows kept out of the statistics to score a merge: one in eight, at least one."""
+    return max(1, windows // 8)

@@ -1,7 +1,7 @@
 """Weights and activations read from files in blocks while a calibration layer runs (never mapped, never whole).
 
 `StreamedLinear` / `StreamedEmbedding` stand in for a decoder layer's `nn.Linear` / the model's plain
-`nn.Embedding` and read their weight rows from the safetensors shards on each forward; `_WindowStates`
+`nn.Embedding` and read their weight rows from the safetensors shards on each forward; `WindowStates`
 keeps every calibration window's hidden states in a scratch file. Plain reads and writes at byte offsets:
 mapped pages would count as this process's resident memory.
 """
@@ -19,12 +19,12 @@ from gqakit.hf.checkpoint import DTYPES, DerivedTensor, TensorInfo, read_into
 BLOCK_BYTES = 16 << 20  # fp32 bytes of one block of a streamed weight (1,024 rows at hidden size 4,096)
 
 
-def _missing(full: str, what: str) -> GqakitError:
+def missing_tensor(full: str, what: str) -> GqakitError:
     return GqakitError(f"calibration needs '{full}' ({what}) but the checkpoint has no such tensor; "
                        "the weights do not match config.json")
 
 
-def _write_from(f, tensor: torch.Tensor, offset: int) -> None:
+def write_from(f, tensor: torch.Tensor, offset: int) -> None:
     view = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
     f.seek(offset)
     done = 0
@@ -41,7 +41,7 @@ def row_blocks(tensor: torch.Tensor):
         yield rows[r0 : r0 + step]
 
 
-class _RowReader:
+class RowReader:
     """Rows of one checkpoint tensor (row-major, so rows r0..r1 are one contiguous byte range)."""
 
     def __init__(self, info: TensorInfo, name: str, shape: tuple[int, ...], what: str):
@@ -70,7 +70,7 @@ class StreamedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, info: TensorInfo, name: str, what: str):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.rows = _RowReader(info, name, (self.out_features, self.in_features), what)
+        self.rows = RowReader(info, name, (self.out_features, self.in_features), what)
         self.register_parameter("bias", linear.bias)  # on meta until read with the layer's other small parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
@@ -95,7 +95,7 @@ class StreamedEmbedding(nn.Module):
     def __init__(self, embedding: nn.Embedding, info: TensorInfo, name: str, what: str):
         super().__init__()
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        self.rows = _RowReader(info, name, (self.num_embeddings, self.embedding_dim), what)
+        self.rows = RowReader(info, name, (self.num_embeddings, self.embedding_dim), what)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (...) -> (..., dim)
         tokens, inverse = ids.reshape(-1).cpu().unique(return_inverse=True)
@@ -113,7 +113,7 @@ class StreamedEmbedding(nn.Module):
 STREAMED = {nn.Linear: StreamedLinear, nn.Embedding: StreamedEmbedding}  # exact types: subclasses may add maths
 
 
-def _stream(root: nn.Module, prefix: str, tensors: dict[str, TensorInfo], what: str) -> list[tuple]:
+def stream_weights(root: nn.Module, prefix: str, tensors: dict[str, TensorInfo], what: str) -> list[tuple]:
     """Replace `root`'s plain linears and embeddings by their streamed stand-ins; returns (owner, leaf, module)
     for each so that they can be put back."""
     swapped = []
@@ -123,7 +123,7 @@ def _stream(root: nn.Module, prefix: str, tensors: dict[str, TensorInfo], what: 
             continue
         full = f"{prefix}{name}.weight"
         if full not in tensors:
-            raise _missing(full, what)
+            raise missing_tensor(full, what)
         if isinstance(tensors[full], DerivedTensor):
             continue  # computed, not stored: materialised whole like any other parameter
         owner_name, _, leaf = name.rpartition(".")
@@ -133,7 +133,7 @@ def _stream(root: nn.Module, prefix: str, tensors: dict[str, TensorInfo], what: 
     return swapped
 
 
-class _WindowStates:
+class WindowStates:
     """Every window's hidden states (N, T, n) float32 in a scratch file: window w is the record at w * T * n * 4."""
 
     def __init__(self, file, path: str, shape: tuple[int, int]):
@@ -141,7 +141,7 @@ class _WindowStates:
         self.record = math.prod(shape) * 4
 
     def write(self, w: int, hidden: torch.Tensor) -> None:
-        _write_from(self.file, hidden.to("cpu", torch.float32), w * self.record)
+        write_from(self.file, hidden.to("cpu", torch.float32), w * self.record)
 
     def read(self, w: int, device) -> torch.Tensor:  # (1, T, n)
         hidden = torch.empty(1, *self.shape)

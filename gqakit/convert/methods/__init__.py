@@ -3,12 +3,12 @@ card, the demo and the GQA-paper grid. Pure data (no torch), so the command line
 
 Two families of method:
 - head-wise (`pooling`): each K/V head of a group is a block of rows of k_proj / v_proj (and their biases and
-  key norms); the group's block becomes one by `convert.pooling` (mean, first) or is re-initialised (random).
+  key norms); the group's block becomes one by `methods.pooling` (mean, first) or is re-initialised (random).
   Nothing else in the layer changes.
-- layer-wise (`merge`): a layer's q/k/v/o are merged together by `convert.align.align_and_merge_layer` with the
+- layer-wise (`merge`): a layer's q/k/v/o are merged together by `methods.align.align_and_merge_layer` with the
   options in `merge` (exact reparametrisations that rotate each head into a common frame, then a mean or a
   least-squares fit), optionally in a metric measured on calibration text; q_proj and o_proj change too. A
-  `transfer` method then trains the merged layer against the original attention (`convert.transfer`).
+  `transfer` method then trains the merged layer against the original attention (`methods.transfer`).
 
 Adding a method: docs/architecture.md ("Add a merge method").
 """
@@ -25,11 +25,11 @@ class Method:
 
     name: str
     help: str  # one clause for --help
-    pooling: str | None = None  # head-wise: "mean" | "first" | "random" (convert.pooling)
+    pooling: str | None = None  # head-wise: "mean" | "first" | "random" (methods.pooling)
     merge: dict | None = None  # layer-wise: the options of align.align_and_merge_layer
     calibration: str = "no"  # "no" | "optional" | "required": --calibration DATA
     card_note: str | None = None  # what the model card says the merge did (layer-wise methods)
-    transfer: bool = False  # then trained per layer to reproduce the original attention (convert.transfer)
+    transfer: bool = False  # then trained per layer to reproduce the original attention (methods.transfer)
 
     @property
     def layerwise(self) -> bool:
@@ -37,9 +37,19 @@ class Method:
         return self.merge is not None
 
     @property
+    def reinitialises(self) -> bool:
+        """Draws new K/V heads instead of merging the old ones (seeded by --seed)."""
+        return self.pooling == "random"
+
+    @property
+    def norm_pooling(self) -> str:
+        """How the per-head weights of a key norm are merged (`pooling.regroup`): a norm is pooled, never drawn anew."""
+        return "first" if self.pooling == "first" else "mean"
+
+    @property
     def seeded(self) -> bool:
         """Uses --seed (the card records it)."""
-        return self.pooling == "random" or self.transfer
+        return self.reinitialises or self.transfer
 
 
 METHODS = {m.name: m for m in (
@@ -67,7 +77,7 @@ METHODS = {m.name: m for m in (
                      "attention's output on the calibration windows (attention transfer; best held-out score kept)"),
 )}
 NAMES = tuple(METHODS)
-# --grouping of the layer-wise methods: which K/V heads share a group (convert.align)
+# --grouping of the layer-wise methods: which K/V heads share a group (methods.align)
 GROUPINGS = ("contiguous", "similarity")
 HEADWISE = tuple(name for name, m in METHODS.items() if not m.layerwise)
 LAYERWISE = tuple(name for name, m in METHODS.items() if m.layerwise)

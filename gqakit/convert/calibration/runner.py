@@ -16,33 +16,15 @@ attention types) is not re-implemented: the model's own forward runs once per wi
 layer replaced by a recorder that keeps the layer's inputs, and each real layer (its own forward, with
 streamed linears) is later called with exactly those inputs.
 
-Statistics of layer i (float64 sums, stored as float32 in one file per layer), over the
-attention input x (the tensor `q_proj` reads) of the fitting windows:
-
-* `input` E[x x^T] and `mean` E[x];
-* `key`  E over query heads and query positions m of Cov_{s ~ a_m}(x_s): the covariance of the inputs a
-  query attends to, weighted by its attention probabilities a_m. A first-order change of the logits
-  changes the softmax only through this covariance, so it is the metric in which key errors matter;
-* `value` E over heads and queries of xbar_m xbar_m^T with xbar_m = sum_s a_ms x_s (the attention-averaged
-  input that value heads turn into what reaches o_proj), and `value_mean` E[xbar_m].
-
-Per window, with X (T, n) its attention inputs and A_h (T, T) head h's probabilities (row m: query m), the
-sums over heads and queries collapse onto T x T matrices: with P = sum_h A_h^T A_h and w = sum_h sum_m A_h[m]
-(the attention each key position receives), value = X^T P X, key = X^T (diag(w) - P) X and
-value_mean = w^T X (`attention_terms`, `add_moment`). No (H*T, n) or n x n temporary is needed: each sum grows
-by one float64 `addmm_` per window.
-
-Held-out windows are kept whole (their attention inputs, RoPE tables and mask) so that a merge can be
-scored on the attention logits it changes.
+The statistics summed per layer are `moments.STATS`; each layer's go to one file (`stored.LayerFile`). Held-out
+windows are kept whole (their attention inputs, RoPE tables and mask) so that a merge can be scored on the
+attention logits it changes.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import math
 import os
-import struct
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,102 +34,13 @@ from torch import nn
 
 from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures import ArchSpec
-from gqakit.hf.checkpoint import TensorInfo, load_tensor, read_header
+from gqakit.hf.checkpoint import TensorInfo, load_tensor
 from gqakit.hf.fields import config_object
-from gqakit.convert.calibration.streamed import (BLOCK_BYTES, _missing, _RowReader, _stream, _WindowStates, _write_from,
-                                                 row_blocks)
+from gqakit.convert.calibration.moments import STATS, SUMS, attention_terms, sum_moments
+from gqakit.convert.calibration.stored import LayerFile, layer_path
+from gqakit.convert.calibration.streamed import WindowStates, missing_tensor, stream_weights
 
-F64 = torch.float64
-STATS = ("input", "mean", "key", "value", "value_mean")
 MLP_TOKENS = 128  # positions per chunk of a calibration layer's MLP
-
-
-SUMS = ("key", "value", "input")  # the n x n statistics, in the order they are summed
-
-
-def attention_terms(probs: torch.Tensor) -> torch.Tensor:
-    """What the key and value statistics need of one window's attention probabilities probs (H, T, T), in their
-    precision: (T + 1, T), rows 0..T-1 P = sum_h A_h^T A_h and row T w = sum_h sum_m A_h[m] (the attention each
-    key position receives). Nothing n-sized: a window's statistics are then one (T, n) product each."""
-    T = probs.shape[-1]
-    flat = probs.reshape(-1, T)  # (H*T, T): every head's query rows, a view
-    return torch.cat([flat.T @ flat, flat.sum(0, keepdim=True)])
-
-
-def add_moment(total: torch.Tensor, name: str, x: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
-    """total (n, n) float64 += X^T M X over one window, X = x (T, n) and `terms` from `attention_terms`:
-    M = I for `input`, P for `value` (the sum over heads and queries of xbar xbar^T) and diag(w) - P for `key`
-    (the sum over heads and queries of E_a[x x^T] - xbar xbar^T). One float64 `addmm_`."""
-    x = x.to(F64)  # (T, n): small; every product with x accumulates in float64
-    if name == "input":
-        return total.addmm_(x.T, x)
-    T = x.shape[0]
-    pair = terms[:T].to(F64, copy=True)  # (T, T), changed in place below: never the caller's terms
-    if name == "key":
-        pair.neg_().diagonal().add_(terms[T].to(F64))  # diag(w) - P
-    return total.addmm_(x.T, pair @ x)
-
-
-def sum_moments(windows: int, read: Callable[[int], tuple[torch.Tensor, torch.Tensor]], heads: int,
-                keep: Callable[[str, torch.Tensor], None], device="cpu") -> None:
-    """One layer's statistics (`STATS`, expectations in float64) over its fitting windows, handed to
-    keep(name, value) one at a time. `read(w)` gives window w's attention input (T, n) and its
-    `attention_terms`. Each n x n sum runs over every window alone and is dropped once `keep` returns, so one
-    n x n float64 sum exists at a time (`keep` writes it out)."""
-    T, n = read(0)[0].shape
-    tokens = windows * T
-    queries = heads * tokens  # head x query pairs
-    mean = torch.zeros(n, dtype=F64, device=device)
-    value_mean = torch.zeros(n, dtype=F64, device=device)
-    for name in SUMS:
-        total = torch.zeros(n, n, dtype=F64, device=device)
-        for w in range(windows):
-            x, terms = read(w)
-            x = x.to(F64)  # once: add_moment's own conversion is then a no-op
-            add_moment(total, name, x, terms)
-            if name == "input":  # the two means ride along with the last pass
-                mean += x.sum(0)
-                value_mean += terms[T].to(F64) @ x
-        keep(name, total.div_(max(tokens if name == "input" else queries, 1)))
-        del total
-    keep("mean", mean.div_(max(tokens, 1)))
-    keep("value_mean", value_mean.div_(max(queries, 1)))
-
-
-def reference_moments(x: torch.Tensor, probs: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The same statistics from an explicit loop over heads and queries (slow; for tests). x (N, T, n),
-    probs (N, H, T, T)."""
-    x, probs = x.to(F64), probs.to(F64)
-    n = x.shape[-1]
-    acc = {k: torch.zeros(n, n, dtype=F64) for k in ("input", "key", "value")}
-    acc.update(mean=torch.zeros(n, dtype=F64), value_mean=torch.zeros(n, dtype=F64))
-    tokens = queries = 0
-    for w in range(x.shape[0]):
-        for t in range(x.shape[1]):
-            acc["input"] += torch.outer(x[w, t], x[w, t])
-            acc["mean"] += x[w, t]
-            tokens += 1
-        for h in range(probs.shape[1]):
-            for m in range(x.shape[1]):
-                a = probs[w, h, m]
-                xbar = a @ x[w]
-                second = sum(a[s] * torch.outer(x[w, s], x[w, s]) for s in range(x.shape[1]))
-                acc["key"] += second - torch.outer(xbar, xbar)
-                acc["value"] += torch.outer(xbar, xbar)
-                acc["value_mean"] += xbar
-                queries += 1
-    return {k: v / (tokens if k in ("input", "mean") else queries) for k, v in acc.items()}
-
-
-def make_windows(ids: torch.Tensor, window: int, tokens: int) -> torch.Tensor:
-    """Disjoint windows (N, window) from the first `tokens` ids (a partial last window is dropped)."""
-    count = min(tokens, ids.numel()) // window
-    return ids[: count * window].reshape(count, window)
-
-
-def heldout_count(windows: int) -> int:
-    """Windows kept out of the statistics to score a merge: one in eight, at least one."""
-    return max(1, windows // 8)
 
 
 class _Recorder(nn.Module):
@@ -179,7 +72,7 @@ def _materialise(module: nn.Module, prefix: str, tensors: dict[str, TensorInfo],
     for name, _ in list(module.named_parameters(recurse=recurse)):
         full = prefix + name
         if full not in tensors:
-            raise _missing(full, what)
+            raise missing_tensor(full, what)
         _set_param(module, name, load_tensor(tensors[full], full).to(device=device, dtype=torch.float32))
 
 
@@ -237,7 +130,7 @@ class LayerwiseModel:
         self.base = self.model.get_submodule(base_name)
         # everything of the base outside the decoder layers (embedding, final norm): real (or streamed) from here on
         what = "the embedding and final norm"
-        _stream(self.base, base_name + ".", tensors, what)
+        stream_weights(self.base, base_name + ".", tensors, what)
         _materialise(self.base, base_name + ".", tensors, self.device, what)
         self.base.to(self.device)
 
@@ -254,7 +147,7 @@ class LayerwiseModel:
         position-wise MLP run over chunks of tokens."""
         layer = self.real[i]
         if stream:
-            self.swapped[i] = _stream(layer, f"{self.prefix}{i}.", self.tensors, f"layer {i}")
+            self.swapped[i] = stream_weights(layer, f"{self.prefix}{i}.", self.tensors, f"layer {i}")
         # before the MLP is wrapped, so that parameter names (e.g. mlp.gate_proj.bias) are the checkpoint's
         _materialise(layer, f"{self.prefix}{i}.", self.tensors, self.device, f"layer {i}")
         if stream and isinstance(getattr(layer, "mlp", None), nn.Module):
@@ -299,8 +192,8 @@ def calibrate(config: dict, spec: ArchSpec, tensors: dict[str, TensorInfo], wind
               folder: Path, device="cpu", progress: bool = True, with_inputs: bool = False,
               converted_inputs: bool = False) -> Iterator[int | LayerInputs]:
     """Calibrate layer by layer into `folder`: yields each layer's index once `layer_path(folder, i)` is complete
-    (its `STATS` as float32, the precision they are stored in, summed in float64; read them with `load_layer` or
-    `StoredMoment`).
+    (its `STATS` as float32, the precision they are stored in, summed in float64; read them with
+    `stored.load_layer` or `stored.StoredMoment`).
 
     `windows` (N, T) token ids; the last `heldout` windows are held out of the statistics and stored whole:
     heldout.x (N_h, T, n) attention inputs, heldout.cos / heldout.sin (T, head_dim) RoPE tables and
@@ -338,7 +231,7 @@ def _check_finite(out: torch.Tensor, i: int) -> None:
                           "may be broken (try evaluating it with gqakit eval ppl)")
 
 
-def _advance(layer: nn.Module, kwargs: dict, i: int, count: int, states: _WindowStates, device,
+def _advance(layer: nn.Module, kwargs: dict, i: int, count: int, states: WindowStates, device,
              before: Callable[[int], None] = lambda w: None) -> None:
     """Every window through layer i: its output replaces its input in `states` (`before(w)` first)."""
     with torch.no_grad():
@@ -350,7 +243,7 @@ def _advance(layer: nn.Module, kwargs: dict, i: int, count: int, states: _Window
 
 
 def _run_original(layer: nn.Module, attn: nn.Module, kwargs: dict, i: int, count: int, fit: int,
-                  states: _WindowStates, targets: _WindowStates, device) -> torch.Tensor:
+                  states: WindowStates, targets: WindowStates, device) -> torch.Tensor:
     """The original model's stream through layer i: every window's attention output goes to `targets` (fitting
     windows) or the returned (N_h, T, n) held-out targets, and the layer's output replaces its input in `states`."""
     held, w_now = [], [0]
@@ -378,8 +271,8 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
     for w, ids in enumerate(windows):
         h, kw = lm.layer_inputs(ids)  # (1, T, n)
         if states is None:
-            states = _WindowStates(*files["hidden"], tuple(h.shape[1:]))
-            teacher = _WindowStates(*files["teacher"], tuple(h.shape[1:])) if converted_inputs else None
+            states = WindowStates(*files["hidden"], tuple(h.shape[1:]))
+            teacher = WindowStates(*files["teacher"], tuple(h.shape[1:])) if converted_inputs else None
         states.write(w, h)
         if teacher is not None:
             teacher.write(w, h)
@@ -389,9 +282,9 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
     count = windows.shape[0]
     fit = count - heldout
     T, n = states.shape
-    inputs = _WindowStates(*files["inputs"], (T, n))  # the fitting windows' attention inputs
-    terms = _WindowStates(*files["terms"], (T + 1, T))  # ... and their attention_terms
-    targets = _WindowStates(*files["targets"], (T, n)) if converted_inputs else None
+    inputs = WindowStates(*files["inputs"], (T, n))  # the fitting windows' attention inputs
+    terms = WindowStates(*files["terms"], (T + 1, T))  # ... and their attention_terms
+    targets = WindowStates(*files["targets"], (T, n)) if converted_inputs else None
     bar = tqdm(range(len(lm.real)), desc="calibrate", unit="layer", disable=not progress)
     for i in bar:
         layer = lm.load_layer(i)
@@ -482,7 +375,7 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
 
 
 def _run_converted(layer: nn.Module, attn: nn.Module, converted: nn.Module, kwargs: dict, i: int, count: int,
-                   states: _WindowStates, device) -> None:
+                   states: WindowStates, device) -> None:
     """The converted stream through layer i, its attention replaced by `converted`: each window's output
     replaces its input in `states`."""
     owner_name, _, leaf = next(name for name, m in layer.named_modules() if m is attn).rpartition(".")
@@ -492,141 +385,3 @@ def _run_converted(layer: nn.Module, attn: nn.Module, converted: nn.Module, kwar
         _advance(layer, kwargs, i, count, states, device)
     finally:
         setattr(owner, leaf, attn)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' rotate_half RoPE on (..., T, d) with cos/sin (T, d)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-def logit_error(held: dict, before: tuple, after: tuple, num_heads: int, kv_before: int, kv_after: int,
-                head_dim: int) -> float:
-    """Relative error of every query head's attention logits (before scaling and softcapping) on held-out
-    windows: sqrt(sum ||S'_j - S_j||^2 / sum ||S_j||^2) over allowed query/key pairs.
-
-    `before` / `after` are (q_w, k_w, q_b, k_b) of the original (heads in the merge's order) and merged layer.
-    One query head at a time: only its rows (and its K/V head's) are ever float64.
-    """
-    num = den = 0.0
-    allowed = held["allowed"].to(F64)
-    cos, sin = held["cos"].to(F64), held["sin"].to(F64)
-
-    def project(x, w, b, head):  # (T, d): one head's rows of w (and b), rotated
-        rows = slice(head * head_dim, (head + 1) * head_dim)
-        y = x @ w[rows].to(F64).T
-        return rope(y if b is None else y + b[rows].to(F64), cos, sin)
-
-    def logits(x, j, q_w, k_w, q_b, k_b, kv):  # (T, T): query head j against its K/V head
-        return (project(x, q_w, q_b, j) @ project(x, k_w, k_b, j // (num_heads // kv)).T) * allowed
-
-    for x in held["x"]:
-        x = x.to(F64)  # (T, n)
-        for j in range(num_heads):
-            s0 = logits(x, j, *before, kv_before)
-            s1 = logits(x, j, *after, kv_after)
-            num += float((s1 - s0).pow(2).sum())
-            den += float(s0.pow(2).sum())
-    return math.sqrt(num / max(den, 1e-300))
-
-
-MASK = "heldout.allowed"  # the one boolean tensor of a layer file (stored as U8)
-
-
-def layer_path(folder: Path, layer: int) -> Path:
-    return Path(folder) / f"layer-{layer:05d}.safetensors"
-
-
-class LayerFile:
-    """One layer's statistics and held-out windows as a safetensors file (float32; `MASK` as U8), written one
-    tensor at a time, in any order: the header, with every tensor's shape, goes first, and each tensor is then
-    written in row blocks of at most `BLOCK_BYTES` at its offset, so no float32 copy of a whole float64 sum is
-    ever made. The file is removed if the `with` block ends early (an error) or leaves a tensor unwritten (which
-    is then an error): its header is complete from the start, so a partial file would read as zeros."""
-
-    def __init__(self, path: Path, shapes: dict[str, tuple[int, ...]]):
-        header, offset, self.where = {"__metadata__": {"format": "pt"}}, 0, {}
-        for name, shape in shapes.items():
-            nbytes = math.prod(shape) * (1 if name == MASK else 4)
-            header[name] = {"dtype": "U8" if name == MASK else "F32", "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            self.where[name] = (offset, tuple(shape))
-            offset += nbytes
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # keep the data 8-byte aligned
-        self.path, self.base, self.missing = path, 8 + len(blob), set(shapes)
-        self.file = open(path, "wb", buffering=0)
-        self.file.write(struct.pack("<Q", len(blob)) + blob)
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        offset, shape = self.where[name]
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the header says {shape}")
-        position = self.base + offset
-        for block in row_blocks(tensor):
-            block = block.to("cpu", torch.uint8 if name == MASK else torch.float32)
-            _write_from(self.file, block, position)
-            position += block.numel() * block.element_size()
-        self.missing.discard(name)
-
-    def __enter__(self) -> "LayerFile":
-        return self
-
-    def __exit__(self, kind, *_) -> None:
-        self.file.close()
-        if kind is not None or self.missing:
-            self.path.unlink()
-        if kind is None and self.missing:
-            raise RuntimeError(f"{self.path}: {sorted(self.missing)} never written")
-
-
-def save_layer(folder: Path, layer: int, moments: dict, held: dict) -> Path:
-    """One layer's statistics (any float dtype) and held-out windows as `LayerFile` (what calibration writes)."""
-    tensors = {**moments, **{f"heldout.{k}": v for k, v in held.items()}}
-    path = layer_path(folder, layer)
-    with LayerFile(path, {name: tuple(v.shape) for name, v in tensors.items()}) as f:
-        for name, v in tensors.items():
-            f.write(name, v)
-    return path
-
-
-class StoredMoment:
-    """One n x n statistic of `save_layer`'s file, read one block of rows at a time (a `grams.RowBlocks`), so that
-    the merge never holds it whole: plain reads at its byte range, no mapping."""
-
-    def __init__(self, folder: Path, layer: int, name: str):
-        path = layer_path(folder, layer)
-        info = read_header(path)[0][name]
-        if info.dtype != "F32" or len(info.shape) != 2:
-            raise GqakitError(f"{path}: '{name}' is not a float32 matrix; the calibration folder was changed")
-        self.shape = tuple(info.shape)
-        self._rows = _RowReader(info, name, self.shape, "a calibration statistic")
-        self._diagonal: torch.Tensor | None = None
-
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        stop = min(stop, self.shape[0])
-        with open(self._rows.info.file, "rb", buffering=0) as f:
-            return self._rows.read(f, start, stop)
-
-    def diagonal(self) -> torch.Tensor:
-        """Read once (the metric's ridge and the key bias's weight both use it)."""
-        if self._diagonal is None:
-            step = max(1, BLOCK_BYTES // (4 * self.shape[1]))
-            self._diagonal = torch.cat([self.rows(i, i + step).diagonal(offset=i)
-                                        for i in range(0, self.shape[0], step)])
-        return self._diagonal
-
-
-def load_layer(folder: Path, layer: int, keys: tuple[str, ...] = STATS, dtype: torch.dtype = F64,
-               held: bool = True) -> tuple[dict, dict]:
-    """One layer's statistics `keys` (in `dtype`; stored float32) and, with `held`, its held-out windows (else
-    {}), read back from its `LayerFile`."""
-    from safetensors import safe_open
-
-    with safe_open(str(layer_path(folder, layer)), framework="pt") as f:
-        moments = {k: f.get_tensor(k).to(dtype) for k in keys}
-        windows = {k[len("heldout."):]: f.get_tensor(k) for k in f.keys() if held and k.startswith("heldout.")}
-    if held:
-        windows["allowed"] = windows["allowed"].bool()
-    return moments, windows

@@ -35,7 +35,7 @@ import torch
 
 from gqakit.common.threads import lapack, one_thread
 from gqakit.convert.methods import GROUPINGS
-from gqakit.convert.grams import KeySide, ValueSide, factor, key_side, metric_from_matrix, value_side
+from gqakit.convert.methods.grams import KeySide, ValueSide, factor, key_side, metric_from_matrix, value_side
 
 F64 = torch.float64
 KEY_SCALES = ("none", "balance", "match")

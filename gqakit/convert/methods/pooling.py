@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-METHODS = ("mean", "first", "random")
-
 
 def valid_groups(num_heads: int) -> list[int]:
     """Every G that divides `num_heads` (the valid K/V head counts)."""
@@ -64,6 +62,13 @@ def regroup(t: torch.Tensor, num_heads: int, groups: int, method: str = "mean") 
     if groups % num_heads == 0:
         return expand_heads(t, num_heads, groups)
     raise ValueError(f"cannot regroup {num_heads} heads into {groups}: neither divides the other")
+
+
+def merge_norms(stack: torch.Tensor, method: str = "mean") -> torch.Tensor:
+    """One group's per-head norm weights (n, d) -> the merged head's (d,): the first, or their mean (as given)."""
+    if method not in ("mean", "first"):
+        raise ValueError(f"unknown pooling method {method!r}; choose one of mean, first")
+    return stack[0] if method == "first" else stack.mean(dim=0)
 
 
 def random_heads(shape: tuple[int, ...], std: float, seed: int, dtype: torch.dtype) -> torch.Tensor:

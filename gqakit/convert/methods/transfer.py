@@ -1,6 +1,6 @@
 """Attention transfer (`--method transfer`): train each layer's merged attention to reproduce the original's.
 
-After a calibrated merge of a layer (`convert.run.merge_layer`; `fit`, or `aligned` with `--transfer-start`), the
+After a calibrated merge of a layer (`methods.layer.merge_layer`; `fit`, or `aligned` with `--transfer-start`), the
 merged K/V projections (with `--transfer-params qkvo` also Q and O) are trained so that the layer's attention
 output, o_proj included, matches the original attention's on the calibration windows, given the original model's
 own layer inputs (teacher forcing: every layer trains on what the unconverted model feeds it, so layers are
@@ -43,57 +43,9 @@ from torch import nn
 
 from gqakit.common.errors import GqakitError
 from gqakit.common.memory import heap_kept
-from gqakit.convert.options import ConvertConfig
-from gqakit.convert.calibration.streamed import _WindowStates
+from gqakit.convert.options import PARAMS, TransferOptions
+from gqakit.convert.calibration.streamed import WindowStates
 from gqakit.hf.fields import config_object
-
-# --transfer-params: which projections of the merged attention are trained (the rest stay as merged)
-PARAMS = {"kv": ("k_proj", "v_proj"), "qkvo": ("q_proj", "k_proj", "v_proj", "o_proj")}
-INPUTS = ("original", "converted")  # --transfer-inputs
-STARTS = ("fit", "aligned")  # --transfer-start: calibrated merges (methods.METHODS) training can start from
-DTYPES = ("float32", "bfloat16")  # --transfer-dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class TransferOptions:
-    """How each layer is trained (defaults chosen by measurement: docs/convert.md, "Attention transfer")."""
-
-    params: str = "qkvo"
-    steps: int = 600  # at most, per layer
-    lr: float = 0.05  # relative: each trained tensor's step size is lr x its RMS at the start (scale-free)
-    step_tokens: int = 1024  # tokens per step: max(1, step_tokens // window) windows (2 windows of 512)
-    warmup: float = 0.1  # fraction of `steps`
-    eval_every: int = 20
-    patience: int = 3  # held-out scores without improvement before stopping; 0: never stop early
-    inputs: str = "original"  # each layer's inputs: the original model's, or the model's converted so far
-    start: str = "fit"  # the calibrated merge that training starts from
-    dtype: str = "float32"  # training's forward and backward: float32, or bfloat16 autocast
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.params not in PARAMS:
-            raise GqakitError(f"--transfer-params {self.params!r} is not one of {', '.join(PARAMS)}")
-        if self.steps < 1:
-            raise GqakitError(f"--transfer-steps {self.steps} must be at least 1")
-        if self.start not in STARTS:
-            raise GqakitError(f"--transfer-start {self.start!r} is not one of {', '.join(STARTS)}")
-        if self.inputs not in INPUTS:
-            raise GqakitError(f"--transfer-inputs {self.inputs!r} is not one of {', '.join(INPUTS)}")
-        if self.dtype not in DTYPES:
-            raise GqakitError(f"--transfer-dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.patience < 0:
-            raise GqakitError(f"--transfer-patience {self.patience} must be 0 (never stop early) or more")
-
-
-def transfer_options(cfg: ConvertConfig) -> TransferOptions:
-    """The transfer options a `ConvertConfig` asks for, its unset flags at their defaults (checked here)."""
-    given = {"params": cfg.transfer_params, "steps": cfg.transfer_steps, "patience": cfg.transfer_patience,
-             "inputs": cfg.transfer_inputs, "start": cfg.transfer_start, "dtype": cfg.transfer_dtype}
-    for flag, value in (("--transfer-steps", cfg.transfer_steps), ("--transfer-patience", cfg.transfer_patience)):
-        if isinstance(value, bool) or not isinstance(value, (int, type(None))):
-            raise GqakitError(f"{flag} must be a whole number, got {value!r}")
-    return TransferOptions(seed=cfg.seed, **{k: v for k, v in given.items() if v is not None})
-
 
 def attention_implementation(config: dict) -> str:
     """sdpa, unless the family softcaps attention logits (transformers' sdpa path has no softcap): eager then."""
@@ -244,7 +196,7 @@ def transfer_merged_layer(cls: type, config: dict, grouped_config: dict, layer: 
                 for w in range(windows):
                     y = attend(teacher, read_input(w).to(device)[None], kwargs)[0]
                     if targets is None:
-                        targets = _WindowStates(file, path, tuple(y.shape))
+                        targets = WindowStates(file, path, tuple(y.shape))
                     targets.write(w, y)
                 held_targets = torch.stack([attend(teacher, x[None], kwargs)[0] for x in held_x])
             del teacher

@@ -1,0 +1,131 @@
+"""The calibration pass of `--calibration`: the model is run layer by layer on the calibration windows
+(`calibration.runner`), each layer's statistics wait on disk for the write pass's merge, and with a transfer
+method each layer is merged and trained while its inputs are at hand (`methods.transfer`). Under torchrun the
+layers' training is shared out (`layer_share.py`): every process calibrates, each trains the layers it owns."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from gqakit.common.errors import GqakitError
+from gqakit.common.memory import release_freed_memory
+from gqakit.convert import methods
+from gqakit.convert.calibration.data import CalibrationData, load_calibration
+from gqakit.convert.calibration.runner import LayerInputs, calibrate
+from gqakit.convert.calibration.stored import layer_path, load_layer
+from gqakit.convert.layer_share import Share, barrier, check_share, meeting_folder, read_errors, write_errors
+from gqakit.convert.methods.engine import LayerMerge, merge_checkpoint_layer, transferred_path
+from gqakit.convert.methods.transfer import transfer_merged_layer
+from gqakit.convert.options import ConvertConfig, TransferOptions, transfer_options
+from gqakit.convert.output import new_config
+from gqakit.convert.plan import Plan
+from gqakit.hf.checkpoint import TensorInfo, load_tensor
+
+
+def check_launch(cfg: ConvertConfig, plan: Plan, share: Share) -> None:
+    """Refuse a launch of several processes that this conversion cannot share out (`layer_share.check_share`)."""
+    transfer = methods.get(plan.method).transfer
+    check_share(share, transfer, transfer_options(cfg).inputs if transfer else "", cfg.dry_run)
+
+
+def open_calibration(cfg: ConvertConfig, model_dir: Path, config: dict) -> CalibrationData | None:
+    """The calibration windows `cfg` asks for (None without --calibration), and a check that the device runs."""
+    if cfg.calibration is None:
+        return None
+    calibration = load_calibration(cfg.calibration, model_dir, config, cfg.calibration_tokens,
+                                   cfg.calibration_window, cfg.text_column or "text")
+    device = cfg.calibration_device or "cpu"
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, ValueError) as e:
+        raise GqakitError(f"--calibration-device {device!r} is not usable here ({str(e).splitlines()[0]}); "
+                          "use cpu or an available cuda device") from None
+    return calibration
+
+
+def calibrate_layers(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, TensorInfo],
+                     calibration: CalibrationData, how: LayerMerge, folder: Path, errors: dict[int, dict[str, float]],
+                     share: Share = Share()) -> LayerMerge:
+    """One pass, layer by layer, into `folder` (inside the temporary output): each layer's statistics wait in
+    their file there; with a transfer method each layer is merged and trained (its tensors left in `folder`, its
+    errors in `errors`). Returns `how` reading from `folder`."""
+    transfer = methods.get(plan.method).transfer
+    how = dataclasses.replace(how, stats=folder, transferred=transfer)
+    how.stats.mkdir()
+    meeting_folder(share, how.stats)  # under torchrun: where the other processes leave their layers
+    device = calibration_device(cfg, share)
+    opts = transfer_options(cfg) if transfer else None
+    if opts is not None and opts.dtype == "bfloat16" and str(device).startswith("cpu") and share.rank == 0:
+        from gqakit.common.precision import warn_if_slow_bf16
+
+        warn_if_slow_bf16("convert-gqa", "--transfer-dtype bfloat16", "--transfer-dtype float32")
+    for layer in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout, how.stats,
+                           device, cfg.progress, with_inputs=transfer,
+                           converted_inputs=transfer and opts.inputs == "converted"):
+        if transfer:  # while the layer's inputs are at hand: merge it, then train it
+            if share.owns(layer.index):
+                transfer_layer_at_hand(layer, plan, config, tensors, how, opts, errors, device, cfg.progress)
+            layer_path(how.stats, layer.index).unlink()  # its statistics are done with
+        # else each layer's statistics are in their file in how.stats when its index is yielded
+    if transfer and share.world > 1:
+        barrier(share)  # every process has left its layers in how.stats
+        errors.update(read_errors(how.stats, range(plan.num_layers), share))
+    release_freed_memory()  # the calibration model's heap goes back to the OS before the merge
+    return how
+
+
+def calibration_device(cfg: ConvertConfig, share: Share) -> str:
+    device = cfg.calibration_device or "cpu"
+    if share.world > 1 and device == "cuda":  # one GPU per process, as torchrun numbers them
+        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return device
+
+
+def transfer_layer_at_hand(inputs: LayerInputs, plan: Plan, config: dict, tensors: dict[str, TensorInfo], how: LayerMerge,
+              opts: TransferOptions, errors: dict[int, dict[str, float]], device, progress: bool,
+              into: Path | None = None) -> None:
+    """Merge layer `inputs.index` by the calibrated merge training starts from (`fit`, or `aligned` with
+    `--transfer-start aligned`), train it (`methods.transfer`), and leave its attention tensors in
+    `transferred_path` of `into` (default: the statistics folder), read back by the write pass; its errors go
+    to `errors`."""
+    from safetensors.torch import save_file
+
+    i = inputs.index
+    op = next(op for op in plan.ops if op.kind == "attn" and op.layer == i)
+    heldout = load_layer(how.stats, i, ())[1]
+    start_plan = dataclasses.replace(plan, method=opts.start)  # the calibrated merge that training starts from
+    merged, cost = merge_checkpoint_layer(start_plan, tensors, i, op.sources, how, heldout)
+    prefix = plan.spec.q_proj.format(i=i).rpartition(".")[0] + "."  # "model.layers.3.self_attn."
+    original = {name[len(prefix):]: load_tensor(info, name) for name, info in tensors.items()
+                if name.startswith(prefix)}
+    student, cost_transfer = transfer_merged_layer(
+        inputs.attention_class, config, new_config(config, plan, "auto"), i, inputs.attention_kwargs, original,
+        {name[len(prefix):]: t for name, t in merged.items()}, inputs.windows, inputs.read, heldout["x"],
+        how.stats, opts, device, progress, inputs.read_target, inputs.held_targets)
+    inputs.trained_attention = student  # with --transfer-inputs converted, the next layer's inputs come through it
+    params = dict(student.named_parameters())
+    save_file({name: params[name[len(prefix):]].detach().cpu().contiguous() for name in merged},
+              str(transferred_path(into or how.stats, i)))
+    errors.setdefault(i, {}).update({**cost, **cost_transfer})
+
+
+def transfer_share(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, TensorInfo],
+                    calibration: CalibrationData, share: Share) -> None:
+    """A process other than rank 0 under torchrun: calibrate in a scratch folder of its own, inside rank 0's
+    temporary output folder, train the layers it owns and leave them (with their errors) beside rank 0's."""
+    meeting = meeting_folder(share, None)
+    own = meeting / f"rank-{share.rank}"
+    own.mkdir()
+    how = LayerMerge(grouping=cfg.grouping or "similarity", stats=own, transferred=True)
+    opts, device = transfer_options(cfg), calibration_device(cfg, share)
+    errors: dict[int, dict[str, float]] = {}
+    for layer in calibrate(config, plan.spec, tensors, calibration.windows, calibration.heldout, own, device,
+                           False, with_inputs=True):
+        if share.owns(layer.index):
+            transfer_layer_at_hand(layer, plan, config, tensors, how, opts, errors, device, False, into=meeting)
+            write_errors(meeting, layer.index, errors[layer.index])
+        layer_path(own, layer.index).unlink()  # its statistics are done with
+    barrier(share)
