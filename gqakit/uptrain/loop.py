@@ -33,7 +33,7 @@ from gqakit.uptrain.run.metrics import MetricsLog, plot
 from gqakit.attention.registration import apply_attention
 from gqakit.common.precision import bf16_cpu_warning
 from gqakit.uptrain.parallel import SequenceParallel, sequence_parallel
-from gqakit.uptrain.sharding import Sharding, strategy
+from gqakit.uptrain.sharding import Strategy, strategy
 from gqakit.uptrain.run.final import save_final, source_dtype
 from gqakit.uptrain.run.folder import check_processes, plan_run, start_run
 from gqakit.uptrain.run.lock import run_lock
@@ -358,6 +358,6 @@ def _diverged(out: Path, step: int, row: dict, lr: float) -> str:
             "set grad_clip, and start over with force=true")
 
 
-def _gradient_sync(how: Sharding, accelerator, model, sync: bool):
+def _gradient_sync(how: Strategy, accelerator, model, sync: bool):
     """Reduce gradients only on the last micro-step of an optimizer step."""
     return contextlib.nullcontext() if sync else how.hold_sync(accelerator, model)
