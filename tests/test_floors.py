@@ -1,6 +1,9 @@
 """The floor rule of docs/architecture.md, read from the source with `ast` (every import, also the ones inside
 functions): a package of gqakit imports only from its own package and from floors below it, never a sibling on
-its floor; and no two modules import each other, directly or round a loop."""
+its floor; and no two modules import each other, directly or round a loop, a package's `__init__` included.
+
+An import is an edge to the module it names: `import a.b.c` to a.b.c; `from pkg import name` to pkg.name when that
+is a module, else to pkg (its `__init__`, which then holds or re-exports `name`); relative imports resolved."""
 from __future__ import annotations
 
 import ast
@@ -25,70 +28,48 @@ FLOORS = [
 FLOOR = {name: level for level, names in enumerate(FLOORS) for name in names}
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _imports(path: Path) -> set[str]:
-    """The gqakit modules (or packages) `path` imports, relative imports resolved."""
-    module = _module_name(path)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            if target == "gqakit" or target.startswith("gqakit."):
-                found.add(target)
-                found.update(f"{target}.{a.name}" for a in node.names)  # `from pkg import module`
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name == "gqakit" or a.name.startswith("gqakit."))
+def modules(package: Path) -> dict[str, Path]:
+    """{dotted name: file} of every module under the folder `package` (a package is named by its __init__)."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
-MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-GRAPH = {m: {t for t in _imports(p) if t in MODULES and t != m} for m, p in MODULES.items()}
+def imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules of `known` that `module` (the file `path`) imports: one edge per imported name."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            found.update(f"{source}.{a.name}" if f"{source}.{a.name}" in known else source for a in node.names)
+    return {t for t in found if t in known and t != module}
 
 
-def _room(module: str) -> str | None:
-    """The top-level package or module of gqakit that `module` belongs to (None for the root)."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else None
+def graph(package: Path) -> dict[str, set[str]]:
+    """{module: the modules it imports} for the package in the folder `package`."""
+    known = modules(package)
+    return {m: imports(m, p, known) for m, p in known.items()}
 
 
-def test_every_room_is_on_a_floor():
-    rooms = {_room(m) for m in MODULES} - {None}
-    assert rooms <= set(FLOOR), f"put {sorted(rooms - set(FLOOR))} on a floor in this test and docs/architecture.md"
-
-
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_imports_point_down_or_within(module):
-    own = _room(module)
-    for target in sorted(GRAPH[module]):
-        room = _room(target)
-        if room is None or room == own:
-            continue
-        if own is None:  # the root
-            assert target in ROOT_MAY_IMPORT, f"gqakit/__init__.py imports {target}; it may import {ROOT_MAY_IMPORT}"
-            continue
-        assert own is not None and FLOOR[room] < FLOOR[own], (
-            f"{module} imports {target}: {room} is not on a floor below {own}; move the shared code down "
-            "(common/, hf/, decode/) or the caller up")
-
-
-def test_no_import_cycles():
-    """Tarjan's strongly connected components over module imports (packages' __init__ imports included)."""
-    index, low, stack, on, cycles = {}, {}, [], set(), []
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that import each other, directly or round a loop: Tarjan's strongly connected components of
+    more than one module, each sorted. No loop is exempt, not one through a package's __init__."""
+    index, low, stack, on, found = {}, {}, [], set(), []
 
     def visit(v):
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in GRAPH[v]:
+        for w in sorted(edges[v]):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -103,29 +84,84 @@ def test_no_import_cycles():
                 if w == v:
                     break
             if len(component) > 1:
-                cycles.append(sorted(component))
+                found.append(sorted(component))
 
-    for v in GRAPH:
+    for v in sorted(edges):
         if v not in index:
             visit(v)
-    # A package's __init__ that re-exports its own modules is not a loop a reader gets lost in: drop those edges.
-    real = [c for c in cycles if not all(any(m == _init or m.startswith(_init + ".") for _init in c if
-                                             MODULES[_init].name == "__init__.py") for m in c)]
-    assert not real, f"modules that import each other: {real}"
+    return sorted(found)
 
 
-def test_the_rule_sees_a_violation(tmp_path):
-    """The checker itself: an upward import is caught."""
-    bad = tmp_path / "gqakit" / "common" / "x.py"
-    bad.parent.mkdir(parents=True)
-    bad.write_text("from gqakit.convert.run import convert\n")
-    assert "gqakit.convert.run" in {t for t in _imports_for_test(bad, tmp_path)}
+def room(module: str) -> str | None:
+    """The top-level package or module of gqakit that `module` belongs to (None for the root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
 
 
-def _imports_for_test(path: Path, root: Path) -> set[str]:
-    global PACKAGE
-    saved, PACKAGE = PACKAGE, root / "gqakit"
-    try:
-        return _imports(path)
-    finally:
-        PACKAGE = saved
+def misplaced(module: str, targets: set[str]) -> list[str]:
+    """What breaks the floor rule among `module`'s imports, one message each naming the fix."""
+    own, problems = room(module), []
+    for target in sorted(targets):
+        theirs = room(target)
+        if theirs is None or theirs == own:
+            continue
+        if own is None:  # the root
+            if target not in ROOT_MAY_IMPORT:
+                problems.append(f"gqakit/__init__.py imports {target}; it may import {ROOT_MAY_IMPORT}")
+        elif not FLOOR[theirs] < FLOOR[own]:
+            problems.append(f"{module} imports {target}: {theirs} is not on a floor below {own}; move the shared "
+                            "code down (common/, hf/, decode/) or the caller up")
+    return problems
+
+
+MODULES = modules(PACKAGE)
+GRAPH = graph(PACKAGE)
+
+
+def test_every_room_is_on_a_floor():
+    rooms = {room(m) for m in MODULES} - {None}
+    assert rooms <= set(FLOOR), f"put {sorted(rooms - set(FLOOR))} on a floor in this test and docs/architecture.md"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down_or_within(module):
+    problems = misplaced(module, GRAPH[module])
+    assert not problems, "; ".join(problems)
+
+
+def test_no_import_cycles():
+    loops = cycles(GRAPH)
+    assert not loops, f"modules that import each other (move what both need into a module below them): {loops}"
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    """A package `gqakit` under `root` holding `files` ({path inside gqakit/: source}); returns its folder."""
+    for name, source in {"__init__.py": "", **files}.items():
+        path = root / "gqakit" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    return root / "gqakit"
+
+
+def test_the_guard_sees_an_upward_import(tmp_path):
+    package = _tree(tmp_path, {"common/__init__.py": "", "common/x.py": "from gqakit.convert.run import convert\n",
+                               "convert/__init__.py": "", "convert/run.py": "def convert(): pass\n"})
+    edges = graph(package)
+    assert edges["gqakit.common.x"] == {"gqakit.convert.run"}
+    assert misplaced("gqakit.common.x", edges["gqakit.common.x"]) == [
+        "gqakit.common.x imports gqakit.convert.run: convert is not on a floor below common; move the shared code "
+        "down (common/, hf/, decode/) or the caller up"]
+    assert misplaced("gqakit", {"gqakit.convert.run"}) and not misplaced("gqakit", ROOT_MAY_IMPORT)
+
+
+def test_the_guard_sees_a_loop_through_a_reexporting_init(tmp_path):
+    package = _tree(tmp_path, {
+        "pkg/__init__.py": "from .a import x\n",
+        "pkg/a.py": "def x():\n    from gqakit.pkg.b import y  # inside a function: still an edge\n",
+        "pkg/b.py": "from gqakit.pkg import x\ny = 1\n",
+        "pkg/c.py": "from gqakit.pkg import b\nimport gqakit.pkg.a\n",  # a module, not the __init__
+    })
+    edges = graph(package)
+    assert edges["gqakit.pkg"] == {"gqakit.pkg.a"} and edges["gqakit.pkg.b"] == {"gqakit.pkg"}
+    assert edges["gqakit.pkg.c"] == {"gqakit.pkg.b", "gqakit.pkg.a"}
+    assert cycles(edges) == [["gqakit.pkg", "gqakit.pkg.a", "gqakit.pkg.b"]]

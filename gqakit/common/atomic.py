@@ -80,6 +80,13 @@ def written_by_gqakit(folder: Path) -> bool:
     return False
 
 
+def inside(path: Path, folder: Path) -> bool:
+    """Is `path` `folder` itself or somewhere below it (links and `..` resolved)? A run that writes `folder`
+    must refuse an input for which this holds either way round."""
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
 def check_replaceable(out: Path, option: str = "-o") -> None:
     """--force may replace a symlink (the link itself), an empty folder, or a folder gqakit wrote: never
     a file or a folder of the user's, whatever --force says."""

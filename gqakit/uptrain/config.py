@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from gqakit.common import attention_kinds, dtypes
+from gqakit.common.atomic import inside
 from gqakit.common.errors import GqakitError
 from gqakit.common.options import check_fields, option, to_dict
 from gqakit.uptrain import sharding
@@ -145,11 +146,6 @@ def resolve_budget(cfg: UptrainConfig, data_parallel: int) -> Budget:
                   f"alpha={cfg.alpha} of {pretrained:,} pretraining tokens")
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    path, folder = path.resolve(), folder.resolve()
-    return path == folder or folder in path.parents
-
-
 def _check_paths(cfg: UptrainConfig) -> None:
     from gqakit.hf.folder import model_folder
     from gqakit.uptrain.data.sources import resolve_source
@@ -161,19 +157,29 @@ def _check_paths(cfg: UptrainConfig) -> None:
         cache = Path(cfg.cache_dir).expanduser()
         if cache.exists() and not cache.is_dir():
             raise GqakitError(f"cache_dir {cfg.cache_dir} is a file; give a folder for the token caches")
-        if _inside(cache, out) or _inside(out, cache):
+        if inside(cache, out) or inside(out, cache):
             raise GqakitError(f"cache_dir {cfg.cache_dir} overlaps output_dir {out}; keep the token caches outside "
                               "the run folder")
     inputs = (("model", cfg.model), ("teacher", cfg.teacher), *(("data", d) for d in cfg.data),
               *(("eval_data", d) for d in cfg.eval_data))
     for name, path in inputs:  # the run folder may be replaced (force) or written into: it holds no input
-        if path is not None and not path.startswith("hf:") and (_inside(Path(path), out) or _inside(out, Path(path))):
+        if path is not None and not path.startswith("hf:") and (inside(Path(path), out) or inside(out, Path(path))):
             raise GqakitError(f"output_dir {out} overlaps the {name} path {path}; choose an output_dir outside it")
     for path in (cfg.model, cfg.teacher):
         if path is not None:
             model_folder(path).tensors  # config.json, and safetensors weights that are all there (headers only)
     if not model_folder(cfg.model).has_tokenizer:
         raise GqakitError(f"{cfg.model} holds no tokenizer files; copy the tokenizer of the source model into it")
+
+
+def _check_seq2seq(cfg: UptrainConfig, arch: str) -> None:
+    """Refuse, in one line each, what encoder-decoder uptraining does not do."""
+    if cfg.context_parallel > 1:
+        raise GqakitError(f"context_parallel={cfg.context_parallel} splits one decoder sequence over processes, but "
+                          f"{arch} is an encoder-decoder; use context_parallel=1")
+    if cfg.attention != "default":
+        raise GqakitError(attention_kinds.position_bias_refusal(f"the encoder-decoder {arch}", cfg.attention,
+                                                                "attention=default"))
 
 
 def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
@@ -196,9 +202,7 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
         raise GqakitError(f"target_column={cfg.target_column} trains an encoder-decoder on input/target pairs, but "
                           f"{arch} is a decoder, which learns from one text; drop target_column")
     if seq2seq:
-        from gqakit.uptrain.seq2seq import check_seq2seq_recipe
-
-        check_seq2seq_recipe(cfg, arch)
+        _check_seq2seq(cfg, arch)
     if cfg.trainable == "kv":
         spec = attention_layout(arch)
         if spec is None or spec.fused:

@@ -26,13 +26,14 @@ from gqakit.hf.loading import is_encoder_decoder
 from gqakit.uptrain import modeling
 from gqakit.uptrain.config import UptrainConfig, check, resolve_budget
 from gqakit.uptrain.data.batches import BatchOrder, load_training_data
+from gqakit.uptrain.data.pairs import load_pairs
 from gqakit.uptrain.loss import cross_entropy_sum, distillation_sum, teacher_top_k, top_k_distillation_sum
 from gqakit.uptrain.memory_plan import check_fits
 from gqakit.uptrain.run.metrics import MetricsLog, plot
 from gqakit.attention.registration import apply_attention
 from gqakit.common.precision import bf16_cpu_warning
 from gqakit.uptrain.parallel import SequenceParallel, sequence_parallel
-from gqakit.uptrain.sharding import Sharding, strategy
+from gqakit.uptrain.sharding import Strategy, strategy
 from gqakit.uptrain.run.final import save_final, source_dtype
 from gqakit.uptrain.run.folder import check_processes, plan_run, start_run
 from gqakit.uptrain.run.lock import run_lock
@@ -217,8 +218,6 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     seq2seq = objective(tokenizer, model_config, cfg) if is_encoder_decoder(model_config) else None
     say(f"uptrain: reading {len(cfg.data)} data source{'s' if len(cfg.data) > 1 else ''}")
     if cfg.target_column is not None:  # input/target rows, in memory (every rank reads them)
-        from gqakit.uptrain.data.pairs import load_pairs
-
         data = load_pairs(cfg, tokenizer)
     else:
         data = load_training_data(cfg, tokenizer, is_main=is_main, barrier=accelerator.wait_for_everyone)
@@ -359,6 +358,6 @@ def _diverged(out: Path, step: int, row: dict, lr: float) -> str:
             "set grad_clip, and start over with force=true")
 
 
-def _gradient_sync(how: Sharding, accelerator, model, sync: bool):
+def _gradient_sync(how: Strategy, accelerator, model, sync: bool):
     """Reduce gradients only on the last micro-step of an optimizer step."""
     return contextlib.nullcontext() if sync else how.hold_sync(accelerator, model)

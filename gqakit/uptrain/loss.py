@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 IGNORE = -100
+INPUT_PAD = -1  # an encoder input position past its row's end (`data.pairs`): a mask, not a token
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

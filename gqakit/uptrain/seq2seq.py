@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from gqakit.common.attention_kinds import position_bias_refusal
 from gqakit.common.errors import GqakitError
 from gqakit.common.span_corruption import corrupt_rows, corrupted_lengths, sentinel_ids
+from gqakit.uptrain.loss import IGNORE, INPUT_PAD
 
 
 class SpanCorruption:
@@ -57,9 +57,6 @@ class InputTargetPairs:
                               "decoder_start_token_id; add them to config.json")
 
     def batch(self, rows: torch.Tensor) -> tuple[dict, torch.Tensor]:
-        from gqakit.uptrain.data.pairs import INPUT_PAD
-        from gqakit.uptrain.loss import IGNORE
-
         inputs, labels = rows[:, : self.seq_len], rows[:, self.seq_len :]
         longest_input = int((inputs != INPUT_PAD).sum(1).max())
         longest_target = int((labels != IGNORE).sum(1).max())
@@ -72,8 +69,6 @@ class InputTargetPairs:
 
     def targets(self, rows: torch.Tensor) -> int:
         """Target tokens of these rows (what their loss sums count)."""
-        from gqakit.uptrain.loss import IGNORE
-
         return int((rows[:, self.seq_len :] != IGNORE).sum())
 
 
@@ -85,12 +80,3 @@ def objective(tokenizer, config: dict, cfg) -> Seq2SeqObjective:
     if cfg.target_column is not None:
         return InputTargetPairs(tokenizer, config, cfg.seq_len)
     return SpanCorruption(tokenizer, config, cfg.seq_len, cfg.seed)
-
-
-def check_seq2seq_recipe(cfg, arch: str) -> None:
-    """Refuse, in one line each, what encoder-decoder uptraining does not do."""
-    if cfg.context_parallel > 1:
-        raise GqakitError(f"context_parallel={cfg.context_parallel} splits one decoder sequence over processes, but "
-                          f"{arch} is an encoder-decoder; use context_parallel=1")
-    if cfg.attention != "default":
-        raise GqakitError(position_bias_refusal(f"the encoder-decoder {arch}", cfg.attention, "attention=default"))

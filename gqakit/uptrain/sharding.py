@@ -3,7 +3,8 @@
 Each strategy says, in one place, what the loop, the recipe check and the memory plan need to know: how the
 student and teacher are loaded, whether they go through `accelerator.prepare`, how gradient sync is held off
 between micro-steps, how the global gradient norm is clipped, what runs under autocast, and whether the state
-is split over the processes. The FSDP2 machinery itself is in `fsdp.py`.
+is split over the processes. They are `Replicated` (DDP) and `FullySharded` (FSDP2); a `Strategy` is either.
+The FSDP2 machinery itself is in `fsdp.py`.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from gqakit.common.errors import GqakitError
 
 
 @dataclasses.dataclass(frozen=True)
-class Sharding:
-    """DDP: every process holds the whole model and its optimizer state; gradients are averaged (accelerate)."""
+class Replicated:
+    """DDP (`sharding: ddp`): every process holds the whole model and its optimizer state, nothing is sharded;
+    gradients are averaged (accelerate)."""
 
     name: str = "ddp"
     shards_state: bool = False  # parameters, gradients and AdamW state split over the processes
@@ -53,9 +55,10 @@ class Sharding:
 
 
 @dataclasses.dataclass(frozen=True)
-class FullySharded(Sharding):
-    """FSDP2 (`fsdp.py`): parameters, gradients and AdamW state sharded over every process; loaded shard by shard,
-    never whole on a rank; mixed precision is FSDP2's policy (bf16 compute, fp32 reduction and master weights)."""
+class FullySharded:
+    """FSDP2 (`sharding: fsdp`, `fsdp.py`): parameters, gradients and AdamW state sharded over every process;
+    loaded shard by shard, never whole on a rank; mixed precision is FSDP2's policy (bf16 compute, fp32
+    reduction and master weights)."""
 
     name: str = "fsdp"
     shards_state: bool = True
@@ -99,10 +102,11 @@ class FullySharded(Sharding):
         return full_tensor(torch.nn.utils.clip_grad_norm_(trained, max_norm))  # DTensor grads: a global norm
 
 
-STRATEGIES = {s.name: s for s in (Sharding(), FullySharded())}
+Strategy = Replicated | FullySharded
+STRATEGIES = {s.name: s for s in (Replicated(), FullySharded())}
 NAMES = tuple(STRATEGIES)
 
 
-def strategy(name: str) -> Sharding:
+def strategy(name: str) -> Strategy:
     """The strategy of `sharding: name` (the recipe's choices are NAMES)."""
     return STRATEGIES[name]

@@ -167,15 +167,6 @@ def load_training_data(cfg, tokenizer, *, is_main: bool = True, barrier: Callabl
                         barrier=barrier)
 
 
-def load_packed(data: tuple[str, ...], eval_data: tuple[str, ...], tokenizer, seq_len: int,
-                eval_fraction: float, eval_sequences: int, seed: int, text_column: str = "text") -> PackedData:
-    """The older entry point: `prepare_data` with the default cache root and one tokenising process.
-    Every caller acts as the main process (a file lock makes concurrent callers build a cache once, and
-    each checks its checksums); prefer `load_training_data`."""
-    return prepare_data(data, eval_data, tokenizer, seq_len=seq_len, eval_fraction=eval_fraction,
-                        eval_sequences=eval_sequences, seed=seed, text_column=text_column)
-
-
 class BatchOrder:
     """Which training sequences each (step, micro-step, data-parallel rank) gets; see module docstring."""
 

@@ -16,9 +16,7 @@ from gqakit.common.errors import GqakitError
 from gqakit.common.text import eos_id, load_columns
 from gqakit.uptrain.data.batches import PackedData
 from gqakit.uptrain.data.sources import resolve_source
-from gqakit.uptrain.loss import IGNORE
-
-INPUT_PAD = -1  # an input position past the row's end (a mask, not a token)
+from gqakit.uptrain.loss import IGNORE, INPUT_PAD
 
 
 def read_pairs(entries: tuple[str, ...], input_column: str, target_column: str) -> list[tuple[str, str]]:

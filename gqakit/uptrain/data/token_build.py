@@ -33,11 +33,10 @@ from pathlib import Path
 import numpy as np
 
 from gqakit import __version__
-from gqakit.common.atomic import atomic_output
+from gqakit.common.atomic import atomic_output, inside
 from gqakit.common.report import counted
 from gqakit.common.errors import GqakitError
 from gqakit.common.text import eos_id
-from gqakit.uptrain.config import _inside
 from gqakit.uptrain.data.sources import (CHUNK_BYTES, HUB, ROWS_PER_BATCH, Source, describe_files, iter_pieces,
                                          resolve_source)
 from gqakit.uptrain.data.token_cache import (DOCUMENTS, FORMAT, HEADER, TOKENS, VERSION, CacheProblem, is_token_cache,
@@ -253,7 +252,7 @@ def tokenize_to(data: list[str], output: str | Path, tokenizer: str, *, num_proc
     for source in sources:
         if source.kind == "cache":
             raise GqakitError(f"{source.entry} is already a token cache; list it in the recipe's data instead")
-        if source.path is not None and (_inside(source.path, out) or _inside(out, source.path)):
+        if source.path is not None and (inside(source.path, out) or inside(out, source.path)):
             raise GqakitError(f"-o {out} overlaps the data path {source.entry}; choose an -o outside the data")
     return build_cache(sources, out, load_tokenizer(tokenizer), text_column=text_column, num_proc=num_proc,
                        chunk_bytes=chunk_bytes, progress=progress)
