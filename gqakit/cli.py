@@ -30,7 +30,7 @@ from gqakit.evaluate.cli import add_eval_parser
 def _add_convert_args(p: argparse.ArgumentParser) -> None:
     from gqakit.convert.options import ConvertConfig
 
-    add_arguments(p, ConvertConfig)
+    add_arguments(p, ConvertConfig, show_defaults=False)  # its help strings still write their defaults
     p.set_defaults(func=_run_convert, options=ConvertConfig)
 
 
@@ -63,7 +63,7 @@ class DemoConfig:
 
     output_dir: str | None = option(None, flag="-o/--output-dir/--output",
                                     help="write the report (and, with --keep, the converted models) here")
-    eval_tokens: int = option(16384, help="held-out tokens to score (default: 16384; 0 = all 57,584)")
+    eval_tokens: int = option(16384, help="held-out tokens to score; 0 = all 57,584")
     keep: bool = option(False, help="keep the converted models (with -o)")
     force: bool = option(False, help="replace an existing -o folder")
 
@@ -76,8 +76,8 @@ class TokenizeConfig:
                                                      "save_to_disk folders, or hf:NAME (a hub dataset, streamed)")
     output: str = option(flag="-o/--output", help="the token cache folder to write")
     tokenizer: str = option(metavar="MODEL", help="model folder whose tokenizer to use")
-    num_proc: int = option(1, metavar="N", help="tokenising processes (default: 1)")
-    text_column: str = option("text", metavar="NAME", help="column of row files (default: text)")
+    num_proc: int = option(1, metavar="N", help="tokenising processes")
+    text_column: str = option("text", metavar="NAME", help="column of row files")
     force: bool = option(False, help="replace an existing token cache at -o")
     progress: bool = option(True, flag="-q/--quiet", invert=True, help="no progress bar")
 

@@ -29,17 +29,17 @@ class GenerateConfig:
     attention: str = option("sinks", choices=ATTENTION,
                             help="sinks: keep --sinks first + --window recent tokens (StreamingLLM); sliding: the "
                                  "--window recent tokens only; default, tiled, sparse: a full cache, with the model's "
-                                 "own or that gqakit attention kernel (default: sinks)")
-    sinks: int = option(4, remember=True, help="attention-sink tokens kept, with --attention sinks (default: 4)")
+                                 "own or that gqakit attention kernel")
+    sinks: int = option(4, remember=True, help="attention-sink tokens kept, with --attention sinks")
     window: int = option(1020, remember=True,
-                         help="recent tokens kept, with --attention sinks or sliding (default: 1020)")
-    max_new_tokens: int = option(256, help="tokens to generate, >= 1 (default: 256)")
-    do_sample: bool = option(False, flag="--sample", help="sample instead of greedy decoding (default: greedy)")
-    temperature: float = option(1.0, remember=True, help="with --sample: softmax temperature > 0 (default: 1.0)")
-    top_p: float = option(1.0, remember=True, help="with --sample: nucleus probability mass kept, in (0, 1] "
-                                                   "(default: 1.0 = every token)")
-    seed: int = option(0, remember=True, help="with --sample: seed of the sampler (default: 0)")
-    dtype: str = option("float32", choices=DTYPES, help="compute dtype (default: float32)")
+                         help="recent tokens kept, with --attention sinks or sliding")
+    max_new_tokens: int = option(256, help="tokens to generate, >= 1")
+    do_sample: bool = option(False, flag="--sample", help="sample instead of greedy decoding", default_text="greedy")
+    temperature: float = option(1.0, remember=True, help="with --sample: softmax temperature > 0")
+    top_p: float = option(1.0, remember=True, help="with --sample: nucleus probability mass kept, in (0, 1]; 1.0 = "
+                                                   "every token")
+    seed: int = option(0, remember=True, help="with --sample: seed of the sampler")
+    dtype: str = option("float32", choices=DTYPES, help="compute dtype")
     ignore_eos: bool = option(False, help="keep going past the end-of-text token")
     attention_option: tuple[str, ...] = option((), metavar="NAME=VALUE",
                                                help="with --attention tiled or sparse: any option of the kind, e.g. "

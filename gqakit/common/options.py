@@ -14,7 +14,9 @@ A command's flag is declared on its field too, once: `option(..., help="...")` m
 `flag` given: "-o/--output-dir", a positional "MODEL_DIR", "-q/--quiet" with `invert=True` for a bool the flag
 clears); `add_arguments(parser, cls)` adds every such flag to an argparse parser, `from_args(cls, args)` builds
 the dataclass from the parsed flags, and `flags(cls)` says how the command line spells each field (for
-`errors.spelled`, so that errors name the flag the user typed).
+`errors.spelled`, so that errors name the flag the user typed). The help ends with the field's default, as
+argparse's "(default: X)", so a help string never repeats it; where the default is None because another option or
+the model decides it, `default_text` says it in words (`option(None, default_text="min(512, the model's context)")`).
 """
 from __future__ import annotations
 
@@ -37,19 +39,22 @@ _BOUNDS = {"above": (">", float.__gt__), "at_least": (">=", float.__ge__),
 
 def option(default=dataclasses.MISSING, *, above=None, at_least=None, below=None, at_most=None, choices=None,
            length=None, help=None, flag=None, metavar=None, parse=None, invert=False, repeat=None,
-           remember=False):
+           remember=False, default_text=None):
     """A dataclass field with its allowed values: numeric bounds (each element's, for a tuple), choices, length;
     and, with `help`, its command-line flag (see the module docstring; `parse` turns the flag's text into the
     field's value, in `from_args`, so that its GqakitError is one line rather than argparse's usage; a tuple
     field's flag may be repeated, `repeat`, by default when it has no `parse`; `remember`: the flag's absence is
-    kept, so the command can tell a typed default value from an untouched one: see `typed`)."""
+    kept, so the command can tell a typed default value from an untouched one: see `typed`; `default_text`: the
+    default in words, shown in the help instead of the field's value, for a default that another option or the
+    model decides, e.g. "min(512, the model's context)")."""
     bounds = {k: v for k, v in (("above", above), ("at_least", at_least), ("below", below), ("at_most", at_most))
               if v is not None}
     rule = {"bounds": bounds, "choices": tuple(choices) if choices else None, "length": length}
     metadata = {"rule": rule}
     if help is not None:
         metadata["cli"] = {"help": help, "flag": flag, "metavar": metavar, "parse": parse, "invert": invert,
-                           "repeat": parse is None if repeat is None else repeat, "remember": remember}
+                           "repeat": parse is None if repeat is None else repeat, "remember": remember,
+                           "default_text": default_text}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -66,14 +71,15 @@ def flags(cls) -> dict[str, str]:
     return {f.name: max(_spellings(f, cli), key=len) for f, cli in _cli_fields(cls)}
 
 
-def add_arguments(parser, cls) -> None:
-    """Add the flag of every field of `cls` declared with `option(help=...)` to an argparse parser."""
+def add_arguments(parser, cls, show_defaults: bool = True) -> None:
+    """Add the flag of every field of `cls` declared with `option(help=...)` to an argparse parser; each help ends
+    with the field's default (`show_defaults`)."""
     hints = _hints(cls)
     for f, cli in _cli_fields(cls):
         names = _spellings(f, cli)
         _, kind = _kind(hints[f.name])
         default = None if f.default is dataclasses.MISSING else f.default
-        kwargs = {"help": cli["help"]}
+        kwargs = {"help": cli["help"] + (_default_note(f, cli, kind) if show_defaults else "")}
         if kind is bool:
             kwargs.update(action="store_false" if cli["invert"] else "store_true", dest=f.name)
             if cli["remember"]:
@@ -100,6 +106,18 @@ def add_arguments(parser, cls) -> None:
         else:
             kwargs.setdefault("metavar", names[0])
             parser.add_argument(f.name, **kwargs)
+
+
+def _default_note(f: dataclasses.Field, cli: dict, kind) -> str:
+    """The help's " (default: X)", from the field's default (or its `default_text`): none for a bool flag (the flag
+    itself says what it turns on), a required option, or a default of None or () (nothing)."""
+    shown = cli["default_text"]
+    if shown is None and kind is not bool:
+        value = (f.default if f.default is not dataclasses.MISSING else
+                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        if value is not None and value != ():
+            shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+    return "" if shown is None else f" (default: {shown})".replace("%", "%%")  # argparse formats help with %
 
 
 def from_args(cls, args, **given):
