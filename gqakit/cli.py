@@ -23,7 +23,7 @@ from gqakit.convert import methods
 from gqakit.common.atomic import Terminated, sigterm_as_interrupt
 from gqakit.common.errors import GqakitError, spelled
 from gqakit.common.report import counted
-from gqakit.common.options import add_arguments, flags, from_args, typed, typed_values
+from gqakit.common.options import add_arguments, flags, from_args, replace, typed, typed_values
 from gqakit.demo_options import DemoConfig
 from gqakit.evaluate.cli import add_eval_parser
 from gqakit.uptrain.data.options import TokenizeConfig
@@ -91,7 +91,7 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
     cfg = load_recipe(UptrainConfig, args.recipe, overrides)
     flags_typed = typed_values(UptrainConfig, args)  # --context-parallel, --device-memory, --force, -q
     if flags_typed:
-        cfg = dataclasses.replace(cfg, **flags_typed)
+        cfg = replace(cfg, flags_typed)
     if args.plan:  # arithmetic from config.json alone: no data, tokenizer or output folder needed
         from gqakit.uptrain.memory_plan import describe_memory_plan
 
