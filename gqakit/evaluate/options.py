@@ -7,7 +7,7 @@ import dataclasses
 import re
 
 from gqakit.common import attention_kinds, dtypes
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.common.options import option
 
 
@@ -17,13 +17,13 @@ def parse_lengths(spec: str) -> list[int]:
     for part in (p.strip().lower() for p in spec.split(",") if p.strip()):
         match = re.fullmatch(r"(\d+(?:\.\d+)?)(k?)", part)
         if not match:
-            raise GqakitError(f"--lengths: cannot read {part!r}; give token counts like 1k,2k,4096")
+            raise GqakitError(f"{opt('lengths')}: cannot read {part!r}; give token counts like 1k,2k,4096")
         value = float(match.group(1)) * (1024 if match.group(2) else 1)
         if value != int(value) or value < 1:
-            raise GqakitError(f"--lengths: {part!r} is not a whole positive number of tokens")
+            raise GqakitError(f"{opt('lengths')}: {part!r} is not a whole positive number of tokens")
         out.append(int(value))
     if not out:
-        raise GqakitError("--lengths is empty; give token counts like 1k,2k,4k")
+        raise GqakitError(f"{opt('lengths')} is empty; give token counts like 1k,2k,4k")
     return list(dict.fromkeys(out))
 
 
@@ -32,9 +32,9 @@ def parse_depths(spec: str) -> list[float]:
     try:
         out = [float(p) for p in spec.split(",") if p.strip()]
     except ValueError:
-        raise GqakitError(f"--depths: cannot read {spec!r}; give fractions like 0,0.25,0.5,0.75,1") from None
+        raise GqakitError(f"{opt('depths')}: cannot read {spec!r}; give fractions like 0,0.25,0.5,0.75,1") from None
     if not out or any(not 0.0 <= d <= 1.0 for d in out):
-        raise GqakitError(f"--depths {spec!r}: give fractions in [0, 1], e.g. 0,0.25,0.5,0.75,1")
+        raise GqakitError(f"{opt('depths', repr(spec))}: give fractions in [0, 1], e.g. 0,0.25,0.5,0.75,1")
     return list(dict.fromkeys(out))
 
 
