@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gqakit.common.atomic import remove_stale_leftovers, sibling
 from gqakit.common.dtypes import NAMES as DTYPES
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.common.options import FieldError, check_fields, flags, option
 
 
@@ -92,7 +92,7 @@ def sample(cfg: SampleConfig) -> dict:
     if out.is_dir():
         raise GqakitError(f"-o {out} is a folder; name a FILE.jsonl to write")
     if out.exists() and not cfg.force:
-        raise GqakitError(f"{out} already exists; pass --force to replace it or choose another -o")
+        raise GqakitError(f"{out} already exists; pass {opt('force')} to replace it or choose another -o")
     if not out.parent.exists():
         raise GqakitError(f"the folder of -o {out} does not exist; create it first")
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)
