@@ -23,14 +23,16 @@ from gqakit.convert import methods
 from gqakit.common.atomic import Terminated, sigterm_as_interrupt
 from gqakit.common.errors import GqakitError, spelled
 from gqakit.common.report import counted
-from gqakit.common.options import add_arguments, flags, from_args, option, typed, typed_values
+from gqakit.common.options import add_arguments, flags, from_args, replace, typed, typed_values
+from gqakit.demo_options import DemoConfig
 from gqakit.evaluate.cli import add_eval_parser
+from gqakit.uptrain.data.options import TokenizeConfig
 
 
 def _add_convert_args(p: argparse.ArgumentParser) -> None:
     from gqakit.convert.options import ConvertConfig
 
-    add_arguments(p, ConvertConfig)
+    add_arguments(p, ConvertConfig, show_defaults=False)  # its help strings still write their defaults
     p.set_defaults(func=_run_convert, options=ConvertConfig)
 
 
@@ -55,31 +57,6 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
         warning = against_mean(plan, result["errors"], result["calibration"] is not None)
         if warning:
             _say(f"{command.split(' ', 1)[0]}: warning: {warning}")  # the command begins with its program
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoConfig:
-    """`gqakit demo`'s options (keywords of `gqakit.demo.run_demo`)."""
-
-    output_dir: str | None = option(None, flag="-o/--output-dir/--output",
-                                    help="write the report (and, with --keep, the converted models) here")
-    eval_tokens: int = option(16384, help="held-out tokens to score (default: 16384; 0 = all 57,584)")
-    keep: bool = option(False, help="keep the converted models (with -o)")
-    force: bool = option(False, help="replace an existing -o folder")
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizeConfig:
-    """`gqakit tokenize`'s options (keywords of `gqakit.uptrain.data.token_build.tokenize_to`)."""
-
-    data: tuple[str, ...] = option(flag="data", help=".txt/.jsonl/.json/.parquet files, folders of them, datasets "
-                                                     "save_to_disk folders, or hf:NAME (a hub dataset, streamed)")
-    output: str = option(flag="-o/--output", help="the token cache folder to write")
-    tokenizer: str = option(metavar="MODEL", help="model folder whose tokenizer to use")
-    num_proc: int = option(1, metavar="N", help="tokenising processes (default: 1)")
-    text_column: str = option("text", metavar="NAME", help="column of row files (default: text)")
-    force: bool = option(False, help="replace an existing token cache at -o")
-    progress: bool = option(True, flag="-q/--quiet", invert=True, help="no progress bar")
 
 
 def _run_demo(args: argparse.Namespace, command: str) -> None:
@@ -114,7 +91,7 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
     cfg = load_recipe(UptrainConfig, args.recipe, overrides)
     flags_typed = typed_values(UptrainConfig, args)  # --context-parallel, --device-memory, --force, -q
     if flags_typed:
-        cfg = dataclasses.replace(cfg, **flags_typed)
+        cfg = replace(cfg, flags_typed)
     if args.plan:  # arithmetic from config.json alone: no data, tokenizer or output folder needed
         from gqakit.uptrain.memory_plan import describe_memory_plan
 

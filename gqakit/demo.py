@@ -12,7 +12,7 @@ import torch
 
 from gqakit import __version__
 from gqakit.convert import ConvertConfig, convert, methods
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.hf.loading import kv_bytes_per_token, kv_heading, model_dtype
 from gqakit.evaluate.perplexity import perplexity
 from gqakit.common.report import prepare_output, write_report
@@ -59,7 +59,7 @@ def run_demo(output_dir: str | None = None, eval_tokens: int | None = None, keep
     ids = torch.tensor(tok(HELDOUT_TEXT.read_text(encoding="utf-8")).input_ids)
     if eval_tokens:  # 0 or None: the whole held-out text
         if eval_tokens < 2:
-            raise GqakitError(f"--eval-tokens {eval_tokens} is too small; score at least 2 tokens, or 0 for all")
+            raise GqakitError(f"{opt('eval_tokens', eval_tokens)} is too small; score at least 2 tokens, or 0 for all")
         ids = ids[:eval_tokens]
     window = json.loads((source / "pretraining.json").read_text())["heldout"]["window"] \
         if (source / "pretraining.json").is_file() else 512

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gqakit.common.dtypes import NAMES as DTYPES
 from gqakit.common import attention_kinds
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.common.options import option
 
 # sinks and sliding bound the KV cache (sink/window caches); the other kinds keep a full cache and switch the
@@ -29,17 +29,17 @@ class GenerateConfig:
     attention: str = option("sinks", choices=ATTENTION,
                             help="sinks: keep --sinks first + --window recent tokens (StreamingLLM); sliding: the "
                                  "--window recent tokens only; default, tiled, sparse: a full cache, with the model's "
-                                 "own or that gqakit attention kernel (default: sinks)")
-    sinks: int = option(4, remember=True, help="attention-sink tokens kept, with --attention sinks (default: 4)")
+                                 "own or that gqakit attention kernel")
+    sinks: int = option(4, remember=True, help="attention-sink tokens kept, with --attention sinks")
     window: int = option(1020, remember=True,
-                         help="recent tokens kept, with --attention sinks or sliding (default: 1020)")
-    max_new_tokens: int = option(256, help="tokens to generate, >= 1 (default: 256)")
-    do_sample: bool = option(False, flag="--sample", help="sample instead of greedy decoding (default: greedy)")
-    temperature: float = option(1.0, remember=True, help="with --sample: softmax temperature > 0 (default: 1.0)")
-    top_p: float = option(1.0, remember=True, help="with --sample: nucleus probability mass kept, in (0, 1] "
-                                                   "(default: 1.0 = every token)")
-    seed: int = option(0, remember=True, help="with --sample: seed of the sampler (default: 0)")
-    dtype: str = option("float32", choices=DTYPES, help="compute dtype (default: float32)")
+                         help="recent tokens kept, with --attention sinks or sliding")
+    max_new_tokens: int = option(256, help="tokens to generate, >= 1")
+    do_sample: bool = option(False, flag="--sample", help="sample instead of greedy decoding", default_text="greedy")
+    temperature: float = option(1.0, remember=True, help="with --sample: softmax temperature > 0")
+    top_p: float = option(1.0, remember=True, help="with --sample: nucleus probability mass kept, in (0, 1]; 1.0 = "
+                                                   "every token")
+    seed: int = option(0, remember=True, help="with --sample: seed of the sampler")
+    dtype: str = option("float32", choices=DTYPES, help="compute dtype")
     ignore_eos: bool = option(False, help="keep going past the end-of-text token")
     attention_option: tuple[str, ...] = option((), metavar="NAME=VALUE",
                                                help="with --attention tiled or sparse: any option of the kind, e.g. "
@@ -62,48 +62,51 @@ def _set(cfg: GenerateConfig, name: str) -> bool:
 def _ignored(cfg: GenerateConfig) -> str | None:
     """The first option given that this configuration would not honour, with why."""
     if not cfg.do_sample:
-        for flag, name in (("--temperature", "temperature"), ("--top-p", "top_p"), ("--seed", "seed")):
+        for name in ("temperature", "top_p", "seed"):
             if _set(cfg, name):
-                return f"{flag} only applies with --sample (greedy decoding ignores it); add --sample or drop {flag}"
-    full = f"--attention {cfg.attention} keeps the full cache"
+                return (f"{opt(name)} only applies with {opt('do_sample')} (greedy decoding ignores it); add "
+                        f"{opt('do_sample')} or drop {opt(name)}")
+    full = f"{opt('attention', cfg.attention)} keeps the full cache"
     if cfg.attention not in BOUNDED and _set(cfg, "window"):
-        return f"--window only applies with --attention sinks or sliding ({full}); drop --window or choose one of them"
+        return (f"{opt('window')} only applies with {opt('attention', 'sinks')} or sliding ({full}); drop "
+                f"{opt('window')} or choose one of them")
     if cfg.attention != "sinks" and _set(cfg, "sinks") and cfg.sinks != 0:
         why = "sliding keeps no sink tokens" if cfg.attention == "sliding" else full
-        return f"--sinks only applies with --attention sinks ({why}); drop --sinks {cfg.sinks}"
+        return f"{opt('sinks')} only applies with {opt('attention', 'sinks')} ({why}); drop {opt('sinks', cfg.sinks)}"
     if cfg.attention_option and cfg.attention in (*BOUNDED, attention_kinds.DEFAULT):
         kernels = " or ".join(k for k in ATTENTION if k not in (*BOUNDED, attention_kinds.DEFAULT))
-        return (f"--attention-option only applies with --attention {kernels} (--attention {cfg.attention} takes "
-                "--sinks / --window); drop it or choose one of them")
+        return (f"{opt('attention_option')} only applies with {opt('attention', kernels)} "
+                f"({opt('attention', cfg.attention)} takes {opt('sinks')} / {opt('window')}); drop it or choose one "
+                "of them")
     return None
 
 
 def check(cfg: GenerateConfig) -> None:
     """Every option in one place: one line naming the flag, the value and what is allowed."""
     if cfg.attention not in ATTENTION:
-        raise GqakitError(f"unknown --attention {cfg.attention!r}; choose one of {', '.join(ATTENTION)}")
+        raise GqakitError(f"unknown {opt('attention', repr(cfg.attention))}; choose one of {', '.join(ATTENTION)}")
     if cfg.dtype not in DTYPES:
-        raise GqakitError(f"unknown --dtype {cfg.dtype!r}; choose one of {', '.join(DTYPES)}")
+        raise GqakitError(f"unknown {opt('dtype', repr(cfg.dtype))}; choose one of {', '.join(DTYPES)}")
     if cfg.window <= 0:
-        raise GqakitError(f"--window must be a positive number of tokens, got {cfg.window}")
+        raise GqakitError(f"{opt('window')} must be a positive number of tokens, got {cfg.window}")
     if cfg.sinks < 0:
-        raise GqakitError(f"--sinks must be >= 0, got {cfg.sinks}; use 0 for a plain sliding window")
+        raise GqakitError(f"{opt('sinks')} must be >= 0, got {cfg.sinks}; use 0 for a plain sliding window")
     if cfg.max_new_tokens < 1:
-        raise GqakitError(f"--max-new-tokens must be >= 1 (tokens to generate), got {cfg.max_new_tokens}")
+        raise GqakitError(f"{opt('max_new_tokens')} must be >= 1 (tokens to generate), got {cfg.max_new_tokens}")
     if not (math.isfinite(cfg.temperature) and cfg.temperature > 0):
-        raise GqakitError(f"--temperature must be a finite number > 0, got {cfg.temperature}; "
-                          "for greedy decoding leave out --sample")
+        raise GqakitError(f"{opt('temperature')} must be a finite number > 0, got {cfg.temperature}; "
+                          f"for greedy decoding leave out {opt('do_sample')}")
     if not (math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1):
-        raise GqakitError(f"--top-p must be in (0, 1], got {cfg.top_p}; 1 keeps every token")
+        raise GqakitError(f"{opt('top_p')} must be in (0, 1], got {cfg.top_p}; 1 keeps every token")
     if not SEED_RANGE[0] <= cfg.seed <= SEED_RANGE[1]:
-        raise GqakitError(f"--seed must be an integer in [-2**63, 2**64 - 1], got {cfg.seed}")
+        raise GqakitError(f"{opt('seed')} must be an integer in [-2**63, 2**64 - 1], got {cfg.seed}")
     ignored = _ignored(cfg)
     if ignored:
         raise GqakitError(ignored)
     if (cfg.prompt is None) == (cfg.prompt_file is None):
-        raise GqakitError("give exactly one of --prompt TEXT or --prompt-file FILE")
+        raise GqakitError(f"give exactly one of {opt('prompt', 'TEXT')} or {opt('prompt_file', 'FILE')}")
     if cfg.prompt is not None:
-        _check_text(cfg.prompt, "--prompt")
+        _check_text(cfg.prompt, opt("prompt"))
 
 
 def _check_text(text: str, where: str) -> None:
@@ -112,7 +115,7 @@ def _check_text(text: str, where: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
-        raise GqakitError(f"{where} is not valid UTF-8 text; pass UTF-8 (or use --prompt-file)") from None
+        raise GqakitError(f"{where} is not valid UTF-8 text; pass UTF-8 (or use {opt('prompt_file')})") from None
 
 
 def _prompt(cfg: GenerateConfig) -> str:
@@ -162,8 +165,8 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> str:
         limit = model.config.max_position_embeddings
         if ids.shape[1] + cfg.max_new_tokens > limit:
             raise GqakitError(
-                f"prompt ({ids.shape[1]} tokens) + --max-new-tokens {cfg.max_new_tokens} exceeds the model's "
-                f"{limit}-token context; use --attention sinks to stream past it")
+                f"prompt ({ids.shape[1]} tokens) + {opt('max_new_tokens', cfg.max_new_tokens)} exceeds the model's "
+                f"{limit}-token context; use {opt('attention', 'sinks')} to stream past it")
         # A cache wide enough never to evict is exactly the full (dynamic) cache.
         pieces = streaming.streaming_generate(
             model, tok, ids, cfg.max_new_tokens, sinks=0, window=ids.shape[1] + cfg.max_new_tokens,

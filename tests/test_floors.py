@@ -22,7 +22,7 @@ FLOORS = [
     {"attention"},
     {"convert", "evaluate", "uptrain"},
     {"experiments", "reference"},
-    {"demo", "generate"},
+    {"demo", "demo_options", "generate"},
     {"cli"},
 ]
 FLOOR = {name: level for level, names in enumerate(FLOORS) for name in names}

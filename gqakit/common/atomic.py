@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 
 KINDS = ("tmp", "old")
 # How a folder shows that gqakit wrote it: a file and a string it holds. --force replaces nothing else.
@@ -95,7 +95,7 @@ def check_replaceable(out: Path, option: str = "-o") -> None:
     if out.is_dir() and (not any(out.iterdir()) or written_by_gqakit(out)):
         return
     what = "a file" if not out.is_dir() else "a folder gqakit did not write"
-    raise GqakitError(f"{out} is {what}, so --force will not replace it (it may hold your files); remove it "
+    raise GqakitError(f"{out} is {what}, so {opt('force')} will not replace it (it may hold your files); remove it "
                       f"yourself or choose another {option}")
 
 
@@ -217,7 +217,7 @@ def _publish(tmp: Path, out: Path, force: bool) -> Path | None:
         os.replace(tmp, out)
         return None
     if not force:  # it appeared while we worked
-        raise GqakitError(f"{out} already exists; pass --force to replace it or choose another -o")
+        raise GqakitError(f"{out} already exists; pass {opt('force')} to replace it or choose another -o")
     old = sibling(out, "old")
     os.replace(out, old)  # a symlink is moved as a link: the folder it points to is not touched
     try:

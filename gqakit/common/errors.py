@@ -6,7 +6,8 @@ argument) and `opt("text_column", "NAME")` is `text_column=NAME`. The command li
 `spelled(...)` with its flags, and the same messages then read `--text-column` and `--text-column NAME`. So one
 message serves every caller, and the mapping from option names to flags lives in one place (the command's
 options schema, `common.options.flags`). A caller that hands its own option to a shared loader under another
-name (convert's `calibration` is the text loader's `text`) says so with `renamed(...)`.
+name (convert's `calibration` is the text loader's `text`) says so with `renamed(...)`. Nested options are named
+by their dotted path: `opt("transfer.steps")` is `--transfer-steps` on the command line.
 """
 from __future__ import annotations
 

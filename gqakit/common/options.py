@@ -14,10 +14,28 @@ A command's flag is declared on its field too, once: `option(..., help="...")` m
 `flag` given: "-o/--output-dir", a positional "MODEL_DIR", "-q/--quiet" with `invert=True` for a bool the flag
 clears); `add_arguments(parser, cls)` adds every such flag to an argparse parser, `from_args(cls, args)` builds
 the dataclass from the parsed flags, and `flags(cls)` says how the command line spells each field (for
-`errors.spelled`, so that errors name the flag the user typed).
+`errors.spelled`, so that errors name the flag the user typed). The help ends with the field's default, as
+argparse's "(default: X)", so a help string never repeats it; where the default is None because another option or
+the model decides it, `default_text` says it in words (`option(None, default_text="min(512, the model's context)")`).
+
+Nested options: a field whose annotation is itself an options dataclass, declared with a `prefix`,
+
+    transfer: TransferOptions = option(default_factory=TransferOptions, prefix="transfer")
+
+brings that dataclass's flags into the command's as `--transfer-steps`, `--transfer-dtype`, ... (a nested field
+takes long flags only; its `flag`, if any, gets the prefix too). Everywhere but the command line a nested option
+is named by its dotted path, "transfer.steps": the key of `flags` (so `errors.opt("transfer.steps")` is
+--transfer-steps on the command line), what `typed` and `options_given` return, the `field` of a FieldError. While
+`from_args` or `from_dict` builds the nested dataclass, its own messages' `opt("steps")` names that path too
+(`errors.renamed`). A recipe writes nested options as a mapping under the field's name, `transfer: {steps: 10}`,
+as `to_dict` writes them; a dotted key, `transfer.steps: 10` or the override `transfer.steps=10`, lays one value
+over it. A command that refuses an option its other choices would ignore reads `options_given(cfg, typed)`: the
+options typed on the command line (the `remember` ones even at their default value) or set to another value than
+their default.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -29,53 +47,98 @@ from pathlib import Path
 
 import yaml
 
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt, renamed
 
 _BOUNDS = {"above": (">", float.__gt__), "at_least": (">=", float.__ge__),
            "below": ("<", float.__lt__), "at_most": ("<=", float.__le__)}
 
 
-def option(default=dataclasses.MISSING, *, above=None, at_least=None, below=None, at_most=None, choices=None,
-           length=None, help=None, flag=None, metavar=None, parse=None, invert=False, repeat=None,
-           remember=False):
+def option(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, above=None, at_least=None,
+           below=None, at_most=None, choices=None, length=None, help=None, flag=None, metavar=None, parse=None,
+           invert=False, repeat=None, remember=False, default_text=None, prefix=None):
     """A dataclass field with its allowed values: numeric bounds (each element's, for a tuple), choices, length;
     and, with `help`, its command-line flag (see the module docstring; `parse` turns the flag's text into the
     field's value, in `from_args`, so that its GqakitError is one line rather than argparse's usage; a tuple
     field's flag may be repeated, `repeat`, by default when it has no `parse`; `remember`: the flag's absence is
-    kept, so the command can tell a typed default value from an untouched one: see `typed`)."""
+    kept, so the command can tell a typed default value from an untouched one: see `typed`; `default_text`: the
+    default in words, shown in the help instead of the field's value, for a default that another option or the
+    model decides, e.g. "min(512, the model's context)"). With `prefix`, the field holds nested options (its
+    annotation is their dataclass): their flags join the command's as --PREFIX-NAME (see the module docstring)."""
     bounds = {k: v for k, v in (("above", above), ("at_least", at_least), ("below", below), ("at_most", at_most))
               if v is not None}
     rule = {"bounds": bounds, "choices": tuple(choices) if choices else None, "length": length}
     metadata = {"rule": rule}
+    if prefix is not None:
+        if help is not None or flag is not None:
+            raise TypeError("nested options take their flags from their own fields: give them no help or flag")
+        metadata["nested"] = {"prefix": prefix}
     if help is not None:
         metadata["cli"] = {"help": help, "flag": flag, "metavar": metavar, "parse": parse, "invert": invert,
-                           "repeat": parse is None if repeat is None else repeat, "remember": remember}
-    return dataclasses.field(default=default, metadata=metadata)
+                           "repeat": parse is None if repeat is None else repeat, "remember": remember,
+                           "default_text": default_text}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
-def _cli_fields(cls) -> list[tuple[dataclasses.Field, dict]]:
-    return [(f, f.metadata["cli"]) for f in dataclasses.fields(cls) if "cli" in f.metadata]
+@dataclasses.dataclass(frozen=True)
+class _Flag:
+    """A field's command-line flag, nested options' flags included."""
+
+    path: str  # the field's name, or its dotted path in nested options ("transfer.steps"): argparse's dest
+    field: dataclasses.Field
+    cli: dict
+    kind: object  # its annotation, None taken out
+    names: tuple[str, ...]  # "-o", "--output"; a positional's metavar
 
 
-def _spellings(f: dataclasses.Field, cli: dict) -> list[str]:
-    return (cli["flag"] or f"--{f.name.replace('_', '-')}").split("/")
+@functools.cache
+def _flags(cls) -> tuple[_Flag, ...]:
+    return tuple(_walk(cls, "", ""))
+
+
+def _walk(cls, path: str, prefix: str):
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if "nested" in f.metadata:
+            inner = _options_class(hints[f.name])
+            if inner is None:
+                raise TypeError(f"{cls.__name__}.{f.name} has a prefix, so its annotation must be a dataclass")
+            yield from _walk(inner, f"{path}{f.name}.", f"{prefix}{f.metadata['nested']['prefix']}-")
+        elif "cli" in f.metadata:
+            names = (f.metadata["cli"]["flag"] or f"--{f.name.replace('_', '-')}").split("/")
+            if prefix:
+                if not all(n.startswith("--") for n in names):
+                    raise TypeError(f"{cls.__name__}.{f.name}: nested options take long flags only (--name), which "
+                                    "get the prefix")
+                names = [f"--{prefix}{n[2:]}" for n in names]
+            yield _Flag(path + f.name, f, f.metadata["cli"], _kind(hints[f.name])[1], tuple(names))
+
+
+def _options_class(hint):
+    """The dataclass of a nested options field's annotation, or None."""
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
 
 
 def flags(cls) -> dict[str, str]:
-    """field name -> how the command line spells it (its long flag, or a positional's metavar)."""
-    return {f.name: max(_spellings(f, cli), key=len) for f, cli in _cli_fields(cls)}
+    """field name (a nested option's dotted path) -> how the command line spells it (its long flag, or a
+    positional's metavar)."""
+    return {fl.path: max(fl.names, key=len) for fl in _flags(cls)}
 
 
-def add_arguments(parser, cls) -> None:
-    """Add the flag of every field of `cls` declared with `option(help=...)` to an argparse parser."""
-    hints = _hints(cls)
-    for f, cli in _cli_fields(cls):
-        names = _spellings(f, cli)
-        _, kind = _kind(hints[f.name])
-        default = None if f.default is dataclasses.MISSING else f.default
-        kwargs = {"help": cli["help"]}
+def add_arguments(parser, cls, show_defaults: bool = True) -> None:
+    """Add the flag of every field of `cls` declared with `option(help=...)` to an argparse parser; each help ends
+    with the field's default (`show_defaults`)."""
+    for fl in _flags(cls):
+        f, cli, kind, names = fl.field, fl.cli, fl.kind, fl.names
+        default = _default(f)
+        kwargs = {"help": cli["help"] + (_default_note(default, cli, kind) if show_defaults else "")}
         if kind is bool:
-            kwargs.update(action="store_false" if cli["invert"] else "store_true", dest=f.name)
+            kwargs.update(action="store_false" if cli["invert"] else "store_true", dest=fl.path)
             if cli["remember"]:
                 kwargs["default"] = None
         else:
@@ -86,50 +149,122 @@ def add_arguments(parser, cls) -> None:
                 kwargs["choices"] = f.metadata["rule"]["choices"]
             if cli["metavar"]:
                 kwargs["metavar"] = cli["metavar"]
+            elif "." in fl.path and not f.metadata["rule"]["choices"]:  # argparse's name, not the dest's
+                kwargs["metavar"] = next(n for n in names if n.startswith("--"))[2:].replace("-", "_").upper()
             if typing.get_origin(kind) is tuple and not names[0].startswith("-"):
                 kwargs["nargs"] = "+"
             elif typing.get_origin(kind) is tuple and cli["repeat"]:
                 kwargs.update(action="append", default=None)
         if names[0].startswith("-"):
-            kwargs.setdefault("default", None if cli["parse"] or cli["remember"] else default)
+            kwargs.setdefault("default", None if cli["parse"] or cli["remember"] or default is dataclasses.MISSING
+                              else default)
             if kind is not bool:
-                kwargs["dest"] = f.name
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                kwargs["dest"] = fl.path
+            if default is dataclasses.MISSING:
                 kwargs["required"] = True
             parser.add_argument(*names, **kwargs)
         else:
             kwargs.setdefault("metavar", names[0])
-            parser.add_argument(f.name, **kwargs)
+            parser.add_argument(fl.path, **kwargs)
+
+
+def _default_note(default, cli: dict, kind) -> str:
+    """The help's " (default: X)", from the field's default (or its `default_text`): none for a bool flag (the flag
+    itself says what it turns on), a required option, or a default of None or () (nothing)."""
+    shown = cli["default_text"]
+    if shown is None and kind is not bool and default not in (dataclasses.MISSING, None, ()):
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+    return "" if shown is None else f" (default: {shown})".replace("%", "%%")  # argparse formats help with %
 
 
 def from_args(cls, args, **given):
     """`cls` from parsed flags (`add_arguments`), with `given` fields set by the caller."""
-    values = {f.name: getattr(args, f.name) for f, _ in _cli_fields(cls)}
-    for f, cli in _cli_fields(cls):
-        value = values[f.name]
-        if value is not None and cli["parse"] is not None:  # the flag's text, parsed here (GqakitError: one line)
-            value = [cli["parse"](v) for v in value] if isinstance(value, list) else cli["parse"](value)
-            if cli["repeat"]:  # each use parsed to several values
-                value = [item for part in value for item in part]
-        if isinstance(value, list):
-            value = tuple(value)
-        elif value is None and typing.get_origin(_kind(_hints(cls)[f.name])[1]) is tuple:
-            value = f.default if f.default is not dataclasses.MISSING else ()  # a repeatable flag not given
-        elif value is None and (cli["parse"] is not None or cli["remember"]):
-            value = f.default  # a parsed or remembered flag not given
-        values[f.name] = value
+    return _from_args(cls, args, "", given)
+
+
+def _from_args(cls, args, path: str, given: dict):
+    hints = _hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if "nested" in f.metadata:
+            inner = _options_class(hints[f.name])
+            with _nested(inner, f.name, path):
+                values[f.name] = _from_args(inner, args, f"{path}{f.name}.", {})
+        elif "cli" in f.metadata:
+            values[f.name] = _flag_value(f, f.metadata["cli"], _kind(hints[f.name])[1], getattr(args, path + f.name))
     return cls(**{**values, **given})
 
 
+def _flag_value(f: dataclasses.Field, cli: dict, kind, value):
+    """A field's value from its parsed flag."""
+    if value is not None and cli["parse"] is not None:  # the flag's text, parsed here (GqakitError: one line)
+        value = [cli["parse"](v) for v in value] if isinstance(value, list) else cli["parse"](value)
+        if cli["repeat"]:  # each use parsed to several values
+            value = [item for part in value for item in part]
+    if isinstance(value, list):
+        return tuple(value)
+    if value is None and typing.get_origin(kind) is tuple:
+        return f.default if f.default is not dataclasses.MISSING else ()  # a repeatable flag not given
+    if value is None and (cli["parse"] is not None or cli["remember"]):
+        return _default(f)  # a parsed or remembered flag not given
+    return value
+
+
+@contextlib.contextmanager
+def _nested(inner, name: str, path: str):
+    """While nested options `name` (of options at `path`) are built from flags or a recipe: their own messages
+    name their options by dotted path (`errors.opt("steps")` is opt("transfer.steps"), --transfer-steps on the
+    command line), and a field error names the path."""
+    with renamed({f.name: f"{path}{name}.{f.name}" for f in dataclasses.fields(inner)}):
+        try:
+            yield
+        except FieldError as e:
+            raise e.within(name) from None
+
+
 def typed(cls, args) -> frozenset[str]:
-    """The `remember` fields of `cls` whose flags were typed on the command line (even at their default value)."""
+    """The `remember` fields of `cls` (nested ones by dotted path, "transfer.steps") whose flags were typed on the
+    command line (even at their default value)."""
     return frozenset(typed_values(cls, args))
 
 
 def typed_values(cls, args) -> dict:
-    """{field: value} of the `remember` flags typed on the command line (to lay over a recipe)."""
-    return {f.name: getattr(args, f.name) for f, cli in _cli_fields(cls)
-            if cli["remember"] and getattr(args, f.name, None) is not None}
+    """{field: value} of the `remember` flags typed on the command line (to lay over a recipe: `replace`)."""
+    return {fl.path: getattr(args, fl.path) for fl in _flags(cls)
+            if fl.cli["remember"] and getattr(args, fl.path, None) is not None}
+
+
+def replace(obj, changes: dict):
+    """`dataclasses.replace` that also takes nested options by dotted path ({"transfer.steps": 10})."""
+    direct, inner = {}, {}
+    for key, value in changes.items():
+        head, dot, rest = key.partition(".")
+        if dot:
+            inner.setdefault(head, {})[rest] = value
+        else:
+            direct[key] = value
+    for head, values in inner.items():
+        direct[head] = replace(direct.get(head, getattr(obj, head)), values)
+    return dataclasses.replace(obj, **direct)
+
+
+def options_given(obj, typed: frozenset[str] = frozenset()) -> list[str]:
+    """The options of `obj` that were given, by name (nested ones by dotted path), in declaration order: typed on
+    the command line (`typed`, as `typed()` gives, for `remember` flags even at their default value) or set to
+    another value than the field's default. For refusing an option that a choice would ignore."""
+    return _given(obj, typed, "")
+
+
+def _given(obj, typed: frozenset[str], path: str) -> list[str]:
+    out = []
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if _options_class(hints[f.name]) and dataclasses.is_dataclass(value):
+            out += _given(value, typed, f"{path}{f.name}.")
+        elif path + f.name in typed or value != _default(f):
+            out.append(path + f.name)
+    return out
 
 
 @functools.cache
@@ -183,7 +318,8 @@ def _range_problem(value, rule: dict) -> str | None:
 
 
 def check_fields(obj) -> None:
-    """Refuse a field of `obj` whose value has the wrong type or lies outside its declared range."""
+    """Refuse a field of `obj` whose value has the wrong type or lies outside its declared range (nested options'
+    fields too, named by dotted path)."""
     hints = _hints(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
@@ -191,7 +327,14 @@ def check_fields(obj) -> None:
         if value is None:
             if optional:
                 continue
-            raise GqakitError(f"{f.name} must be given")
+            raise GqakitError(f"{opt(f.name)} must be given")
+        inner = _options_class(kind)
+        if inner is not None:
+            if not isinstance(value, inner):
+                raise FieldError(f.name, f"{f.name}={value!r} must be {inner.__name__} options")
+            with _nested(inner, f.name, ""):
+                check_fields(value)
+            continue
         problem = _type_problem(value, kind) or (_range_problem(value, f.metadata["rule"]) if "rule" in f.metadata
                                                  else None)
         if problem:
@@ -200,11 +343,18 @@ def check_fields(obj) -> None:
 
 
 class FieldError(GqakitError):
-    """A field's value has the wrong type or lies outside its range; `field` names it."""
+    """A field's value has the wrong type or lies outside its range; `field` names it (by dotted path in nested
+    options)."""
 
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+    def within(self, name: str) -> FieldError:
+        """The same error one level up, in the options that hold these as their field `name`."""
+        message = str(self)
+        return FieldError(f"{name}.{self.field}",
+                          f"{name}.{message}" if message.startswith(f"{self.field}=") else message)
 
 
 # YAML 1.1 spellings of booleans that YAML 1.2 (and this loader) keeps as strings: a bool field still takes them.
@@ -214,6 +364,10 @@ _WORDS = {"yes": True, "no": False, "on": True, "off": False, "y": True, "n": Fa
 def _suggest(key: str, known: list[str]) -> str:
     close = difflib.get_close_matches(key, known, n=1)
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
+
+
+class _Placed(GqakitError):
+    """An error that already says where in a recipe it lies (not to be prefixed again)."""
 
 
 def _coerce(key: str, value, hint, source: str):
@@ -226,42 +380,78 @@ def _coerce(key: str, value, hint, source: str):
         try:
             number = float(value)
         except ValueError:
-            raise GqakitError(f"{source}: {key}={value!r} must be an integer") from None
+            raise _Placed(f"{source}: {key}={value!r} must be an integer") from None
         if not math.isfinite(number) or number != int(number):
-            raise GqakitError(f"{source}: {key}={value!r} must be an integer")
+            raise _Placed(f"{source}: {key}={value!r} must be an integer")
         return int(number)
     if float in kinds and isinstance(value, str):
         try:
             return float(value)
         except ValueError:
-            raise GqakitError(f"{source}: {key}={value!r} is not a number") from None
+            raise _Placed(f"{source}: {key}={value!r} is not a number") from None
     return value
 
 
 def from_dict(cls, data: dict, source: str = "recipe", sources: dict[str, str] | None = None):
     """Build dataclass `cls` from a mapping; unknown keys are an error naming the closest key. An error about a
-    key names where the key came from: `sources[key]` (e.g. a command-line override), else `source`."""
-    where = lambda key: (sources or {}).get(key, source)  # noqa: E731
-    known = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in known:
-            raise GqakitError(f"{where(key)}: unknown key '{key}'{_suggest(key, known)}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in data.items():
-        hint = hints.get(key)
-        if typing.get_origin(hint) is tuple:  # YAML lists (or one bare item) -> tuples
-            value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
-        value = _coerce(key, value, hint, where(key))
-        kwargs[key] = value
+    key names where the key came from: `sources[key]` (e.g. a command-line override), else `source`. Nested
+    options are a mapping under their field's name, or dotted keys ("transfer.steps"), which lay over it."""
+    def where(key: str) -> str:  # a nested key's own source, else its options' (an override of the whole mapping)
+        parts = key.split(".")
+        return next((sources[k] for k in (".".join(parts[:n]) for n in range(len(parts), 0, -1))
+                     if k in (sources or {})), source)
+
     try:
-        return cls(**kwargs)
+        return _from_dict(cls, data, "", where)
+    except _Placed:
+        raise
     except TypeError as e:  # a required key is missing
         raise GqakitError(f"{source}: {e}") from None
     except FieldError as e:  # a field's type or range (check_fields, from __post_init__)
         raise GqakitError(f"{where(e.field)}: {e}") from None
     except GqakitError as e:
         raise GqakitError(f"{source}: {e}") from None
+
+
+def _from_dict(cls, data: dict, path: str, where):
+    hints = _hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    data = _unflatten(data, {k for k in known if _options_class(hints[k])})
+    for key in data:
+        if key not in known:
+            raise _Placed(f"{where(path + key)}: unknown key '{path}{key}'"
+                          f"{_suggest(path + key, [path + k for k in known])}")
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints.get(key)
+        inner = _options_class(hint)
+        if inner is not None and isinstance(value, dict):
+            with _nested(inner, key, path):
+                value = _from_dict(inner, value, f"{path}{key}.", where)
+        elif inner is not None and not isinstance(value, inner):
+            raise _Placed(f"{where(path + key)}: {path}{key}={value!r} must be a mapping of key: value")
+        elif inner is None:
+            if typing.get_origin(hint) is tuple:  # YAML lists (or one bare item) -> tuples
+                value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+            value = _coerce(path + key, value, hint, where(path + key))
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _unflatten(data: dict, nested: set[str]) -> dict:
+    """Dotted keys of nested options ("transfer.steps": 10) into their mapping ("transfer": {"steps": 10}); a later
+    key lays over an earlier one."""
+    out = {}
+    for key, value in data.items():
+        head, dot, rest = key.partition(".")
+        if head not in nested or not (dot or isinstance(value, dict)):
+            out[key] = value
+            continue
+        given = {rest: value} if dot else value
+        before = out.get(head)
+        before = to_dict(before) if dataclasses.is_dataclass(before) else before
+        out[head] = {**before, **given} if isinstance(before, dict) else given
+    return out
 
 
 def load_recipe(cls, path: str | Path, overrides: list[str] = ()):
@@ -308,5 +498,6 @@ def _yaml(raw: bytes, what: str):
 
 
 def to_dict(obj) -> dict:
-    """A recipe dataclass as plain YAML/JSON-friendly data."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(obj).items()}
+    """A recipe dataclass as plain YAML/JSON-friendly data (nested options as mappings: what `from_dict` reads)."""
+    return {k: to_dict(getattr(obj, k)) if dataclasses.is_dataclass(getattr(obj, k)) else
+            list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(obj).items()}

@@ -23,11 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gqakit.common.atomic import atomic_output, check_replaceable
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 
 RESULTS_JSON = "results.json"
 RESULTS_CSV = "results.csv"
-_EXISTS = "report folder {} already exists; pass --force to replace it or choose another --output"
+_EXISTS = "report folder {} already exists; pass {} to replace it or choose another --output"
 
 
 def counted(n: int, noun: str) -> str:
@@ -44,7 +44,7 @@ def prepare_output(output: str | Path | None, kind: str, force: bool) -> Path:
     """The report folder for this run; refuses an existing one without `force` (before any work is done)."""
     target = Path(output) if output else default_output(kind)
     if target.exists() and not force:
-        raise GqakitError(_EXISTS.format(target))
+        raise GqakitError(_EXISTS.format(target, opt("force")))
     if target.exists() and not target.is_dir():
         raise GqakitError(f"--output {target} is a file, not a folder; choose another --output")
     if force:
@@ -90,7 +90,7 @@ def write_report(target: Path, *, kind: str, command: str, config: dict, results
     """Write results.json, results.csv and the plots into `target`, atomically; returns `target`."""
     target = Path(target)
     if target.exists() and not force:  # it may have appeared while we evaluated
-        raise GqakitError(_EXISTS.format(target))
+        raise GqakitError(_EXISTS.format(target, opt("force")))
     with atomic_output(target, force) as tmp:
         record = {"kind": kind, "command": command,
                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

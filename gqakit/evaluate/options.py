@@ -7,7 +7,7 @@ import dataclasses
 import re
 
 from gqakit.common import attention_kinds, dtypes
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.common.options import option
 
 
@@ -17,13 +17,13 @@ def parse_lengths(spec: str) -> list[int]:
     for part in (p.strip().lower() for p in spec.split(",") if p.strip()):
         match = re.fullmatch(r"(\d+(?:\.\d+)?)(k?)", part)
         if not match:
-            raise GqakitError(f"--lengths: cannot read {part!r}; give token counts like 1k,2k,4096")
+            raise GqakitError(f"{opt('lengths')}: cannot read {part!r}; give token counts like 1k,2k,4096")
         value = float(match.group(1)) * (1024 if match.group(2) else 1)
         if value != int(value) or value < 1:
-            raise GqakitError(f"--lengths: {part!r} is not a whole positive number of tokens")
+            raise GqakitError(f"{opt('lengths')}: {part!r} is not a whole positive number of tokens")
         out.append(int(value))
     if not out:
-        raise GqakitError("--lengths is empty; give token counts like 1k,2k,4k")
+        raise GqakitError(f"{opt('lengths')} is empty; give token counts like 1k,2k,4k")
     return list(dict.fromkeys(out))
 
 
@@ -32,9 +32,9 @@ def parse_depths(spec: str) -> list[float]:
     try:
         out = [float(p) for p in spec.split(",") if p.strip()]
     except ValueError:
-        raise GqakitError(f"--depths: cannot read {spec!r}; give fractions like 0,0.25,0.5,0.75,1") from None
+        raise GqakitError(f"{opt('depths')}: cannot read {spec!r}; give fractions like 0,0.25,0.5,0.75,1") from None
     if not out or any(not 0.0 <= d <= 1.0 for d in out):
-        raise GqakitError(f"--depths {spec!r}: give fractions in [0, 1], e.g. 0,0.25,0.5,0.75,1")
+        raise GqakitError(f"{opt('depths', repr(spec))}: give fractions in [0, 1], e.g. 0,0.25,0.5,0.75,1")
     return list(dict.fromkeys(out))
 
 
@@ -52,12 +52,13 @@ def _dataset():
 
 
 def _text_column():
-    return option("text", help="the text column of --dataset (default: text)")
+    return option("text", help="the text column of --dataset")
 
 
 def _attention():
     return option(None, choices=attention_kinds.CHOICES,
-                  help="gqakit attention kind via gqakit.attention.use (default: the model's own)")
+                  help="gqakit attention kind via gqakit.attention.use",
+                  default_text="the model's own")
 
 
 def _window():
@@ -65,7 +66,7 @@ def _window():
 
 
 def _sinks():
-    return option(None, help="sink tokens of --attention sinks (default 4)")
+    return option(None, help="sink tokens of --attention sinks", default_text=str(attention_kinds.DEFAULTS["sinks"]))
 
 
 def _attention_option():
@@ -75,7 +76,7 @@ def _attention_option():
 
 
 def _dtype():
-    return option("float32", choices=dtypes.NAMES, help="compute dtype (default: float32)")
+    return option("float32", choices=dtypes.NAMES, help="compute dtype")
 
 
 def _device():
@@ -83,11 +84,11 @@ def _device():
 
 
 def _tokenizer():
-    return option(None, help="tokenizer folder (default: the model's own)")
+    return option(None, help="tokenizer folder", default_text="the model's own")
 
 
 def _output():
-    return option(None, flag="-o/--output", help="report folder (default: runs/eval-<kind>-<YYYYmmdd-HHMMSS>)")
+    return option(None, flag="-o/--output", help="report folder", default_text="runs/eval-<kind>-<YYYYmmdd-HHMMSS>")
 
 
 def _force():
@@ -107,13 +108,13 @@ class PplConfig:
     dataset: str | None = _dataset()
     text_column: str = _text_column()
     target_column: str | None = option(None, help="encoder-decoders with --dataset: score this column's text given "
-                                                  "--text-column's as the encoder input, row by row (default: T5's "
-                                                  "span corruption of the text)")
+                                                  "--text-column's as the encoder input, row by row",
+                                           default_text="T5's span corruption of the text")
     max_tokens: int | None = option(None, help="score only the first N tokens of the text")
-    max_length: int | None = option(None, help="window in model positions (default: 1024, or the smallest model "
-                                                "context if shorter)")
-    stride: int | None = option(None, help="window step in tokens (default: disjoint windows); smaller = more "
-                                           "context per token")
+    max_length: int | None = option(None, help="window in model positions",
+                                    default_text="1024, or the smallest model context if shorter")
+    stride: int | None = option(None, help="window step in tokens; smaller = more context per token",
+                                default_text="disjoint windows")
     bos: bool = option(False, help="prefix each window with BOS and score its first text token too")
     attention: str | None = _attention()
     window: int | None = _window()
@@ -135,20 +136,19 @@ class StreamConfig:
     text: str | None = _text()
     dataset: str | None = _dataset()
     text_column: str = _text_column()
-    tokens: int = option(4096, help="text tokens to stream (default: 4096); BOS, if asked for, comes on top")
+    tokens: int = option(4096, help="text tokens to stream; BOS, if asked for, comes on top")
     policies: tuple[str, ...] = option(("sinks",), flag="--policy", metavar="POLICY", parse=_policies, repeat=True,
                                        help="dense, window, sinks or recompute; repeat (or comma-separate) to "
-                                            "compare (default: sinks)")
-    window: int = option(1020, help="recent tokens W kept (default: 1020)")
-    sinks: int = option(4, help="attention-sink tokens S of --policy sinks (default: 4)")
+                                            "compare")
+    window: int = option(1020, help="recent tokens W kept")
+    sinks: int = option(4, help="attention-sink tokens S of --policy sinks")
     chunk: int = option(256, help="tokens per forward C; per-token results do not depend on it, but recompute's R "
-                                  "defaults to it (default: 256)")
-    recompute_every: int | None = option(None, metavar="R", help="recompute: rebuild every R tokens (default: "
-                                                                 "--chunk; 1 = exact per-token baseline, slow)")
-    bucket: int | None = option(None, help="positions per perplexity bucket (default: tokens/32)")
+                                  "defaults to it")
+    recompute_every: int | None = option(None, metavar="R", help="recompute: rebuild every R tokens; 1 = exact "
+                                                                 "per-token baseline, slow", default_text="--chunk")
+    bucket: int | None = option(None, help="positions per perplexity bucket", default_text="tokens/32")
     bos: bool = option(False, help="start the stream with BOS")
-    fluent_within: float = option(0.10, help="fluent if the worst bucket is within this fraction of recompute "
-                                             "(default: 0.10)")
+    fluent_within: float = option(0.10, help="fluent if the worst bucket is within this fraction of recompute")
     dtype: str = _dtype()
     device: str = _device()
     tokenizer: str | None = _tokenizer()
@@ -163,13 +163,12 @@ class PasskeyConfig:
 
     model: str = option(flag="MODEL", help="Hugging Face checkpoint folder")
     lengths: tuple[int, ...] = option((1024, 2048, 4096), parse=parse_lengths,
-                                      help="prompt lengths in tokens, k = 1024 (default: 1k,2k,4k)")
+                                      help="prompt lengths in tokens, k = 1024")
     depths: tuple[float, ...] = option((0.0, 0.25, 0.5, 0.75, 1.0), parse=parse_depths,
-                                       help="relative depths of the key, 0 = start, 1 = end (default: "
-                                            "0,0.25,0.5,0.75,1)")
-    trials: int = option(5, help="prompts per (length, depth) (default: 5)")
-    seed: int = option(0, help="seed of the keys (default: 0)")
-    new_tokens: int = option(10, help="tokens decoded greedily (default: 10)")
+                                       help="relative depths of the key, 0 = start, 1 = end")
+    trials: int = option(5, help="prompts per (length, depth)")
+    seed: int = option(0, help="seed of the keys")
+    new_tokens: int = option(10, help="tokens decoded greedily")
     attention: str | None = _attention()
     window: int | None = _window()
     sinks: int | None = _sinks()

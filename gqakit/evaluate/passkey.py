@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gqakit.common.attention_kinds import command_attention_options
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.evaluate.options import PasskeyConfig
 from gqakit.hf.compat import cache_kwargs
 
@@ -94,7 +94,7 @@ def build_prompt(tokenizer, length: int, depth: float, key: str) -> tuple[str, i
             break
         sentences, prompt, n = sentences + 1, bigger, m
     if sentences < 1:
-        raise GqakitError(f"--lengths {length} is too short for the passkey prompt (it needs more than {fixed} "
+        raise GqakitError(f"{opt('lengths', length)} is too short for the passkey prompt (it needs more than {fixed} "
                           "tokens); use longer lengths, e.g. 256 or more")
     return prompt, n
 
@@ -103,7 +103,7 @@ def build_cases(tokenizer, lengths: Iterable[int], depths: Iterable[float], tria
                 progress: bool = False) -> list[Case]:
     """Every (length, depth, trial) case, in that order, deterministic in `seed`."""
     if trials < 1:
-        raise GqakitError(f"--trials must be >= 1, got {trials}")
+        raise GqakitError(f"{opt('trials')} must be >= 1, got {trials}")
     cells = [(length, depth, trial) for length in lengths for depth in depths for trial in range(trials)]
     cases = []
     for length, depth, trial in tqdm(cells, desc="passkey prompts", unit="prompt", disable=not progress,
@@ -213,9 +213,9 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
 
     out, err = out or sys.stdout, err or sys.stderr
     if cfg.new_tokens < 1:
-        raise GqakitError(f"--new-tokens must be >= 1, got {cfg.new_tokens}")
+        raise GqakitError(f"{opt('new_tokens')} must be >= 1, got {cfg.new_tokens}")
     if cfg.trials < 1:
-        raise GqakitError(f"--trials must be >= 1, got {cfg.trials}")
+        raise GqakitError(f"{opt('trials')} must be >= 1, got {cfg.trials}")
     lengths, depths = list(cfg.lengths), [float(d) for d in cfg.depths]
     options = command_attention_options(cfg.attention, cfg.window, cfg.sinks, cfg.attention_option)
     target = report.prepare_output(cfg.output, "passkey", cfg.force)

@@ -121,8 +121,9 @@ def encode_pairs(rows: list[tuple[str, str]], tok, max_length: int) -> list[tupl
         ids = [tok(text, add_special_tokens=False).input_ids + [eos] for text in row]
         longest = max(len(x) for x in ids)
         if longest > max_length:
-            raise GqakitError(f"row {i} of the dataset has {longest:,} tokens in one column, more than --max-length "
-                              f"{max_length:,}; raise --max-length (rows are never cut short)")
+            raise GqakitError(f"row {i} of the dataset has {longest:,} tokens in one column, more than "
+                              f"{opt('max_length', f'{max_length:,}')}; raise {opt('max_length')} (rows are never cut "
+                              "short)")
         pairs.append(tuple(torch.tensor(x) for x in ids))
     return pairs
 
@@ -141,15 +142,17 @@ def perplexity(model, input_ids: torch.Tensor, max_length: int, stride: int | No
 def _check(cfg: PplConfig) -> None:
     if not cfg.models:
         raise GqakitError("give at least one MODEL folder")
-    for name, value in (("--max-tokens", cfg.max_tokens), ("--max-length", cfg.max_length), ("--stride", cfg.stride)):
+    for name in ("max_tokens", "max_length", "stride"):
+        value = getattr(cfg, name)
         if value is not None and value < 1:
-            raise GqakitError(f"{name} must be a positive number of tokens, got {value}")
+            raise GqakitError(f"{opt(name)} must be a positive number of tokens, got {value}")
     if cfg.max_length is not None and cfg.max_length < 2:
-        raise GqakitError(f"--max-length {cfg.max_length} is too short; a window needs at least 2 positions")
+        raise GqakitError(f"{opt('max_length', cfg.max_length)} is too short; a window needs at least 2 positions")
     if cfg.target_column is not None and cfg.dataset is None:
-        raise GqakitError("--target-column reads the input/target rows of a --dataset; pass --dataset FILE.jsonl")
+        raise GqakitError(f"{opt('target_column')} reads the input/target rows of a {opt('dataset')}; pass "
+                          f"{opt('dataset', 'FILE.jsonl')}")
     if cfg.target_column is not None and cfg.max_tokens:
-        raise GqakitError("--target-column scores every row of the dataset; drop --max-tokens")
+        raise GqakitError(f"{opt('target_column')} scores every row of the dataset; drop {opt('max_tokens')}")
 
 
 def resolve_window(cfg: PplConfig, contexts: list[int | None]) -> tuple[int, int]:
@@ -159,9 +162,9 @@ def resolve_window(cfg: PplConfig, contexts: list[int | None]) -> tuple[int, int
     span = max_length - (1 if cfg.bos else 0)
     stride = cfg.stride or span
     if stride > span:
-        what = f"--max-length {max_length} minus the BOS column" if cfg.bos else f"--max-length {max_length}"
-        raise GqakitError(f"--stride {stride} is longer than a window ({span} text tokens = {what}); "
-                          f"use --stride <= {span}, or leave it out for disjoint windows")
+        what = opt("max_length", max_length) + (" minus the BOS column" if cfg.bos else "")
+        raise GqakitError(f"{opt('stride', stride)} is longer than a window ({span} text tokens = {what}); "
+                          f"use {opt('stride')} <= {span}, or leave it out for disjoint windows")
     return max_length, stride
 
 
@@ -188,17 +191,17 @@ def _check_seq2seq(cfg: PplConfig, kinds: list[bool | None]) -> None:
         return
     if not any(kinds):
         if cfg.target_column is not None:
-            raise GqakitError("--target-column scores targets given inputs, which needs encoder-decoders; a decoder "
-                              "scores one text: drop --target-column")
+            raise GqakitError(f"{opt('target_column')} scores targets given inputs, which needs encoder-decoders; a "
+                              f"decoder scores one text: drop {opt('target_column')}")
         return
     if not all(kinds):
         raise GqakitError(_MIXED)
     if cfg.attention not in (None, DEFAULT):
         raise GqakitError(f"{position_bias_refusal('the encoder-decoder', cfg.attention)}, or drop {opt('attention')}")
-    for flag, given in (("--stride", cfg.stride), ("--bos", cfg.bos)):
-        if given:
-            raise GqakitError(f"{flag} does not apply to encoder-decoders, which are scored on T5's span corruption "
-                              f"of disjoint windows of --max-length tokens; drop {flag}")
+    for name in ("stride", "bos"):
+        if getattr(cfg, name):
+            raise GqakitError(f"{opt(name)} does not apply to encoder-decoders, which are scored on T5's span "
+                              f"corruption of disjoint windows of {opt('max_length')} tokens; drop {opt(name)}")
 
 
 def _bos_id(tok, model) -> int:
@@ -206,7 +209,7 @@ def _bos_id(tok, model) -> int:
     if bos is None:
         bos = getattr(model.config, "bos_token_id", None)
     if bos is None:
-        raise GqakitError("--bos: neither the tokenizer nor config.json names a BOS token; drop --bos")
+        raise GqakitError(f"{opt('bos')}: neither the tokenizer nor config.json names a BOS token; drop {opt('bos')}")
     return int(bos)
 
 
@@ -235,7 +238,7 @@ def _score(cfg: PplConfig, model, tok, path: str, documents: list, max_length: i
     span = max_length - (1 if cfg.bos else 0)
     if ids.numel() < span:
         raise GqakitError(f"the text has {ids.numel():,} tokens ({Path(path).name}'s tokenizer), shorter than "
-                          f"one window of {span:,}; pass a longer text or --max-length <= {ids.numel()}")
+                          f"one window of {span:,}; pass a longer text or {opt('max_length')} <= {ids.numel()}")
     if model.config.is_encoder_decoder:
         nll, count = span_corruption_nll(model, ids, max_length, tok, progress=cfg.progress)
         return "span_corruption", ids.numel(), nll, count

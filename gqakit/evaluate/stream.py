@@ -32,7 +32,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.evaluate.options import StreamConfig
 from gqakit.decode.stream_cache import ChunkedSinkCache
 from gqakit.hf.compat import cache_kwargs
@@ -55,7 +55,8 @@ def check_policy(policy: str) -> str:
     if policy not in POLICIES:
         close = difflib.get_close_matches(policy, POLICIES, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise GqakitError(f"unknown --policy '{policy}'{hint} (choose from {', '.join(POLICIES)})")
+        quoted = f"'{policy}'"
+        raise GqakitError(f"unknown {opt('policies', quoted)}{hint} (choose from {', '.join(POLICIES)})")
     return policy
 
 
@@ -84,8 +85,8 @@ def _cached(model, ids: torch.Tensor, policy: str, window: int, sinks: int, chun
     else:
         has_rope = any(isinstance(getattr(m, "inv_freq", None), torch.Tensor) for m in model.modules())
         if policy == "sinks" and not has_rope:
-            raise GqakitError(f"--policy sinks re-rotates RoPE keys but {type(model).__name__} has no rotary "
-                              "embedding; use --policy window")
+            raise GqakitError(f"{opt('policies', 'sinks')} re-rotates RoPE keys but {type(model).__name__} has no "
+                              f"rotary embedding; use {opt('policies', 'window')}")
         try:  # without RoPE (window only) positions are never rebased
             cache = ChunkedSinkCache(sinks if policy == "sinks" else 0, window, rope=model if has_rope else None,
                                      rebase_every=rebase_every)
@@ -194,15 +195,17 @@ def fluency(buckets: list[dict], reference: list[dict], within: float) -> dict:
 def _check(cfg: StreamConfig) -> tuple[str, ...]:
     policies = tuple(dict.fromkeys(check_policy(p) for p in cfg.policies))  # unique, in order
     if not policies:
-        raise GqakitError("give at least one --policy (dense, window, sinks, recompute)")
-    for name, value, least in (("--tokens", cfg.tokens, 2), ("--window", cfg.window, 1), ("--chunk", cfg.chunk, 1),
-                               ("--recompute-every", cfg.recompute_every, 1), ("--bucket", cfg.bucket, 1)):
+        raise GqakitError(f"give at least one {opt('policies')} (dense, window, sinks, recompute)")
+    for name, least in (("tokens", 2), ("window", 1), ("chunk", 1), ("recompute_every", 1), ("bucket", 1)):
+        value = getattr(cfg, name)
         if value is not None and value < least:
-            raise GqakitError(f"{name} must be at least {least}, got {value}")
+            raise GqakitError(f"{opt(name)} must be at least {least}, got {value}")
     if cfg.sinks < 0:
-        raise GqakitError(f"--sinks must be >= 0, got {cfg.sinks}; use --policy window for no sinks")
+        raise GqakitError(f"{opt('sinks')} must be >= 0, got {cfg.sinks}; use {opt('policies', 'window')} for no "
+                          "sinks")
     if not cfg.fluent_within > 0:
-        raise GqakitError(f"--fluent-within must be > 0 (a fraction, e.g. 0.1 for 10%), got {cfg.fluent_within}")
+        raise GqakitError(f"{opt('fluent_within')} must be > 0 (a fraction, e.g. 0.1 for 10%), got "
+                          f"{cfg.fluent_within}")
     return policies
 
 
@@ -232,11 +235,13 @@ def run_stream(cfg: StreamConfig, command: str = "", out=None) -> dict:
         model.set_attn_implementation("sdpa")  # the chunk masks are 4-D additive masks
     ids = encode_documents(documents, tok, cfg.tokens)
     if ids.numel() < cfg.tokens:
-        raise GqakitError(f"the text has only {ids.numel():,} tokens; pass a longer text or --tokens <= {ids.numel()}")
+        raise GqakitError(f"the text has only {ids.numel():,} tokens; pass a longer text or {opt('tokens')} <= "
+                          f"{ids.numel()}")
     if cfg.bos:
         bos = tok.bos_token_id if tok.bos_token_id is not None else model.config.bos_token_id
         if bos is None:
-            raise GqakitError("--bos: neither the tokenizer nor config.json names a BOS token; drop --bos")
+            raise GqakitError(f"{opt('bos')}: neither the tokenizer nor config.json names a BOS token; drop "
+                              f"{opt('bos')}")
         ids = torch.cat([torch.tensor([int(bos)]), ids])
     size = cfg.bucket or max(1, math.ceil(ids.numel() / 32))
     every = cfg.recompute_every or cfg.chunk

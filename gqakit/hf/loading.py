@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from gqakit.common.dtypes import NAMES as DTYPES
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 
 
 
@@ -25,9 +25,9 @@ def resolve_device(device: str = "auto") -> torch.device:
     try:
         resolved = torch.device(device)
     except RuntimeError:
-        raise GqakitError(f"unknown --device {device!r}; use auto, cpu, cuda or cuda:N") from None
+        raise GqakitError(f"unknown {opt('device', repr(device))}; use auto, cpu, cuda or cuda:N") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise GqakitError(f"--device {device}: no CUDA device is available here; use --device cpu")
+        raise GqakitError(f"{opt('device', device)}: no CUDA device is available here; use {opt('device', 'cpu')}")
     return resolved
 
 
@@ -107,7 +107,7 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
 
     hf_logging.disable_progress_bar()
     if dtype not in DTYPES:
-        raise GqakitError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        raise GqakitError(f"unknown {opt('dtype', repr(dtype))}; choose one of {', '.join(DTYPES)}")
     local_only = False
     if check_model_folder(path) is None:  # a hub name: refused at once where the hub cannot serve it
         from gqakit.hf.hub import check_hub_name

@@ -74,8 +74,8 @@ class UptrainConfig:
                                         "context_parallel=P)")
     sharding: str = option("ddp", choices=SHARDING)  # ddp: every process holds all; fsdp: FSDP2, state sharded
     device_memory: str | None = option(None, metavar="SIZE", remember=True,  # what the fit check plans for
-                                       help="memory per rank, e.g. 80GB or 24GiB (= device_memory=SIZE; default: "
-                                            "this machine's)")
+                                       help="memory per rank, e.g. 80GB or 24GiB (= device_memory=SIZE)",
+                                       default_text="this machine's")
     num_processes: int | None = option(None, above=0)  # expected world size: refuse to run silently on fewer processes
     # bookkeeping
     seed: int = option(0, at_least=0)

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from cli_contract import run_cli, run_refused
 from eval_tiny import checkpoint, run_eval, text, tiny_llama, tokenizer
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, spelled
+from gqakit.common.options import flags
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,9 @@ def test_generate_config_checks_on_construction():
     GenerateConfig(model="m", prompt="x")  # the defaults are valid
     GenerateConfig(model="m", prompt="x", do_sample=True, temperature=0.5, top_p=0.9, seed=-3)
     GenerateConfig(model="m", prompt="x", attention="sliding", sinks=0)
-    with pytest.raises(GqakitError, match="--top-p"):
+    with pytest.raises(GqakitError, match=r"^top_p must be in \(0, 1\]"):  # the library names the field
+        GenerateConfig(model="m", prompt="x", do_sample=True, top_p=0.0)
+    with spelled(flags(GenerateConfig)), pytest.raises(GqakitError, match=r"^--top-p must be in"):  # the command line
         GenerateConfig(model="m", prompt="x", do_sample=True, top_p=0.0)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gqakit.common.atomic import remove_stale_leftovers, sibling
 from gqakit.common.dtypes import NAMES as DTYPES
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.common.options import FieldError, check_fields, flags, option
 
 
@@ -35,15 +35,14 @@ class SampleConfig:
     model: str = option(flag="MODEL", help="Hugging Face checkpoint folder (a decoder) to sample from")
     output: str = option(flag="-o/--output", metavar="FILE.jsonl",
                          help="the JSON-lines file to write, one {\"text\": ...} row per sample")
-    tokens: int = option(65_536, at_least=1, help="tokens to sample in all, rounded up to whole samples "
-                                                   "(default: 65,536)")
-    length: int = option(512, at_least=1, help="tokens per sample (default: 512, a calibration window)")
-    batch_size: int = option(16, at_least=1, help="samples drawn at once (default: 16)")
-    temperature: float = option(1.0, above=0.0, help="softmax temperature (default: 1.0, the model's distribution)")
+    tokens: int = option(65_536, at_least=1, help="tokens to sample in all, rounded up to whole samples")
+    length: int = option(512, at_least=1, help="tokens per sample, a calibration window")
+    batch_size: int = option(16, at_least=1, help="samples drawn at once")
+    temperature: float = option(1.0, above=0.0, help="softmax temperature; 1.0: the model's distribution")
     top_p: float = option(1.0, above=0.0, at_most=1.0,
-                          help="nucleus probability mass kept, in (0, 1] (default: 1.0 = every token)")
-    seed: int = option(0, at_least=0, help="seed of the sampler (default: 0)")
-    dtype: str = option("float32", choices=DTYPES, help="compute dtype (default: float32)")
+                          help="nucleus probability mass kept, in (0, 1]; 1.0 = every token")
+    seed: int = option(0, at_least=0, help="seed of the sampler")
+    dtype: str = option("float32", choices=DTYPES, help="compute dtype")
     force: bool = option(False, help="replace an existing -o file")
     progress: bool = option(True, flag="-q/--quiet", invert=True, help="no progress bar")
 
@@ -93,7 +92,7 @@ def sample(cfg: SampleConfig) -> dict:
     if out.is_dir():
         raise GqakitError(f"-o {out} is a folder; name a FILE.jsonl to write")
     if out.exists() and not cfg.force:
-        raise GqakitError(f"{out} already exists; pass --force to replace it or choose another -o")
+        raise GqakitError(f"{out} already exists; pass {opt('force')} to replace it or choose another -o")
     if not out.parent.exists():
         raise GqakitError(f"the folder of -o {out} does not exist; create it first")
     model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)

@@ -35,7 +35,7 @@ import numpy as np
 from gqakit import __version__
 from gqakit.common.atomic import atomic_output, inside
 from gqakit.common.report import counted
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.common.text import eos_id
 from gqakit.uptrain.data.sources import (CHUNK_BYTES, HUB, ROWS_PER_BATCH, Source, describe_files, iter_pieces,
                                          resolve_source)
@@ -241,13 +241,14 @@ def tokenize_to(data: list[str], output: str | Path, tokenizer: str, *, num_proc
     it is a token cache (or an empty folder)."""
     out = Path(output)
     if num_proc < 1:
-        raise GqakitError(f"--num-proc {num_proc} must be at least 1")
+        raise GqakitError(f"{opt('num_proc', num_proc)} must be at least 1")
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         if not is_token_cache(out):
-            raise GqakitError(f"{out} exists and is not a gqakit token cache; choose another -o (--force only "
+            raise GqakitError(f"{out} exists and is not a gqakit token cache; choose another -o ({opt('force')} only "
                               "replaces token caches)")
         if not force:
-            raise GqakitError(f"{out} already holds a token cache; pass --force to replace it, or choose another -o")
+            raise GqakitError(f"{out} already holds a token cache; pass {opt('force')} to replace it, or choose "
+                              "another -o")
     sources = [resolve_source(entry) for entry in data]
     for source in sources:
         if source.kind == "cache":
