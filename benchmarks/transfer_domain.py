@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from gqakit.common.text import ROW_SUFFIXES, encode_documents, load_documents
-from gqakit.convert.methods.transfer import build_attention, relative_error, transfer_layer
+from gqakit.convert.methods.transfer import build_attention, output_error, transfer_layer
 from gqakit.convert.options import TransferOptions
 
 WINDOW = 512
@@ -124,12 +124,12 @@ def main(argv=None) -> int:
                 fit_x.append(x[:-held]), fit_y.append(y[:-held]), held_x.append(x[-held:]), held_y.append(y[-held:])
             x, y = torch.cat(fit_x), torch.cat(fit_y)
             student = build_attention(cls, grouped, i, {**original, **pooled}, "sdpa")
-            eval_before = relative_error(student, ex, ey, ekw)
+            eval_before = output_error(student, ex, ey, ekw)
             t1 = time.perf_counter()
             errors = transfer_layer(student, kwargs, len(x), lambda w: (x[w], y[w]), torch.cat(held_x),
                                     torch.cat(held_y), options, i, progress=False)
             rows.append((i, mix, len(x), errors["transfer_before"], errors["transfer_after"], eval_before,
-                         relative_error(student, ex, ey, ekw), time.perf_counter() - t1))
+                         output_error(student, ex, ey, ekw), time.perf_counter() - t1))
             print(f"[transfer_domain] {rows[-1]}", file=sys.stderr, flush=True)
     print(f"## Attention transfer on {args.model} ({kv} -> {args.groups} K/V heads, mean-pooled start), "
           f"{options}\n")

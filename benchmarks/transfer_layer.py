@@ -31,7 +31,7 @@ from gqakit.convert.options import ConvertConfig
 from gqakit.convert.methods.engine import LayerMerge, merge_checkpoint_layer
 from gqakit.convert.output import new_config
 from gqakit.convert.run import prepare
-from gqakit.convert.methods.transfer import (attend, attention_implementation, build_attention, relative_error,
+from gqakit.convert.methods.transfer import (attend, attention_implementation, build_attention, output_error,
                                              transfer_merged_layer)
 from gqakit.convert.options import TransferOptions
 from gqakit.hf.checkpoint import load_tensor
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                                                      i, li.attention_kwargs, original, start, li.windows, li.read,
                                                      heldout["x"], stats, TransferOptions(**setting), "cpu", False)
                 seconds = time.perf_counter() - t0
-                err["fitting"] = relative_error(student, fitting, targets, li.attention_kwargs)
+                err["fitting"] = output_error(student, fitting, targets, li.attention_kwargs)
                 rows.append((setting, err, seconds, li.windows))
                 print(f"[transfer_layer] {setting}: {err}", file=sys.stderr, flush=True)
             break

@@ -32,7 +32,7 @@ from gqakit.uptrain.data.options import TokenizeConfig
 def _add_convert_args(p: argparse.ArgumentParser) -> None:
     from gqakit.convert.options import ConvertConfig
 
-    add_arguments(p, ConvertConfig, show_defaults=False)  # its help strings still write their defaults
+    add_arguments(p, ConvertConfig)
     p.set_defaults(func=_run_convert, options=ConvertConfig)
 
 
@@ -41,7 +41,7 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
     from gqakit.convert.card import against_mean, describe_plan, kv_summary
     from gqakit.common.memory import return_freed_memory_eagerly
 
-    cfg = from_args(ConvertConfig, args)
+    cfg = from_args(ConvertConfig, args, given=typed(ConvertConfig, args))  # refused where the method ignores it
     if cfg.method in methods.LAYERWISE:  # the layer merges and calibration allocate many large temporaries
         return_freed_memory_eagerly()
     result = convert(cfg, command=command)

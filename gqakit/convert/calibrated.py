@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.common.memory import release_freed_memory
 from gqakit.convert import methods
 from gqakit.convert.calibration.data import CalibrationData, load_calibration
@@ -36,12 +36,12 @@ def open_calibration(cfg: ConvertConfig, model_dir: Path, config: dict) -> Calib
     if cfg.calibration is None:
         return None
     calibration = load_calibration(cfg.calibration, model_dir, config, cfg.calibration_tokens,
-                                   cfg.calibration_window, cfg.text_column or "text")
-    device = cfg.calibration_device or "cpu"
+                                   cfg.calibration_window, cfg.text_column)
+    device = cfg.calibration_device
     try:
         torch.empty(0, device=device)
     except (RuntimeError, ValueError) as e:
-        raise GqakitError(f"--calibration-device {device!r} is not usable here ({str(e).splitlines()[0]}); "
+        raise GqakitError(f"{opt('calibration_device', repr(device))} is not usable here ({str(e).splitlines()[0]}); "
                           "use cpu or an available cuda device") from None
     return calibration
 
@@ -78,15 +78,15 @@ def calibrate_layers(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict
 
 
 def calibration_device(cfg: ConvertConfig, share: Share) -> str:
-    device = cfg.calibration_device or "cpu"
+    device = cfg.calibration_device
     if share.world > 1 and device == "cuda":  # one GPU per process, as torchrun numbers them
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     return device
 
 
-def transfer_layer_at_hand(inputs: LayerInputs, plan: Plan, config: dict, tensors: dict[str, TensorInfo], how: LayerMerge,
-              opts: TransferOptions, errors: dict[int, dict[str, float]], device, progress: bool,
-              into: Path | None = None) -> None:
+def transfer_layer_at_hand(inputs: LayerInputs, plan: Plan, config: dict, tensors: dict[str, TensorInfo],
+                           how: LayerMerge, opts: TransferOptions, errors: dict[int, dict[str, float]], device,
+                           progress: bool, into: Path | None = None) -> None:
     """Merge layer `inputs.index` by the calibrated merge training starts from (`fit`, or `aligned` with
     `--transfer-start aligned`), train it (`methods.transfer`), and leave its attention tensors in
     `transferred_path` of `into` (default: the statistics folder), read back by the write pass; its errors go

@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 
 WAIT = datetime.timedelta(days=2)  # the slowest process's share of a 70B's layers, with room
 
@@ -50,13 +50,13 @@ def check_share(share: Share, method_transfers: bool, inputs: str, dry_run: bool
     if share.world == 1:
         return
     if not method_transfers:
-        raise GqakitError(f"convert-gqa under torchrun ({share.world} processes) splits only --method transfer's "
-                          "layers; run other methods as one process (without torchrun)")
+        raise GqakitError(f"convert-gqa under torchrun ({share.world} processes) splits only "
+                          f"{opt('method', 'transfer')}'s layers; run other methods as one process (without torchrun)")
     if inputs == "converted":
-        raise GqakitError("--transfer-inputs converted trains each layer on the layers before it, which cannot be "
-                          "split over processes; run it as one process or drop the option")
+        raise GqakitError(f"{opt('transfer.inputs', 'converted')} trains each layer on the layers before it, which "
+                          "cannot be split over processes; run it as one process or drop the option")
     if dry_run:
-        raise GqakitError("--dry-run under torchrun: run it as one process (without torchrun)")
+        raise GqakitError(f"{opt('dry_run')} under torchrun: run it as one process (without torchrun)")
 
 
 def start(share: Share) -> None:

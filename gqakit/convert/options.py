@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from gqakit.common import dtypes
-from gqakit.common.errors import GqakitError
-from gqakit.common.options import option
+from gqakit.common.errors import GqakitError, opt
+from gqakit.common.options import option, options_given
 from gqakit.convert import methods
 
 
@@ -19,139 +19,127 @@ DTYPES = ("float32", "bfloat16")  # --transfer-dtype
 
 
 @dataclasses.dataclass(frozen=True)
-class ConvertConfig:
-    """Options of `convert-gqa`; the CLI flags map onto these fields one to one."""
-
-    model_dir: str = option(flag="MODEL_DIR", help="Hugging Face checkpoint folder (config.json + safetensors)")
-    groups: int = option(flag="-g/--groups", help="number of K/V heads after conversion (1 = MQA)")
-    output_dir: str | None = option(None, flag="-o/--output-dir",
-                                    help="output folder (default: MODEL_DIR-gqaG, or MODEL_DIR-mqa for G=1)")
-    method: str = option("mean", choices=methods.NAMES,
-                         help="how to merge each group's K/V heads: " + "; ".join(
-                             f"{m.name}: {m.help}" for m in methods.METHODS.values()) + "; see docs/convert.md "
-                              "(default: mean)")
-    dtype: str = option("auto", choices=dtypes.WITH_AUTO,
-                        help="dtype of the output weights (default: keep each tensor's dtype)")
-    seed: int = option(0, help="seed for --method random and transfer (default: 0)")
-    max_shard_size: str = option("5GB", help="largest output shard (default: 5GB)")
-    force: bool = option(False, help="replace an existing output folder")
-    dry_run: bool = option(False, help="print the plan and write nothing")
-    progress: bool = option(True, flag="-q/--quiet", invert=True, help="no progress bar")
-    grouping: str | None = option(None, choices=methods.GROUPINGS,
-                                  help="aligned/fit: which K/V heads share a group: neighbours, or the most similar "
-                                       "heads (q_proj/o_proj permuted to match) (default: similarity)")
-    calibration: str | None = option(None, metavar="DATA",
-                                     help="aligned/fit: text (.txt) or dataset (.jsonl/.json/.parquet file or folder) "
-                                          "whose activations weight the merge, streamed layer by layer (required by "
-                                          "fit)")
-    calibration_tokens: int | None = option(None, help="calibration tokens to read (default: 16384; 1 in 8 windows "
-                                                       "is held out to score the merge)")
-    calibration_window: int | None = option(None, help="tokens per calibration window (default: min(512, the "
-                                                       "model's context))")
-    text_column: str | None = option(None, help="dataset column holding the calibration text (default: text)")
-    calibration_device: str | None = option(None, help="device that runs calibration, one layer at a time "
-                                                       "(default: cpu; e.g. cuda)")
-    pool_encoder: bool = option(False, help="encoder-decoders (T5): group the encoder's self-attention K/V heads "
-                                            "too (default: only the decoder's self- and cross-attention, as in the "
-                                            "GQA paper)")
-    transfer_params: str | None = option(None, choices=tuple(PARAMS),
-                                         help="transfer: which merged projections are trained, K/V only or also Q "
-                                              "and O (default: qkvo)")
-    transfer_steps: int | None = option(None, help="transfer: most training steps per layer, of about 1,024 tokens "
-                                                   "each (2 windows of 512); held-out windows stop it earlier "
-                                                   "(default: 600)")
-    transfer_patience: int | None = option(None, help="transfer: held-out scores (every 20 steps) without "
-                                                      "improvement before a layer stops; 0: never stop early, the "
-                                                      "best score's weights are kept (default: 3)")
-    transfer_inputs: str | None = option(None, choices=INPUTS,
-                                         help="transfer: what each layer is trained on: the original model's "
-                                              "layer inputs, or those of the model converted up to that layer "
-                                              "(the target stays the original's attention output; default: "
-                                              "original)")
-    transfer_start: str | None = option(None, choices=STARTS,
-                                        help="transfer: the calibrated merge that training starts from "
-                                             "(default: fit)")
-    transfer_dtype: str | None = option(None, choices=DTYPES,
-                                        help="transfer: the precision of training's forward and backward (bfloat16: "
-                                             "autocast, weights and held-out scores stay float32; about 1.5x faster "
-                                             "on CPUs with fast bfloat16; default: float32)")
-
-
-@dataclasses.dataclass(frozen=True)
 class TransferOptions:
-    """How each layer is trained (defaults chosen by measurement: docs/convert.md, "Attention transfer")."""
+    """How each layer is trained (defaults chosen by measurement: docs/convert.md, "Attention transfer"). The fields
+    with a `help` are convert-gqa's --transfer-* flags (`ConvertConfig.transfer`)."""
 
-    params: str = "qkvo"
-    steps: int = 600  # at most, per layer
+    params: str = option("qkvo", choices=tuple(PARAMS), remember=True,
+                         help="transfer: which merged projections are trained, K/V only or also Q and O")
+    steps: int = option(600, remember=True,
+                        help="transfer: most training steps per layer, of about 1,024 tokens each (2 windows of "
+                             "512); held-out windows stop it earlier")
     lr: float = 0.05  # relative: each trained tensor's step size is lr x its RMS at the start (scale-free)
     step_tokens: int = 1024  # tokens per step: max(1, step_tokens // window) windows (2 windows of 512)
     warmup: float = 0.1  # fraction of `steps`
     eval_every: int = 20
-    patience: int = 3  # held-out scores without improvement before stopping; 0: never stop early
-    inputs: str = "original"  # each layer's inputs: the original model's, or the model's converted so far
-    start: str = "fit"  # the calibrated merge that training starts from
-    dtype: str = "float32"  # training's forward and backward: float32, or bfloat16 autocast
+    patience: int = option(3, remember=True,
+                           help="transfer: held-out scores (every 20 steps) without improvement before a layer "
+                                "stops; 0: never stop early, the best score's weights are kept")
+    inputs: str = option("original", choices=INPUTS, remember=True,
+                         help="transfer: what each layer is trained on: the original model's layer inputs, or those "
+                              "of the model converted up to that layer (the target stays the original's attention "
+                              "output)")
+    start: str = option("fit", choices=STARTS, remember=True,
+                        help="transfer: the calibrated merge that training starts from")
+    dtype: str = option("float32", choices=DTYPES, remember=True,
+                        help="transfer: the precision of training's forward and backward (bfloat16: autocast, "
+                             "weights and held-out scores stay float32; about 1.5x faster on CPUs with fast "
+                             "bfloat16)")
     seed: int = 0
 
     def __post_init__(self):
         if self.params not in PARAMS:
-            raise GqakitError(f"--transfer-params {self.params!r} is not one of {', '.join(PARAMS)}")
+            raise GqakitError(f"{opt('params', repr(self.params))} is not one of {', '.join(PARAMS)}")
+        for name in ("steps", "patience"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise GqakitError(f"{opt(name)} must be a whole number, got {value!r}")
         if self.steps < 1:
-            raise GqakitError(f"--transfer-steps {self.steps} must be at least 1")
+            raise GqakitError(f"{opt('steps', self.steps)} must be at least 1")
         if self.start not in STARTS:
-            raise GqakitError(f"--transfer-start {self.start!r} is not one of {', '.join(STARTS)}")
+            raise GqakitError(f"{opt('start', repr(self.start))} is not one of {', '.join(STARTS)}")
         if self.inputs not in INPUTS:
-            raise GqakitError(f"--transfer-inputs {self.inputs!r} is not one of {', '.join(INPUTS)}")
+            raise GqakitError(f"{opt('inputs', repr(self.inputs))} is not one of {', '.join(INPUTS)}")
         if self.dtype not in DTYPES:
-            raise GqakitError(f"--transfer-dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+            raise GqakitError(f"{opt('dtype', repr(self.dtype))} is not one of {', '.join(DTYPES)}")
         if self.patience < 0:
-            raise GqakitError(f"--transfer-patience {self.patience} must be 0 (never stop early) or more")
+            raise GqakitError(f"{opt('patience', self.patience)} must be 0 (never stop early) or more")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertConfig:
+    """Options of `convert-gqa`; the CLI flags map onto these fields one to one (`transfer`'s as --transfer-*)."""
+
+    model_dir: str = option(flag="MODEL_DIR", help="Hugging Face checkpoint folder (config.json + safetensors)")
+    groups: int = option(flag="-g/--groups", help="number of K/V heads after conversion (1 = MQA)")
+    output_dir: str | None = option(None, flag="-o/--output-dir", help="output folder",
+                                    default_text="MODEL_DIR-gqaG, or MODEL_DIR-mqa for G=1")
+    method: str = option("mean", choices=methods.NAMES,
+                         help="how to merge each group's K/V heads: " + "; ".join(
+                             f"{m.name}: {m.help}" for m in methods.METHODS.values()) + "; see docs/convert.md")
+    dtype: str = option("auto", choices=dtypes.WITH_AUTO, default_text="keep each tensor's dtype",
+                        help="dtype of the output weights")
+    seed: int = option(0, help="seed for --method random and transfer")
+    max_shard_size: str = option("5GB", help="largest output shard")
+    force: bool = option(False, help="replace an existing output folder")
+    dry_run: bool = option(False, help="print the plan and write nothing")
+    progress: bool = option(True, flag="-q/--quiet", invert=True, help="no progress bar")
+    grouping: str | None = option(None, choices=methods.GROUPINGS, default_text="similarity",
+                                  help="aligned/fit: which K/V heads share a group: neighbours, or the most similar "
+                                       "heads (q_proj/o_proj permuted to match)")
+    calibration: str | None = option(None, metavar="DATA",
+                                     help="aligned/fit: text (.txt) or dataset (.jsonl/.json/.parquet file or folder) "
+                                          "whose activations weight the merge, streamed layer by layer (required by "
+                                          "fit)")
+    calibration_tokens: int = option(16_384, remember=True,
+                                     help="calibration tokens to read (1 in 8 windows is held out to score the merge)")
+    calibration_window: int | None = option(None, default_text="min(512, the model's context)",
+                                            help="tokens per calibration window")
+    text_column: str = option("text", remember=True, help="dataset column holding the calibration text")
+    calibration_device: str = option("cpu", remember=True,
+                                     help="device that runs calibration, one layer at a time (e.g. cuda)")
+    pool_encoder: bool = option(False, help="encoder-decoders (T5): group the encoder's self-attention K/V heads "
+                                            "too (default: only the decoder's self- and cross-attention, as in the "
+                                            "GQA paper)")
+    transfer: TransferOptions = option(default_factory=TransferOptions, prefix="transfer")
+    given: frozenset = frozenset()  # options typed on the command line, even at their default values
 
 
 def transfer_options(cfg: ConvertConfig) -> TransferOptions:
-    """The transfer options a `ConvertConfig` asks for, its unset flags at their defaults (checked here)."""
-    given = {"params": cfg.transfer_params, "steps": cfg.transfer_steps, "patience": cfg.transfer_patience,
-             "inputs": cfg.transfer_inputs, "start": cfg.transfer_start, "dtype": cfg.transfer_dtype}
-    for flag, value in (("--transfer-steps", cfg.transfer_steps), ("--transfer-patience", cfg.transfer_patience)):
-        if isinstance(value, bool) or not isinstance(value, (int, type(None))):
-            raise GqakitError(f"{flag} must be a whole number, got {value!r}")
-    return TransferOptions(seed=cfg.seed, **{k: v for k, v in given.items() if v is not None})
+    """The transfer options a `ConvertConfig` asks for, seeded by its --seed."""
+    return dataclasses.replace(cfg.transfer, seed=cfg.seed)
+
+
+CALIBRATION_OPTIONS = ("calibration_tokens", "calibration_window", "text_column", "calibration_device")
 
 
 def check_options(cfg: ConvertConfig) -> None:
     """Refuse an unknown dtype, options the chosen method would ignore, and a fit without its calibration data."""
     if cfg.dtype not in dtypes.WITH_AUTO:
-        raise GqakitError(f"unknown --dtype {cfg.dtype!r}; choose auto, float32, bfloat16 or float16")
+        raise GqakitError(f"unknown {opt('dtype', repr(cfg.dtype))}; choose auto, float32, bfloat16 or float16")
     if cfg.grouping is not None and cfg.grouping not in methods.GROUPINGS:
-        raise GqakitError(f"unknown --grouping {cfg.grouping!r}; choose contiguous or similarity")
-    method = methods.get(cfg.method)
+        raise GqakitError(f"unknown {opt('grouping', repr(cfg.grouping))}; choose contiguous or similarity")
+    method, given = methods.get(cfg.method), options_given(cfg, cfg.given)
+    choose = lambda names: " or ".join(names)  # noqa: E731
     if cfg.grouping is not None and not method.layerwise:
-        raise GqakitError(f"--grouping is used only by --method {' or '.join(methods.LAYERWISE)}; drop it for "
-                          f"--method {cfg.method} (which keeps contiguous groups)")
+        raise GqakitError(f"{opt('grouping')} is used only by {opt('method', choose(methods.LAYERWISE))}; drop it "
+                          f"for {opt('method', cfg.method)} (which keeps contiguous groups)")
     if method.calibration == "required" and cfg.calibration is None:
-        raise GqakitError(f"--method {cfg.method} needs calibration data: pass --calibration TEXT.txt (or a .jsonl / "
-                          ".parquet dataset) in the model's language, e.g. a few hundred windows of its training text")
+        raise GqakitError(f"{opt('method', cfg.method)} needs calibration data: pass {opt('calibration', 'TEXT.txt')} "
+                          "(or a .jsonl / .parquet dataset) in the model's language, e.g. a few hundred windows of "
+                          "its training text")
     if cfg.calibration is not None and method.calibration == "no":
-        raise GqakitError(f"--calibration is used only by --method {' or '.join(methods.TAKE_CALIBRATION)}; drop it, "
-                          f"or choose --method {' or '.join(methods.NEED_CALIBRATION)}")
+        raise GqakitError(f"{opt('calibration')} is used only by {opt('method', choose(methods.TAKE_CALIBRATION))}; "
+                          f"drop it, or choose {opt('method', choose(methods.NEED_CALIBRATION))}")
     if cfg.calibration is None:
-        given = [flag for flag, value in (("--calibration-tokens", cfg.calibration_tokens),
-                                          ("--calibration-window", cfg.calibration_window),
-                                          ("--text-column", cfg.text_column),
-                                          ("--calibration-device", cfg.calibration_device)) if value is not None]
-        if given:
-            raise GqakitError(f"{given[0]} needs --calibration DATA; pass the calibration data or drop {given[0]}")
-    for flag, value in (("--calibration-tokens", cfg.calibration_tokens),
-                        ("--calibration-window", cfg.calibration_window)):
+        ignored = [name for name in CALIBRATION_OPTIONS if name in given]
+        if ignored:
+            raise GqakitError(f"{opt(ignored[0])} needs {opt('calibration', 'DATA')}; pass the calibration data or "
+                              f"drop {opt(ignored[0])}")
+    for name in ("calibration_tokens", "calibration_window"):
+        value = getattr(cfg, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise GqakitError(f"{flag} must be a positive number of tokens, got {value!r}")
-    if not method.transfer:
-        given = [flag for flag, value in (("--transfer-params", cfg.transfer_params),
-                                          ("--transfer-steps", cfg.transfer_steps),
-                                          ("--transfer-patience", cfg.transfer_patience),
-                                          ("--transfer-inputs", cfg.transfer_inputs),
-                                          ("--transfer-start", cfg.transfer_start),
-                                          ("--transfer-dtype", cfg.transfer_dtype)) if value is not None]
-        if given:
-            raise GqakitError(f"{given[0]} is used only by --method {' or '.join(methods.TRANSFER)}; drop it")
-    transfer_options(cfg)  # its own checks
+            raise GqakitError(f"{opt(name)} must be a positive number of tokens, got {value!r}")
+    ignored = [name for name in given if name.startswith("transfer.")]
+    if not method.transfer and ignored:
+        raise GqakitError(f"{opt(ignored[0])} is used only by {opt('method', choose(methods.TRANSFER))}; drop it")

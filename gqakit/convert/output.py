@@ -6,14 +6,14 @@ import os
 from pathlib import Path
 
 from gqakit.common.atomic import check_replaceable
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.common.sizes import parse_size
 from gqakit.convert.plan import Plan
 
 
 def max_shard_bytes(text: str) -> int:
     """--max-shard-size in bytes."""
-    return parse_size(text, "--max-shard-size", "5GB, 500MB or 2GiB")
+    return parse_size(text, opt("max_shard_size"), "5GB, 500MB or 2GiB")
 
 
 def default_output(model_dir: Path, groups: int) -> Path:
@@ -41,8 +41,8 @@ def check_output(model_dir: Path, out: Path, force: bool) -> None:
         raise GqakitError(f"output {out} contains the model folder; choose an -o that does not")
     if os.path.lexists(out) and not force:
         what = "a symlink" if out.is_symlink() else "a file" if not out.is_dir() else ""
-        raise GqakitError(f"output {out} already exists{f' ({what})' if what else ''}; pass --force to replace it "
-                          "or choose another -o")
+        raise GqakitError(f"output {out} already exists{f' ({what})' if what else ''}; pass {opt('force')} to "
+                          "replace it or choose another -o")
     if force:
         check_replaceable(out)
 

@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.hf.architectures import ArchSpec, KNorm, find_family, supported_architectures
 from gqakit.hf.checkpoint import DTYPE_NAMES, DTYPES, DerivedTensor, TensorInfo, assign_shards, shard_names
 from gqakit.hf.architectures.refused import refusal
@@ -105,9 +105,10 @@ def check_groups(groups: int, heads: int, kv_heads: int) -> None:
     valid = valid_groups(heads)
     choices = ", ".join(map(str, valid))
     if groups <= 0:
-        raise GqakitError(f"--groups must be a positive number of K/V heads, got {groups}; choose one of {choices}")
+        raise GqakitError(f"{opt('groups')} must be a positive number of K/V heads, got {groups}; choose one of "
+                          f"{choices}")
     if groups > heads:
-        raise GqakitError(f"--groups {groups} exceeds the {heads} attention heads; choose one of {choices}")
+        raise GqakitError(f"{opt('groups', groups)} exceeds the {heads} attention heads; choose one of {choices}")
     if heads % groups:
         raise GqakitError(f"{heads} heads are not divisible into {groups} groups; choose a divisor of {heads} ({choices})")
     if kv_heads % groups and groups % kv_heads:
@@ -303,10 +304,10 @@ def check_alignable(spec: ArchSpec, arch: str, config: dict, groups: int, kv_hea
         elif head_dim % 2:
             why = f"has an odd head_dim {head_dim}, which RoPE pairs cannot split"
     if why is not None:
-        raise GqakitError(f"--method {method} cannot convert {arch}: it {why}; use --method mean")
+        raise GqakitError(f"{opt('method', method)} cannot convert {arch}: it {why}; use {opt('method', 'mean')}")
     if groups >= kv_heads:
-        raise GqakitError(f"--method {method} merges heads, but --groups {groups} keeps or expands the "
-                          f"{kv_heads} K/V heads; use --method mean")
+        raise GqakitError(f"{opt('method', method)} merges heads, but {opt('groups', groups)} keeps or expands the "
+                          f"{kv_heads} K/V heads; use {opt('method', 'mean')}")
 
 
 def check_family(config: dict) -> ArchSpec | None:
@@ -327,14 +328,14 @@ def encoder_layers(spec: ArchSpec, arch: str, config: dict, tensors: dict[str, T
     """--pool-encoder: the encoder's layer count, checked against the weights, once its K/V heads are known to be
     the decoder's (one G regroups both)."""
     if spec.encoder_kv is None:
-        raise GqakitError(f"--pool-encoder regroups an encoder-decoder's encoder (T5); {arch} has no encoder: drop "
-                          "--pool-encoder")
+        raise GqakitError(f"{opt('pool_encoder')} regroups an encoder-decoder's encoder (T5); {arch} has no "
+                          f"encoder: drop {opt('pool_encoder')}")
     layers_key, kv_key = spec.encoder_fields
     enc_kv = positive_int(config, kv_key, default=heads)
     if enc_kv != kv_heads:
-        raise GqakitError(f"--pool-encoder regroups the encoder's {enc_kv} K/V heads ({kv_key}) and the decoder's "
-                          f"{kv_heads} into one G, which needs them equal; drop --pool-encoder, or convert the "
-                          "original checkpoint")
+        raise GqakitError(f"{opt('pool_encoder')} regroups the encoder's {enc_kv} K/V heads ({kv_key}) and the "
+                          f"decoder's {kv_heads} into one G, which needs them equal; drop {opt('pool_encoder')}, or "
+                          "convert the original checkpoint")
     layers = positive_int(config, layers_key)
     check_layers(spec, tensors, layers, spec.encoder_kv[0].split("{i}")[0], layers_key)
     return layers
@@ -359,7 +360,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
     check_groups(groups, heads, kv_heads)
     if spec.multi_query_key and spec.grouped_class is None and groups not in (1, heads):
         raise GqakitError(f"{arch} holds one K/V head ({spec.multi_query_key}) or all {heads}, no stock class a "
-                          f"grouping in between; use --groups 1 (MQA) or --groups {heads}")
+                          f"grouping in between; use {opt('groups', 1)} (MQA) or {opt('groups', heads)}")
     if layerwise:
         check_alignable(spec, arch, config, groups, kv_heads, head_dim, method)
     check_layers(spec, tensors, layers)

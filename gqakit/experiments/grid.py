@@ -145,8 +145,11 @@ def run_cell(cfg: GridConfig, cell: dict, work: Path, ids: torch.Tensor, mha_ppl
             converted = work / ("mqa" if cell["groups"] == 1 else f"gqa{cell['groups']}") / cell["method"]
         if not (converted / "config.json").is_file():
             # calibration data goes to fit only: aligned would use it too, but the grid keeps aligned weight-only
-            calibrated = ({"calibration": cfg.calibration, "calibration_tokens": cfg.calibration_tokens}
-                          if cell["method"] in methods.NEED_CALIBRATION else {})
+            calibrated = {}
+            if cell["method"] in methods.NEED_CALIBRATION:
+                calibrated["calibration"] = cfg.calibration
+                if cfg.calibration_tokens is not None:  # else convert-gqa's default
+                    calibrated["calibration_tokens"] = cfg.calibration_tokens
             convert(ConvertConfig(model_dir=cfg.model, groups=cell["groups"], output_dir=str(converted),
                                   method=cell["method"], seed=cfg.seed, force=True, progress=False, **calibrated))
         target = converted

@@ -25,7 +25,7 @@ from gqakit.cli import convert_main
 from gqakit.convert.calibration.data import make_windows
 from gqakit.convert.calibration.runner import LayerInputs, calibrate
 from gqakit.convert.calibration.stored import load_layer
-from gqakit.convert.methods.transfer import (attend, attention_implementation, build_attention, relative_error,
+from gqakit.convert.methods.transfer import (attend, attention_implementation, build_attention, output_error,
                                              transfer_layer)
 from gqakit.convert.options import TransferOptions
 from gqakit.hf.architectures import find_family
@@ -138,7 +138,7 @@ def test_training_lowers_the_heldout_error_and_is_deterministic():
     student, errors, (kwargs, xs, ys) = _train(seed=0)
     assert errors["transfer_after"] < 0.6 * errors["transfer_before"], errors
     # the kept weights are the ones scored: their held-out error is the one reported
-    assert math.isclose(relative_error(student, xs[8:], ys[8:], kwargs), errors["transfer_after"], rel_tol=1e-9)
+    assert math.isclose(output_error(student, xs[8:], ys[8:], kwargs), errors["transfer_after"], rel_tol=1e-9)
     again, errors_again, _ = _train(seed=0)
     assert errors_again == errors
     assert all(torch.equal(a, b) for a, b in zip(student.parameters(), again.parameters()))
@@ -357,7 +357,7 @@ def test_bfloat16_training_lowers_the_error_scored_in_float32():
     student, errors, kwargs, xs, ys = train()
     assert all(p.dtype == torch.float32 for p in student.parameters())
     assert errors["transfer_after"] < 0.6 * errors["transfer_before"], errors
-    assert math.isclose(relative_error(student, xs[8:], ys[8:], kwargs), errors["transfer_after"], rel_tol=1e-9)
+    assert math.isclose(output_error(student, xs[8:], ys[8:], kwargs), errors["transfer_after"], rel_tol=1e-9)
     again, errors_again, *_ = train()
     assert errors_again == errors and torch.equal(again.k_proj.weight, student.k_proj.weight)
     float32, _, _ = _train(seed=0)

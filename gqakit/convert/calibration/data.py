@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-from gqakit.common.errors import GqakitError, renamed
+from gqakit.common.errors import GqakitError, opt, renamed
 
-DEFAULT_TOKENS = 16_384
 DEFAULT_WINDOW = 512
 
 
@@ -46,23 +45,22 @@ def _file_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_calibration(path: str, model_dir: Path, config: dict, tokens: int | None, window: int | None,
+def load_calibration(path: str, model_dir: Path, config: dict, tokens: int, window: int | None,
                      text_column: str = "text") -> CalibrationData:
     """Tokenize `path` with the tokenizer in `model_dir` into windows; one-line errors for every bad input."""
     from gqakit.common.text import encode_documents, load_documents
 
-    tokens = DEFAULT_TOKENS if tokens is None else tokens
     context = config.get("max_position_embeddings")
     window = (min(DEFAULT_WINDOW, context) if isinstance(context, int) and context > 0 else DEFAULT_WINDOW) \
         if window is None else window
     if window < 2:
-        raise GqakitError(f"--calibration-window {window} is too short; use at least 2 tokens (default 512)")
+        raise GqakitError(f"{opt('calibration_window', window)} is too short; use at least 2 tokens (default 512)")
     if isinstance(context, int) and window > context:
-        raise GqakitError(f"--calibration-window {window} exceeds the model's {context}-token context "
+        raise GqakitError(f"{opt('calibration_window', window)} exceeds the model's {context}-token context "
                           f"(max_position_embeddings); use at most {context}")
     if tokens < 2 * window:
-        raise GqakitError(f"--calibration-tokens {tokens:,} is less than two {window}-token windows; calibration "
-                          f"fits on some windows and scores on others: use at least {2 * window:,}")
+        raise GqakitError(f"{opt('calibration_tokens', f'{tokens:,}')} is less than two {window}-token windows; "
+                          f"calibration fits on some windows and scores on others: use at least {2 * window:,}")
     source = Path(path)
     if not source.exists():
         raise GqakitError(f"calibration data {path} does not exist; pass a local .txt file or a .jsonl / .json / "

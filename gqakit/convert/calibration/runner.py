@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.hf.architectures import ArchSpec
 from gqakit.hf.checkpoint import TensorInfo, load_tensor
 from gqakit.hf.fields import config_object
@@ -115,8 +115,8 @@ class LayerwiseModel:
         self.device = torch.device(device)
         for name, buf in self.model.named_buffers():
             if buf.is_meta:
-                raise GqakitError(f"calibration could not build the buffer '{name}'; use --method aligned without "
-                                  "--calibration for this model")
+                raise GqakitError(f"calibration could not build the buffer '{name}'; use "
+                                  f"{opt('method', 'aligned')} without {opt('calibration')} for this model")
         self.spec = spec
         self.tensors = tensors
         self.prefix = spec.q_proj.split("{i}")[0]  # "model.layers."
@@ -293,7 +293,8 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
         mask = kwargs.get("attention_mask")
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape[-2:]) != (T, T):
             raise GqakitError(f"layer {i} received no (T, T) attention mask from the model's forward, so calibration "
-                              "cannot tell which keys each query sees; use --method aligned without --calibration")
+                              f"cannot tell which keys each query sees; use {opt('method', 'aligned')} without "
+                              f"{opt('calibration')}")
         held_targets = None
         if converted_inputs:  # first the original stream: its attention outputs are the targets
             held_targets = _run_original(layer, attn, kwargs, i, count, fit, teacher, targets, lm.device)
@@ -320,7 +321,7 @@ def _layer_major(lm: LayerwiseModel, windows: torch.Tensor, heldout: int, progre
                 attention_kwargs.update({k: v for k, v in kwargs.items() if k != "hidden_states"})
                 if len(args) > 1:
                     raise GqakitError(f"layer {i}'s attention takes {len(args)} positional inputs, which attention "
-                                      "transfer cannot replay; use --method fit")
+                                      f"transfer cannot replay; use {opt('method', 'fit')}")
 
         hooks = [q_proj.register_forward_pre_hook(lambda _m, args: seen.__setitem__("x", args[0].detach())),
                  attn.register_forward_hook(attended)]

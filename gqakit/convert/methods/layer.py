@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.convert import methods
 from gqakit.convert.calibration.moments import logit_error
 from gqakit.convert.methods.align import check_merge_options, coordinates, merge_coordinates, permute_kv_heads
@@ -67,8 +67,8 @@ def merge_layer(plan: Plan, weights: dict[str, torch.Tensor], grouping: str = "s
             keys = values = None
             if ridge == ridges[-1]:
                 raise GqakitError(f"the merge's metric is not positive semi-definite even with a ridge of {ridge:g} x "
-                                  "its mean diagonal; recalibrate (--calibration-tokens) or use --method aligned "
-                                  "without --calibration") from None
+                                  f"its mean diagonal; recalibrate ({opt('calibration_tokens')}) or use "
+                                  f"{opt('method', 'aligned')} without {opt('calibration')}") from None
     del keys, values
     merged = merge_coordinates(q_w, k_w, v_w, o_w, q_b, k_b, v_b, coords, H, K, G, d, **methods.get(plan.method).merge)
     del coords

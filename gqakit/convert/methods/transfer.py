@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.common.memory import heap_kept
 from gqakit.convert.options import PARAMS, TransferOptions
 from gqakit.convert.calibration.streamed import WindowStates
@@ -65,16 +65,17 @@ def build_attention(cls: type, config: dict, layer: int, weights: dict[str, torc
     for name, param in list(module.named_parameters()):
         if name not in weights:
             raise GqakitError(f"layer {layer}: the attention parameter '{name}' is not in the checkpoint; "
-                              "--method transfer cannot rebuild this attention, use --method fit")
+                              f"{opt('method', 'transfer')} cannot rebuild this attention, use {opt('method', 'fit')}")
         value = weights[name].to(device=device, dtype=torch.float32)
         if tuple(value.shape) != tuple(param.shape):
             raise GqakitError(f"layer {layer}: '{name}' has shape {tuple(value.shape)}, the attention expects "
-                              f"{tuple(param.shape)}; use --method fit")
+                              f"{tuple(param.shape)}; use {opt('method', 'fit')}")
         owner, _, leaf = name.rpartition(".")
         (module.get_submodule(owner) if owner else module)._parameters[leaf] = nn.Parameter(value.clone())
     for name, buf in module.named_buffers():
         if buf.is_meta:
-            raise GqakitError(f"layer {layer}: the attention's buffer '{name}' could not be built; use --method fit")
+            raise GqakitError(f"layer {layer}: the attention's buffer '{name}' could not be built; use "
+                              f"{opt('method', 'fit')}")
     return module.to(device).eval()  # eval: attention dropout off, as at inference
 
 
@@ -84,7 +85,7 @@ def attend(module: nn.Module, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
     return module(x, **kwargs)[0]
 
 
-def relative_error(module: nn.Module, xs: torch.Tensor, targets: torch.Tensor, kwargs: dict) -> float:
+def output_error(module: nn.Module, xs: torch.Tensor, targets: torch.Tensor, kwargs: dict) -> float:
     """sqrt(sum ||module(x) - y||^2 / sum ||y||^2) over windows xs (N, T, n), targets (N, T, n), one at a time."""
     num = den = 0.0
     with torch.no_grad():
@@ -113,7 +114,7 @@ def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
     trained = [p for name, p in student.named_parameters() if name.split(".")[0] in PARAMS[opts.params]]
     if not trained:
         raise GqakitError(f"layer {layer}: the attention has none of {', '.join(PARAMS[opts.params])}; "
-                          "--method transfer cannot train it, use --method fit")
+                          f"{opt('method', 'transfer')} cannot train it, use {opt('method', 'fit')}")
     for p in student.parameters():
         p.requires_grad_(False)
     for p in trained:
@@ -125,7 +126,7 @@ def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
     warmup = max(1, int(opts.steps * opts.warmup))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, opts.steps, warmup))
     generator = torch.Generator().manual_seed(opts.seed * 1_000_003 + layer)
-    before = best = relative_error(student, held_x, held_y, kwargs)
+    before = best = output_error(student, held_x, held_y, kwargs)
     best_state = {id(p): p.detach().clone() for p in trained}
     order: list[int] = []
     stale = steps = 0
@@ -151,7 +152,7 @@ def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
             steps = step + 1
             bar.update(1)
             if steps % opts.eval_every == 0 or steps == opts.steps:
-                score = relative_error(student, held_x, held_y, kwargs)
+                score = output_error(student, held_x, held_y, kwargs)
                 bar.set_postfix(heldout=f"{score:.4f}", start=f"{before:.4f}")
                 if score < best:
                     best, stale = score, 0
