@@ -26,44 +26,16 @@ import argparse
 import statistics
 import sys
 import tempfile
-import threading
-import time
 import types
 from pathlib import Path
 
 import torch
 
-from co_runner import co_running
+from _measure import co_running, sampled_peak
 from gqakit.convert.calibration.calibrate import save_layer
 from gqakit.common.memory import return_freed_memory_eagerly
 from gqakit.convert.merge_ahead import MergeAhead, merge_workers
 from gqakit.convert.run import _read_stats, merge_layer
-
-
-def resident_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
-
-
-def peak_during(fn):
-    """(fn(), seconds, peak RSS growth in MiB over the RSS before), RSS sampled every 5 ms."""
-    base, peak, done = resident_mib(), [0.0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], resident_mib())
-            time.sleep(0.005)
-
-    thread = threading.Thread(target=sample)
-    thread.start()
-    start = time.perf_counter()
-    try:
-        out = fn()
-    finally:
-        seconds = time.perf_counter() - start
-        done.set()
-        thread.join()
-    return out, seconds, max(peak[0], resident_mib()) - base
 
 
 BUSY_TARGET = 2.0  # issue 22: a merge at most 2x its quiet time beside one co-running torch process
@@ -85,7 +57,7 @@ POLICIES = {"one at a time, all threads": one_at_a_time, "side by side, one thre
 
 
 def timed(run, plan, weights, stats, layers: int, repeats: int) -> list[tuple[float, float]]:
-    return [peak_during(lambda: run(plan, weights, stats, layers))[1:] for _ in range(repeats)]
+    return [sampled_peak(lambda: run(plan, weights, stats, layers))[1:] for _ in range(repeats)]
 
 
 def main(argv: list[str] | None = None) -> int:
