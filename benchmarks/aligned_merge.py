@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
+from _measure import ROOT
 from gqakit.convert.methods.align import align_and_merge_layer
 from gqakit.evaluate.perplexity import perplexity
 
-ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
 SMOLLM2 = ROOT / "runs" / "smollm2-135m-gqa"  # python ../shared/scripts/prepare_smollm2.py runs
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shlex
 import statistics
 import subprocess
@@ -36,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from co_runner import co_running
+from _measure import co_running, logger, maxrss_kib
 from gqakit.attention.masks import MaskSpec
 from gqakit.attention.reference import repeat_kv
 from gqakit.attention.tiled import tiled_attention
@@ -44,6 +43,7 @@ from gqakit.attention.tiled import tiled_attention
 TIME_RATIO_TARGET = 3.0  # tiled forward + backward at most 3x sdpa's at T = 4096
 QUIET_TARGET, BUSY_TARGET = 1.5, 2.0  # issue 22's targets for tiled / sdpa, quiet and beside one co-runner
 WINDOW_TARGET = 0.5  # the window must realise at least half of its block-count saving
+log = logger()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -117,9 +117,9 @@ def worker(args) -> None:
     impl, T = args.worker[0], int(args.worker[1])
     run_case(args, impl, *make_inputs(args, 256))  # warm-up: one-time allocations into the baseline
     q, k, v = make_inputs(args, T)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, a high-water mark
+    before = maxrss_kib()  # KiB on Linux, a high-water mark
     run_case(args, impl, q, k, v)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    after = maxrss_kib()
     print(json.dumps({"peak_mib": (after - before) / 1024}))
 
 
@@ -202,10 +202,6 @@ def loaded_ratios(args) -> dict[int, float]:
         log("timing beside a co-running torch process")
         _, ratios = time_table(args, {})
     return ratios
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> None:

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
 import shutil
 import statistics
 import sys
@@ -42,40 +40,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from _measure import (MIB, PRESETS, PRIDE, ROOT, converter_command, entries_bytes, llama_entries, logger,
+                      run_child, write_random_llama)
+from gqakit.convert.calibration.runner import MLP_TOKENS
+from gqakit.convert.methods.grams import BLOCK
+from gqakit.convert.output import max_shard_bytes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert_speed import PRESETS, converter_command, llama_config, llama_entries, log, run_child  # noqa: E402
-
-from gqakit.convert.calibration.runner import MLP_TOKENS  # noqa: E402
-from gqakit.hf.checkpoint import ShardWriter  # noqa: E402
-from gqakit.convert.methods.grams import BLOCK  # noqa: E402
-from gqakit.convert.output import max_shard_bytes  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER = ROOT / "gqakit" / "assets" / "austen-mha-8h"
-TEXT = ROOT / "gqakit" / "assets" / "pride_and_prejudice.txt"
-MIB = 2**20
-
-
-def synthesise(folder: Path, shape, max_shard_bytes: int, seed: int = 0) -> None:
-    """config.json, tokenizer files and random bf16 shards, one tensor in memory at a time."""
-    folder.mkdir(parents=True)
-    config = llama_config(shape)
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER / name, folder / name)
-    entries = llama_entries(shape)
-    writer = ShardWriter(folder, entries, max_shard_bytes)
-    gen = torch.Generator().manual_seed(seed)
-    for name, _, dims in entries:
-        if len(dims) == 1:  # norm weights: around 1
-            t = 1 + 0.1 * torch.randn(dims, generator=gen)
-        else:
-            t = torch.randn(dims, generator=gen) / math.sqrt(dims[1])
-        writer.write_tensor(name, t.to(torch.bfloat16))
-        del t
-    writer.finish()
+log = logger("calibration_memory")
 
 
 def statistics_mib(shape) -> float:
@@ -127,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = dataclasses.replace(shape, layers=args.layers)
     scratch = Path(args.scratch).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
-    need = sum(math.prod(e[2]) * 2 for e in llama_entries(shape)) * 2 + (2 << 30)
+    need = entries_bytes(llama_entries(shape)) * 2 + (2 << 30)
     if shutil.disk_usage(scratch).free < need:
         raise SystemExit(f"{scratch} needs about {need / 1e9:.1f} GB free; pass --scratch elsewhere")
     work = Path(tempfile.mkdtemp(prefix="calibration-memory-", dir=scratch))
@@ -135,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         src = work / "llama-mha"
         log(f"synthesising a {shape.label(shape.heads)} bf16 checkpoint in {src} ...")
         start = time.perf_counter()
-        synthesise(src, shape, max_shard_bytes(args.max_shard_size))
+        write_random_llama(src, shape, max_shard_bytes(args.max_shard_size))
         log(f"written in {time.perf_counter() - start:.0f} s")
         runs: dict[str, list[tuple[float, float]]] = {m: [] for m in args.methods}
         for _ in range(args.repeats):  # interleaved, so that the machine's drift is shared by every method
@@ -143,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 cmd = [*converter_command(), "--groups", str(args.groups), str(src), "-o", str(work / method),
                        "--quiet", "--method", method]
                 if method in ("fit", "transfer"):
-                    cmd += ["--calibration", str(TEXT), "--calibration-tokens", str(args.tokens),
+                    cmd += ["--calibration", str(PRIDE), "--calibration-tokens", str(args.tokens),
                             "--calibration-window", str(args.window)]
                 if method == "transfer":  # the peak is reached at the first step: a few steps measure it
                     cmd += ["--transfer-steps", str(args.transfer_steps)]

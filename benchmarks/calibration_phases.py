@@ -21,20 +21,11 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calibration_memory import ROOT, TEXT, synthesise  # noqa: E402
-from convert_speed import PRESETS, log  # noqa: E402
+from _measure import PRESETS, PRIDE, ROOT, logger, rss_mib, write_random_llama
 
+log = logger("calibration_phases")
 PHASES = ("start-up: imports, calibration text, windows through the embedding", "calibration, layer by layer",
           "merge and write")
-
-
-def rss_mib(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) / 1024
-    except (OSError, StopIteration):
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="calibration-phases-", dir=args.scratch))
     try:
         log(f"synthesising a {shape.label(shape.heads)} bf16 checkpoint ...")
-        synthesise(work / "src", shape, 5 << 30)
+        write_random_llama(work / "src", shape, 5 << 30)
         cmd = ["convert-gqa", "--groups", str(args.groups), str(work / "src"), "-o", str(work / "out"), "--method",
-               "fit", "--calibration", str(TEXT), "--calibration-tokens", str(args.windows * args.window),
+               "fit", "--calibration", str(PRIDE), "--calibration-tokens", str(args.windows * args.window),
                "--calibration-window", str(args.window)]
         log(" ".join(cmd))
         phase = [0]  # index into PHASES, moved on by the child's progress bars
@@ -70,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=follow, args=(proc.stderr,), daemon=True).start()
         peaks = {p: (0.0, 0.0) for p in PHASES}  # phase -> (peak MiB, seconds into the run)
         while proc.poll() is None:
-            mib = rss_mib(proc.pid)
-            if mib is not None and mib > peaks[PHASES[phase[0]]][0]:
+            mib = rss_mib(proc.pid)  # NaN once the child has exited
+            if mib > peaks[PHASES[phase[0]]][0]:
                 peaks[PHASES[phase[0]]] = (mib, time.perf_counter() - start)
             time.sleep(0.02)
         if proc.returncode != 0:

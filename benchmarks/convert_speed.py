@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import shutil
 import statistics
@@ -32,7 +31,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gqakit.hf.checkpoint import INDEX, SINGLE, ShardWriter
+from _measure import (PRESETS, Shape, converter_command, entries_bytes, llama_config, llama_entries, logger,
+                      neox_config, neox_entries, pattern, run_child, write_checkpoint)
+from gqakit.hf.checkpoint import INDEX, SINGLE
 from gqakit.convert.output import max_shard_bytes
 from gqakit.common.errors import GqakitError
 
@@ -40,100 +41,11 @@ RATIO_TARGET = 1.5  # convert may take at most 1.5x the time of cp -r
 RSS_TARGET_MB = 1536  # and hold at most 1.5 GiB resident (MiB)
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    vocab: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def label(self, groups: int) -> str:
-        return (f"{self.layers}L h{self.hidden} i{self.intermediate} {self.heads}H->{groups}KV "
-                f"d{self.head_dim} v{self.vocab}")
-
-
-PRESETS = {
-    "7b": Shape(layers=32, hidden=4096, intermediate=11008, heads=32, vocab=32000),  # Llama-2-7B
-    "small": Shape(layers=4, hidden=1024, intermediate=2816, heads=16, vocab=32000),
-    "pythia-6.9b": Shape(layers=32, hidden=4096, intermediate=16384, heads=32, vocab=50432),
-    "pythia-small": Shape(layers=4, hidden=1024, intermediate=4096, heads=16, vocab=50432),
-}
-
-
-def log(msg: str) -> None:
-    print(f"[convert_speed] {msg}", file=sys.stderr, flush=True)
+log = logger("convert_speed")
 
 
 # ---------------------------------------------------------------------------------------------------
 # The synthetic checkpoint
-
-
-def shape_config(s: Shape) -> dict:
-    """The config.json keys every family spells alike."""
-    return {"hidden_size": s.hidden, "intermediate_size": s.intermediate, "num_hidden_layers": s.layers,
-            "num_attention_heads": s.heads, "vocab_size": s.vocab, "initializer_range": 0.02,
-            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
-
-
-def llama_config(s: Shape) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape_config(s),
-        "num_key_value_heads": s.heads, "head_dim": s.head_dim, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
-    }
-
-
-def llama_entries(s: Shape) -> list[tuple[str, str, tuple[int, ...]]]:
-    """Every tensor of an untied Llama, named as HF names it, in module (state-dict) order."""
-    h, i = s.hidden, s.intermediate
-    entries = [("model.embed_tokens.weight", "BF16", (s.vocab, h))]
-    for n in range(s.layers):
-        p = f"model.layers.{n}."
-        entries += [
-            (p + "self_attn.q_proj.weight", "BF16", (s.heads * s.head_dim, h)),
-            (p + "self_attn.k_proj.weight", "BF16", (s.heads * s.head_dim, h)),
-            (p + "self_attn.v_proj.weight", "BF16", (s.heads * s.head_dim, h)),
-            (p + "self_attn.o_proj.weight", "BF16", (h, s.heads * s.head_dim)),
-            (p + "mlp.gate_proj.weight", "BF16", (i, h)),
-            (p + "mlp.up_proj.weight", "BF16", (i, h)),
-            (p + "mlp.down_proj.weight", "BF16", (h, i)),
-            (p + "input_layernorm.weight", "BF16", (h,)),
-            (p + "post_attention_layernorm.weight", "BF16", (h,)),
-        ]
-    entries += [("model.norm.weight", "BF16", (h,)), ("lm_head.weight", "BF16", (s.vocab, h))]
-    return entries
-
-
-def neox_config(s: Shape) -> dict:
-    """A Pythia-style config.json (legacy keys, as on the hub): parallel residual, a quarter of each head rotary."""
-    return {
-        "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **shape_config(s),
-        "max_position_embeddings": 2048, "rotary_pct": 0.25, "rotary_emb_base": 10000,
-        "use_parallel_residual": True, "layer_norm_eps": 1e-5, "hidden_act": "gelu", "bos_token_id": 0,
-        "eos_token_id": 0,
-    }
-
-
-def neox_entries(s: Shape) -> list[tuple[str, str, tuple[int, ...]]]:
-    """Every tensor of an untied GPTNeoXForCausalLM, named as HF names it, in module (state-dict) order."""
-    h, i = s.hidden, s.intermediate
-    entries = [("gpt_neox.embed_in.weight", "BF16", (s.vocab, h))]
-    for n in range(s.layers):
-        p = f"gpt_neox.layers.{n}."
-        for name, shape in (("input_layernorm", (h,)), ("post_attention_layernorm", (h,)),
-                            ("attention.query_key_value", (3 * h, h)),  # rows per head: [q | k | v]
-                            ("attention.dense", (h, h)), ("mlp.dense_h_to_4h", (i, h)),
-                            ("mlp.dense_4h_to_h", (h, i))):
-            entries += [(p + name + ".weight", "BF16", shape), (p + name + ".bias", "BF16", shape[:1])]
-    entries += [("gpt_neox.final_layer_norm.weight", "BF16", (h,)), ("gpt_neox.final_layer_norm.bias", "BF16", (h,)),
-                ("embed_out.weight", "BF16", (s.vocab, h))]
-    return entries
 
 
 FAMILIES = {  # family -> (config, tensors, full preset, --small preset, label, class convert-gqa writes)
@@ -142,34 +54,13 @@ FAMILIES = {  # family -> (config, tensors, full preset, --small preset, label, 
 }
 
 
-def pattern(shape: tuple[int, ...], salt: int) -> torch.Tensor:
-    """A cheap deterministic bf16 fill whose rows (and so heads) differ: row term + column term.
-
-    Built by one broadcast add straight into the bf16 output, so it costs one tensor of memory.
-    """
-    if len(shape) == 1:
-        return (1.0 + ((torch.arange(shape[0]) * 7 + salt) % 13) / 64.0).to(torch.bfloat16)
-    rows, cols = shape
-    row = (((torch.arange(rows) * 37 + salt) % 101) / 101.0 - 0.5).to(torch.bfloat16)
-    col = (((torch.arange(cols) * 11 + salt) % 29) / 290.0).to(torch.bfloat16)
-    out = torch.empty(shape, dtype=torch.bfloat16)
-    torch.add(row.view(-1, 1), col.view(1, -1), out=out)  # (rows, cols)
-    return out
-
-
 def synthesise(folder: Path, s: Shape, max_shard_bytes: int, family: str = "llama") -> None:
     """Write config.json, generation_config.json and the shards, one tensor at a time."""
     make_config, make_entries = FAMILIES[family][:2]
     config = make_config(s)
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_checkpoint(folder, config, make_entries(s), max_shard_bytes, lambda k, shape: pattern(shape, k))
     ids = {k: config[k] for k in ("bos_token_id", "eos_token_id")}
     (folder / "generation_config.json").write_text(json.dumps(ids) + "\n")
-    entries = make_entries(s)
-    writer = ShardWriter(folder, entries, max_shard_bytes)
-    for k, (name, _, shape) in enumerate(entries):
-        writer.write_tensor(name, pattern(shape, k))
-    writer.finish()
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -243,41 +134,6 @@ def prepare_cache(files: list[Path], mode: str) -> float | None:
 # Timed subprocesses
 
 
-PEAK_FILE = "GQAKIT_PEAK_FILE"
-# The converter, run so that it writes its own peak RSS at exit. ru_maxrss (wait4) cannot tell it: Linux
-# carries a process's RSS high-water mark across execve, and a forked child starts with its parent's
-# address space, so every child reports at least this benchmark's own RSS at the fork (measured here:
-# 1,229 MiB for a mean conversion whose own peak is 453 MiB). VmHWM belongs to the exec'd address space.
-_CONVERT = ("import atexit, os, sys\n"
-            "def _peak():\n"
-            f"    path = os.environ.get({PEAK_FILE!r})\n"
-            "    if path:\n"
-            "        with open('/proc/self/status') as f, open(path, 'w') as out:\n"
-            "            out.write(next(line for line in f if line.startswith('VmHWM:')).split()[1])\n"
-            "atexit.register(_peak)\n"
-            "from gqakit.cli import convert_main\n"
-            "sys.exit(convert_main(sys.argv[1:]))\n")
-
-
-def run_child(cmd: list[str], scratch: Path) -> tuple[float, int]:
-    """Run `cmd`, return (wall seconds, the child's own peak RSS in KiB): VmHWM as the converter reports it
-    at exit (`converter_command`), else ru_maxrss from wait4 (which includes this process's RSS at the fork)."""
-    with tempfile.TemporaryFile(dir=scratch) as out, tempfile.TemporaryDirectory(dir=scratch) as tmp:
-        peak_file = Path(tmp) / "peak"
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, PEAK_FILE: str(peak_file)})
-        _, status, usage = os.wait4(proc.pid, 0)
-        seconds = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode != 0:
-            out.seek(0)
-            text = out.read().decode(errors="replace")[-4000:]
-            raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{text}")
-        peak = int(peak_file.read_text()) if peak_file.is_file() else usage.ru_maxrss  # Linux: KiB
-    return seconds, peak
-
-
 def fsync_tree(folder: Path) -> float:
     start = time.perf_counter()
     for path in sorted(folder.rglob("*")):
@@ -288,12 +144,6 @@ def fsync_tree(folder: Path) -> float:
             finally:
                 os.close(fd)
     return time.perf_counter() - start
-
-
-def converter_command() -> list[str]:
-    """`convert-gqa` as this interpreter runs it (the console script's own entry point, in one process),
-    reporting its peak RSS at exit when run by `run_child`."""
-    return [sys.executable, "-c", _CONVERT]
 
 
 def import_overhead() -> float:
@@ -457,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(args.scratch).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
     entries = FAMILIES[args.family][1](shape)
-    need = sum(math.prod(e[2]) * 2 for e in entries) * (1 if args.source else 2) + (2 << 30)
+    need = entries_bytes(entries) * (1 if args.source else 2) + (2 << 30)
     free = shutil.disk_usage(scratch).free
     if free < need:
         raise SystemExit(f"{scratch} has {free / 1e9:.1f} GB free; this shape needs about {need / 1e9:.1f} GB "

@@ -19,12 +19,12 @@ Progress goes to stderr; stdout is only the markdown report. A benchmark, never 
 from __future__ import annotations
 
 import argparse
-import shlex
-import statistics
 import sys
 import time
 
 import torch
+
+from _measure import cache_bytes, command_line, logger, median_p90
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -34,8 +34,7 @@ SHAPES = {
 }
 
 
-def log(msg: str) -> None:
-    print(f"[decode_kv_heads] {msg}", file=sys.stderr, flush=True)
+log = logger("decode_kv_heads")
 
 
 def build(shape: dict, kv_heads: int, dtype: torch.dtype, max_positions: int):
@@ -61,10 +60,6 @@ def filled_cache(model, context: int, sinks: tuple[int, int] | None, dtype: torc
     for layer in range(cfg.num_hidden_layers):
         cache.update(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype), layer)
     return cache
-
-
-def cache_bytes(cache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
 @torch.no_grad()
@@ -113,15 +108,15 @@ def main(argv=None) -> int:
                 if sinks is not None and context <= sum(sinks):
                     continue  # the sink cache holds everything: the same as the plain cache
                 cache = filled_cache(model, context, sinks, dtype, args.seed)
-                times = time_decode(model, cache, context, args.decode, args.seed)
+                median, p90 = median_p90(time_decode(model, cache, context, args.decode, args.seed))
                 results[kv, sinks is not None, context] = {
-                    "median": statistics.median(times), "p90": sorted(times)[int(0.9 * (len(times) - 1))],
-                    "bytes": cache_bytes(cache), "held": cache.layers[0].keys.shape[-2]}
+                    "median": median, "p90": p90, "bytes": cache_bytes(cache.layers),
+                    "held": cache.layers[0].keys.shape[-2]}
                 del cache
                 log(f"K/V heads {kv}, context {context:,}{', sinks' if sinks else ''}: "
                     f"{1e3 * results[kv, sinks is not None, context]['median']:.1f} ms/token")
 
-    command = "python benchmarks/decode_kv_heads.py" + "".join(" " + shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = command_line(__file__, argv)
     heads = shape["num_attention_heads"]
     print(f"## Decode tokens/s with a filled KV cache: MHA vs GQA vs MQA, with and without sinks\n\n`{command}`\n")
     print(f"Random model of the {args.shape} shape: {shape['num_hidden_layers']} layers, "

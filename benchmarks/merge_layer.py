@@ -2,7 +2,7 @@
 
 A random bf16 MHA attention layer (q/k/v/o, HF layouts) and random positive semi-definite float32 key and
 value statistics (the second moment of `--samples` random inputs, as a short calibration gives) are merged
-by `gqakit.convert.run.merge_layer` exactly as `convert-gqa --method aligned|fit` merges a layer, statistics
+by `gqakit.convert.methods.layer.merge_layer` exactly as `convert-gqa --method aligned|fit` merges a layer, statistics
 read from a layer file in row blocks as the conversion reads them. Prints, per method, the median wall time
 of `--repeats` runs and the peak RSS growth over the live memory before the merge (sampled every 5 ms; the
 process returns freed blocks of 1 MiB and more to the OS, as `convert-gqa` does for these methods).
@@ -26,45 +26,17 @@ import argparse
 import statistics
 import sys
 import tempfile
-import threading
-import time
 import types
 from pathlib import Path
 
 import torch
 
-from co_runner import co_running
+from _measure import co_running, sampled_peak
 from gqakit.convert.calibration.stored import save_layer
 from gqakit.common.memory import return_freed_memory_eagerly
 from gqakit.convert.methods.merge_ahead import MergeAhead, merge_workers
 from gqakit.convert.methods.engine import read_stats
 from gqakit.convert.methods.layer import merge_layer
-
-
-def resident_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
-
-
-def peak_during(fn):
-    """(fn(), seconds, peak RSS growth in MiB over the RSS before), RSS sampled every 5 ms."""
-    base, peak, done = resident_mib(), [0.0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], resident_mib())
-            time.sleep(0.005)
-
-    thread = threading.Thread(target=sample)
-    thread.start()
-    start = time.perf_counter()
-    try:
-        out = fn()
-    finally:
-        seconds = time.perf_counter() - start
-        done.set()
-        thread.join()
-    return out, seconds, max(peak[0], resident_mib()) - base
 
 
 BUSY_TARGET = 2.0  # issue 22: a merge at most 2x its quiet time beside one co-running torch process
@@ -86,7 +58,7 @@ POLICIES = {"one at a time, all threads": one_at_a_time, "side by side, one thre
 
 
 def timed(run, plan, weights, stats, layers: int, repeats: int) -> list[tuple[float, float]]:
-    return [peak_during(lambda: run(plan, weights, stats, layers))[1:] for _ in range(repeats)]
+    return [sampled_peak(lambda: run(plan, weights, stats, layers))[1:] for _ in range(repeats)]
 
 
 def main(argv: list[str] | None = None) -> int:

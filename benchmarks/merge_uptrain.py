@@ -30,7 +30,6 @@ resumes from its checkpoint), so rerunning the same command continues where it s
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import re
 import shlex
@@ -39,7 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _measure import ROOT, eval_curve
+
 BIN = Path(sys.executable).parent  # the venv's console scripts
 SOURCE = "gqakit/assets/austen-mha-8h"
 RECIPE = "recipes/uptrain_embedded.yaml"
@@ -73,13 +73,6 @@ def uptrain(model: str, out: str, overrides: list[str], recipe: str) -> float | 
         return None
     cmd = [str(BIN / "gqakit"), "uptrain", recipe, f"model={model}", f"output_dir={out}", *overrides]
     return run_logged(cmd, ROOT / f"{out}.log")  # beside the run folder: uptrain refuses foreign files in it
-
-
-def eval_curve(run: str) -> list[tuple[int, int, float]]:
-    """(step, tokens, held-out perplexity) at every eval step of a run, step 0 included."""
-    with (ROOT / run / "metrics.csv").open() as f:
-        return [(int(r["step"]), int(r["tokens"]), float(r["eval_ppl"])) for r in csv.DictReader(f)
-                if r["eval_ppl"] not in ("", None)]
 
 
 def tokens_to_reach(curve: list[tuple[int, int, float]], target: float) -> float | None:
@@ -148,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             out = f"{runs}/{tag}/g{g}-{method}"
             wall = uptrain(model, out, overrides, args.recipe)
             record = json.loads((ROOT / out / "uptraining.json").read_text())
-            curve = eval_curve(out)
+            curve = eval_curve(ROOT / out)  # (step, tokens, perplexity), step 0 included
             rows.append({"method": method, "convert_args": method_args.get(method, []), "model": model, "run": out,
                          "initial_ppl": curve[0][2], "final_ppl": curve[-1][2], "tokens": record["budget"]["tokens"],
                          "steps": record["budget"]["steps"], "train_seconds": record["train_seconds"],

@@ -25,10 +25,8 @@ Progress goes to stderr; stdout is only the markdown report. A benchmark, never 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import os
-import resource
 import shlex
 import sys
 import tempfile
@@ -37,38 +35,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from _measure import live_peak, logger, maxrss_kib, mib
 from gqakit.attention.masks import MaskSpec
 from gqakit.attention.ring import STATS, RingLayout, ring_attention
 
 MEMORY_TARGET = 1.5  # live per-rank peak at P ranks at most 1.5 x (peak at P = 1) / P
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _in_use() -> int:
-    """Bytes malloc has handed out and not had back (all arenas, plus mmapped chunks); glibc >= 2.33."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd
-
-
-class LivePeak(TorchDispatchMode):
-    """Peak of malloc's in-use bytes above the level at entry, sampled after every aten op."""
-
-    def __enter__(self):
-        self.base, self.peak = _in_use(), 0
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, _in_use() - self.base)
-        return out
+log = logger()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -113,10 +85,10 @@ def rank_body(rank: int, P: int, init: str, cfg: dict, queue) -> None:
         q, k, v = inputs(layout, rank + 1)
         dist.barrier()
         STATS.reset()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, a high-water mark
-        with LivePeak() as live:
+        before = maxrss_kib()  # KiB on Linux, a high-water mark
+        with live_peak() as live:  # malloc's bytes in use above the level at entry, after every op
             step(layout, q, k, v)
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        after = maxrss_kib()
         queue.put((rank, {"live_mib": live.peak / 2**20, "rss_mib": (after - before) / 1024, "kind": layout.kind,
                           "fwd": STATS.forward_bytes, "bwd": STATS.backward_bytes,
                           "inputs_mib": sum(t.numel() * 4 for t in (q, k, v)) / 2**20}))
@@ -133,10 +105,6 @@ def run_cell(P: int, **cfg) -> list[dict]:
                            start_method="fork")
     results = dict(queue.get() for _ in range(P))
     return [results[r] for r in range(P)]
-
-
-def mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:,.1f}"
 
 
 def memory_table(args) -> tuple[list[str], list[tuple[int, int, int, float]]]:
@@ -178,10 +146,6 @@ def bytes_table(args) -> tuple[list[str], dict]:
                         f"{mib(sum(fwd) / P)} / {mib(max(fwd))} | {mib(sum(bwd) / P)} / {mib(max(bwd))} | "
                         f"{rel:.3f} |")
     return rows, totals
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> None:

@@ -19,20 +19,18 @@ Progress goes to stderr; stdout is only the markdown report.
 from __future__ import annotations
 
 import argparse
-import shlex
-import statistics
 import sys
 import time
 
 import torch
 
+from _measure import cache_bytes, command_line, logger, median_p90
 from gqakit.decode.cache import SinkCache
 
 FLAT_TARGET = 1.5  # SinkCache: latency at the deepest point <= 1.5x latency at the first
 
 
-def log(msg: str) -> None:
-    print(f"[sink_decoding] {msg}", file=sys.stderr, flush=True)
+log = logger("sink_decoding")
 
 
 def load_model(dtype: torch.dtype):
@@ -50,10 +48,6 @@ def load_model(dtype: torch.dtype):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
         return model.eval(), "random Llama of the reference shape (reference model not built yet)"
-
-
-def cache_bytes(cache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
 @torch.no_grad()
@@ -79,9 +73,9 @@ def measure(model, make_cache, lengths: list[int], chunk: int, decode: int, seed
             token = logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - t0)
         fed += decode
-        rows.append({"tokens": target, "median_ms": 1e3 * statistics.median(times),
-                     "p90_ms": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))],
-                     "bytes": cache_bytes(cache), "held": cache.layers[0].keys.shape[-2]})
+        median, p90 = median_p90(times)
+        rows.append({"tokens": target, "median_ms": 1e3 * median, "p90_ms": 1e3 * p90,
+                     "bytes": cache_bytes(cache.layers), "held": cache.layers[0].keys.shape[-2]})
     return rows
 
 
@@ -122,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name}: growing a stream to {', '.join(f'{n:,}' for n in lengths)} tokens")
         results[name] = measure(model, make, lengths, args.chunk, args.decode, args.seed)
 
-    command = "python benchmarks/sink_decoding.py" + "".join(" " + shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = command_line(__file__, argv)
     print(f"## Decoding deep into a stream: SinkCache vs DynamicCache\n\n`{command}`\n")
     print(f"Model: {what}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} K/V heads, vocab {cfg.vocab_size}, "

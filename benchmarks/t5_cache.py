@@ -25,15 +25,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from _measure import ROOT, cache_bytes, logger
 
-
-def log(msg: str) -> None:
-    print(f"[t5_cache] {msg}", file=sys.stderr, flush=True)
-
-
-def cache_bytes(layers) -> int:
-    return sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+log = logger("t5_cache")
 
 
 def main() -> None:

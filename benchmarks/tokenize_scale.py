@@ -25,30 +25,23 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import resource
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from _measure import logger, maxrss_kib, status_mib
+
 RSS_GROWTH_TARGET_MIB = 300
 FLAT_READ_MIB = 32
 
 
-def log(msg: str) -> None:
-    print(f"[tokenize_scale] {msg}", file=sys.stderr, flush=True)
-
-
-def _status_mib(key: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+log = logger("tokenize_scale")
 
 
 def _children_peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return maxrss_kib(children=True) / 1024
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -100,12 +93,12 @@ def child_build(args) -> dict:
     from gqakit.uptrain.data.token_build import build_cache, load_tokenizer
 
     tokenizer = load_tokenizer(str(reference_model_path()))
-    base = _status_mib("VmRSS")
+    base = status_mib("VmRSS")
     t0 = time.perf_counter()
     header = build_cache([resolve_source(e) for e in args.entries], Path(args.out), tokenizer, num_proc=args.num_proc)
     seconds = time.perf_counter() - t0
     return {"tokens": header["tokens"], "seconds": seconds, "checksum": header["checksums"]["tokens.bin"],
-            "base": base, "peak": _status_mib("VmHWM"), "workers": _children_peak_mib()}
+            "base": base, "peak": status_mib("VmHWM"), "workers": _children_peak_mib()}
 
 
 def child_old(args) -> dict:
@@ -116,13 +109,13 @@ def child_old(args) -> dict:
     from gqakit.uptrain.data.token_build import load_tokenizer
 
     tokenizer = load_tokenizer(str(reference_model_path()))
-    base = _status_mib("VmRSS")
+    base = status_mib("VmRSS")
     t0 = time.perf_counter()
     stream = tokenize_stream(read_documents(tuple(args.entries)), tokenizer)
     seconds = time.perf_counter() - t0
     digest = hashlib.blake2b(stream.numpy().astype("<u2").tobytes(), digest_size=16).hexdigest()
     return {"tokens": stream.numel(), "seconds": seconds, "checksum": digest, "base": base,
-            "peak": _status_mib("VmHWM"), "workers": _children_peak_mib()}
+            "peak": status_mib("VmHWM"), "workers": _children_peak_mib()}
 
 
 def child_windows(args) -> dict:
@@ -137,7 +130,7 @@ def child_windows(args) -> dict:
     windows = Windows(corpus.spans(0, corpus.tokens), args.seq_len)
     mapped = np.memmap(Path(args.cache) / TOKENS, dtype=cache.dtype, mode="r") if args.reader == "memmap" else None
     g = torch.Generator().manual_seed(0)
-    base = _status_mib("VmRSS")
+    base = status_mib("VmRSS")
     t0, total = time.perf_counter(), 0
     for _ in range(args.batches):
         idx = torch.randint(len(windows), (args.batch_size,), generator=g).tolist()
@@ -147,8 +140,8 @@ def child_windows(args) -> dict:
             batch = torch.from_numpy(np.stack([mapped[i * args.seq_len: i * args.seq_len + args.seq_len + 1]
                                                .astype(np.int64) for i in idx]))
         total += int(batch[:, -1].sum())  # touch the data
-    return {"tokens": cache.tokens, "seconds": time.perf_counter() - t0, "base": base, "peak": _status_mib("VmHWM"),
-            "rss_end": _status_mib("VmRSS")}
+    return {"tokens": cache.tokens, "seconds": time.perf_counter() - t0, "base": base, "peak": status_mib("VmHWM"),
+            "rss_end": status_mib("VmRSS")}
 
 
 def run_child(kind: str, *extra: str) -> dict:

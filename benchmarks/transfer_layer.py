@@ -5,7 +5,7 @@ Calibrates MODEL layer by layer up to `--layer` (as `convert-gqa --method transf
 each from the same fit start, printing the held-out relative error of the layer's attention output before and
 after, the error after on the fitting windows themselves (its gap to the held-out error is overfitting), and the
 seconds each took (the teacher's targets and the held-out scores included). The SmolLM2 tables in
-docs/results.md ("Attention transfer and cheap recovery") came from this script's maths, run on layer 4.
+docs/results/transfer.md ("Attention transfer and cheap recovery") came from this script's maths, run on layer 4.
 
     python benchmarks/transfer_layer.py runs/smollm2-135m-gqa --groups 1 \\
         --calibration ../shared/corpora/austen/prideprejudice.txt --tokens 16384 --layer 4 \\

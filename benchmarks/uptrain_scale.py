@@ -51,6 +51,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _measure import ROOT, live_peak, logger, malloc_in_use, mib, reset_peak, status_kib
+
 MEMORY_TARGET = 1.10  # FSDP state per rank <= 1.10 x (DDP state at the same P) / P
 SPEED_TARGET = 0.90  # gqakit tokens/s at P = 1 >= 0.9 x the bare loop's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -111,39 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _status_bytes(key: str) -> int:
     """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-from ring_memory import _in_use  # noqa: E402  (malloc's bytes in use; benchmarks/ is on sys.path)
-
-
-def _live_peak_mode():
-    """A TorchDispatchMode that keeps the peak of malloc's in-use bytes, sampled after every aten op."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class LivePeak(TorchDispatchMode):
-        peak = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.peak = max(self.peak, _in_use())
-            return out
-
-    return LivePeak()
+    return status_kib(key) * 1024
 
 
 def _local_bytes(t) -> int:
@@ -184,7 +154,7 @@ class Recorder:
     """Step times (between steps, own work excluded) and the memory figures of steps 1 and 2."""
 
     def __init__(self):
-        self.res = {"base_rss": _status_bytes("VmRSS"), "base_live": _in_use(), "times": {}}
+        self.res = {"base_rss": _status_bytes("VmRSS"), "base_live": malloc_in_use(), "times": {}}
         self._last, self._mode = None, None
 
     def optimizer_hook(self, optimizer, args, kwargs) -> None:
@@ -200,14 +170,14 @@ class Recorder:
             self.res["mapped_param_bytes"] = _mapped_param_bytes(model)
             self.res["load_peak_rss"] = _status_bytes("VmHWM")  # process peak: loading and step 1
             self.res["step1_rss"] = _status_bytes("VmRSS")
-            self.res["step1_live"] = _in_use()
-            self.res["peak_reset"] = _reset_peak()
-            self._mode = _live_peak_mode()  # step 2 is a warm-up step: the sampling does not touch the timings
+            self.res["step1_live"] = malloc_in_use()
+            self.res["peak_reset"] = reset_peak()
+            self._mode = live_peak()  # step 2 is a warm-up step: the sampling does not touch the timings
             self._mode.__enter__()
         elif step == 2:
             self._mode.__exit__(None, None, None)
             self.res["step_peak_rss"] = _status_bytes("VmHWM")
-            self.res["step_peak_live"] = max(self._mode.peak, _in_use())
+            self.res["step_peak_live"] = max(self._mode.top, malloc_in_use())
         self._last = time.perf_counter()
 
 
@@ -268,8 +238,7 @@ def bare(spec_path: str) -> None:
 # The driver
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+log = logger()
 
 
 def make_model(path: Path, shape: Shape, tie: bool) -> int:
@@ -293,9 +262,8 @@ def make_model(path: Path, shape: Shape, tie: bool) -> int:
 
 
 def _env(mmap_threshold: int | None) -> dict:
-    root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("WORLD_SIZE", None)
     if mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
@@ -330,10 +298,6 @@ def recipe_file(work: Path, model: Path, text: Path, args) -> Path:
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
-
-
-def mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:,.1f}"
 
 
 def _state(rank: dict) -> int:

@@ -14,7 +14,6 @@ Writes OUT/curve.png, OUT/starts.json and prints the markdown table. A benchmark
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shlex
 import subprocess
@@ -22,14 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-EMBEDDED = ROOT / "gqakit" / "assets" / "austen-mha-8h"
-TRAIN = ROOT / "gqakit" / "assets" / "pride_and_prejudice.txt"
+from _measure import EMBEDDED, PRIDE, ROOT, command_line, eval_curve, logger
+
 HELD = ROOT / "gqakit" / "assets" / "heldout_emma.txt"
-
-
-def log(msg: str) -> None:
-    print(f"[uptrain_starts] {msg}", file=sys.stderr, flush=True)
+log = logger("uptrain_starts")
 
 
 def run(*args: str) -> float:
@@ -48,8 +43,7 @@ def perplexity(model: Path, text: Path, max_length: int, out: Path, max_tokens: 
 
 
 def curve(run_dir: Path) -> list[tuple[int, float]]:
-    with (run_dir / "metrics.csv").open() as f:
-        return [(int(r["tokens"]), float(r["eval_ppl"])) for r in csv.DictReader(f) if r["eval_ppl"]]
+    return [(tokens, ppl) for _, tokens, ppl in eval_curve(run_dir)]
 
 
 def parse_args(argv):
@@ -58,7 +52,7 @@ def parse_args(argv):
     p.add_argument("--model", default=str(EMBEDDED))
     p.add_argument("--groups", type=int, default=1)
     p.add_argument("--methods", default="mean,fit,transfer")
-    p.add_argument("--calibration", default=str(TRAIN), help="calibration text of fit / transfer")
+    p.add_argument("--calibration", default=str(PRIDE), help="calibration text of fit / transfer")
     p.add_argument("--recipe", default=str(ROOT / "recipes" / "uptrain_embedded.yaml"))
     p.add_argument("--eval-text", default=str(HELD), help="scored before and after (gqakit eval ppl)")
     p.add_argument("--max-length", type=int, default=512)
@@ -117,7 +111,7 @@ def main(argv=None) -> int:
     (out / "starts.json").write_text(json.dumps(rows, indent=2))
     plot(rows, out / "curve.png", f"{model.name} -> {args.groups} K/V head(s): uptraining from each start")
 
-    command = "python benchmarks/uptrain_starts.py" + "".join(" " + shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = command_line(__file__, argv)
     print(f"## Uptraining from each conversion start\n\n`{command}`\n")
     print(f"{model} -> {args.groups} K/V head(s); perplexity by `gqakit eval ppl` on `{args.eval_text}` "
           f"({args.max_length}-token windows); uptraining: `{args.recipe}` with steps={args.steps}.\n")

@@ -22,9 +22,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 # The pages whose ```bash blocks run, in this order: docs/uptrain.md trains the model that the README's
-# convert-gqa writes, docs/evaluate.md reads it, and docs/results.md rebuilds the embedded model last.
+# convert-gqa writes, docs/evaluate.md reads it, the results pages follow in the order of the front page's
+# index (docs/results/smollm2-mqa.md makes the SmolLM2 checkpoint that transfer.md and long-context.md read),
+# and docs/results/reference-models.md rebuilds the embedded model last.
 PAGES = ("README.md", "docs/convert.md", "docs/attention.md", "docs/uptrain.md", "docs/evaluate.md",
-         "docs/results.md", "docs/architecture.md")
+         "docs/results.md", "docs/results/conversion.md", "docs/results/gqa-paper.md", "docs/results/uptrain-scale.md",
+         "docs/results/smollm2-mqa.md", "docs/results/transfer.md", "docs/results/decoding.md",
+         "docs/results/long-context.md", "docs/results/convert-speed.md", "docs/results/merge-memory.md",
+         "docs/results/attention-kernels.md", "docs/results/from-the-tests.md", "docs/results/reference-models.md",
+         "docs/architecture.md")
 
 # Appended to a command (argparse and key=value overrides: the last value wins) so it runs in seconds.
 TINY = [
@@ -80,7 +86,7 @@ def tiny(command: str) -> str:
 def test_every_docs_page_is_run():
     """A new page under docs/ joins PAGES (in an order where its commands' inputs exist), or its commands
     would never run."""
-    pages = {f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")}
+    pages = {str(p.relative_to(REPO)) for p in [*(REPO / "docs").glob("*.md"), *(REPO / "docs/results").glob("*.md")]}
     listed = set(PAGES) - {"README.md"}
     assert pages == listed, f"docs pages missing from PAGES, or PAGES naming no page: {sorted(pages ^ listed)}"
 

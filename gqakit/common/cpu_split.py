@@ -10,7 +10,7 @@ as sdpa's do, and a descheduled thread delays only its own share.
 
 The deal is fixed by the blocks' costs (largest first onto the least-loaded thread), never by timing, so a
 result depends on the number of threads only: the same inputs give the same bits on every call.
-`one_threaded_pool` serves the conversion's layer merges the same way (`convert/merge_ahead.py`).
+`one_threaded_pool` serves the conversion's layer merges the same way (`convert/methods/merge_ahead.py`).
 """
 from __future__ import annotations
 

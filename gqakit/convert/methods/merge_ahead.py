@@ -8,7 +8,7 @@ descheduled thread delays its own layer only. Each layer's result is the same wh
 workers (every merge runs on one thread).
 
 Memory: at most `workers` layers are being merged or wait, merged, for the writer: `workers` x one layer's
-merge (147 MiB above its weights at Llama-2-7B's shape, docs/results.md) plus their merged tensors.
+merge (147 MiB above its weights at Llama-2-7B's shape, docs/results/merge-memory.md) plus their merged tensors.
 """
 from __future__ import annotations
 
