@@ -338,13 +338,6 @@ def _explicit_grams(kp, qe, v, oe):
     return _key_gram(kp, qe), _value_blocks(torch.einsum("adn,ben->adbe", v, v), _sqrt_psd(oe)), key_total, val_total
 
 
-def merge_cost(kp, qe, v, oe, heads) -> tuple[float, float]:
-    """Energy a weighted rank-1 key fit and a rank-d value fit lose when `heads` share one K/V head."""
-    idx = list(heads)
-    key_gram, value_block, _, _ = _explicit_grams(kp[idx], qe[idx], v[idx], oe[idx])
-    return _group_cost(key_gram, value_block, range(len(idx)), v.shape[1])
-
-
 def similarity_groups(kp, qe, v, oe, groups: int, exhaustive_limit: int = 5000) -> tuple[int, ...]:
     """A K/V head order whose contiguous groups minimise the summed relative merge cost (keys + values), from
     explicit rows: kp (K, d/2, 2, n) key pairs, qe (K, d/2), v (K, d, n) value rows, oe (K, d, d)."""
