@@ -40,7 +40,7 @@ def open_calibration(cfg: ConvertConfig, model_dir: Path, config: dict) -> Calib
     device = cfg.calibration_device
     try:
         torch.empty(0, device=device)
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, AssertionError) as e:  # a torch built without CUDA asserts
         raise GqakitError(f"{opt('calibration_device', repr(device))} is not usable here ({str(e).splitlines()[0]}); "
                           "use cpu or an available cuda device") from None
     return calibration

@@ -269,6 +269,9 @@ def test_bad_calibration_input_is_refused_in_one_line(tmp_path):
         ((str(src), "--method", "fit", "--calibration", str(TEXT), "--calibration-device", "nonsense"),
          ("--calibration-device 'nonsense' is not usable",)),
     ]
+    if not torch.cuda.is_available():  # a CPU-only torch asserts on its first CUDA tensor: still one line
+        cases.append(((str(src), "--method", "fit", "--calibration", str(TEXT), "--calibration-device", "cuda"),
+                      ("--calibration-device 'cuda' is not usable",)))
     for args, needles in cases:
         run_refused(tmp_path, "convert-gqa", "--groups", "2", *args, "-o", out, needles=needles)
 
