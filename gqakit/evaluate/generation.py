@@ -1,11 +1,10 @@
 """The model-running path of the retrieval evaluations (`eval passkey`, `eval niah`): fit a prompt to a token
 budget, then decode greedily. Both commands go through these two functions, so an option that changes how a prompt
-is run (a KV-cache kind, say) is added once, here, and applies to both."""
+is run (a KV-cache kind, say) is added once, here, and applies to both. No torch at import: the task generators
+(`evaluate/needles.py`, read by the command line) use the prompt fitting."""
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import torch
 
 from gqakit.hf.compat import cache_kwargs
 
@@ -43,6 +42,7 @@ def longest_fit(fit: Callable[[int], tuple[str, int]], length: int, fixed: int,
 
 def greedy_generator(model, tokenizer, new_tokens: int = 10) -> Callable[[str], str]:
     """`generate(prompt) -> continuation`: greedy decoding of `new_tokens` tokens with a DynamicCache."""
+    import torch
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
