@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from cli_contract import run_cli, run_refused
+from eval_tiny import checkpoint, one_line_error, run_eval
+from gqakit.common import report
 from gqakit.evaluate.generation import count_tokens
 from gqakit.evaluate.needles import (NEEDLE, NIAH_INTRO, NIAH_QUESTION, TASKS, VT_INTRO, all_names_correct, haystack,
                                      niah_multikey, niah_single, number_correct, vt)
+from gqakit.evaluate.niah import run_niah
+from gqakit.evaluate.options import NiahConfig
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "gqakit" / "assets" / "austen-mha-8h"
 HAYSTACKS = ("filler", "text")
@@ -32,6 +37,14 @@ def chain(prompt: str) -> tuple[str, list[str]]:
         if number == value or source in holding:
             holding.append(name)
     return value, holding
+
+
+def oracle(prompt: str, new_tokens: int) -> str:
+    """A fake model that always answers right."""
+    if "Find all variables" in prompt:
+        return " " + ", ".join(chain(prompt)[1]) + "."
+    key = re.search(r"magic number for (\S+) mentioned", prompt).group(1)
+    return " " + re.search(rf"magic numbers for {re.escape(key)} is: (\d+)\.", prompt).group(1) + ". The grass"
 
 
 @pytest.mark.parametrize("task", list(TASKS))
@@ -106,3 +119,48 @@ def test_scorers():
     assert all_names_correct(" KLMNO, ABCDE, FGHIJ and QRSTU.", names)
     assert not all_names_correct(" ABCDE, FGHIJ.", names)
     assert not all_names_correct(" ABCDEX FGHIJ KLMNO", names)  # whole words only
+
+
+def test_two_models_side_by_side_with_a_fake_model(tok, tmp_path):
+    tiny = checkpoint(tmp_path / "tiny", tok, max_positions=512)
+    cfg = NiahConfig(models=(str(EMBEDDED), str(tiny)), lengths=(256,), depths=(0.0, 1.0), samples=2,
+                     haystacks=HAYSTACKS, output=str(tmp_path / "r"), progress=False)
+    record = run_niah(cfg, command="test", generate=oracle)
+    assert [m["overall_accuracy"] for m in record["models"]] == [1.0, 1.0]
+    assert len(record["cells"]) == 2 * 3 * 2 * 2 and len(record["cases"]) == 2 * 3 * 2 * 2 * 2
+    saved = report.read_report(tmp_path / "r")
+    assert saved["kind"] == "niah" and saved["config"]["tasks"] == list(TASKS)
+    assert (tmp_path / "r" / "results.csv").read_text().splitlines()[0].startswith("model,task,haystack,length")
+    assert (tmp_path / "r" / "vt_text_model2.png").stat().st_size > 1000
+
+
+def test_the_console_script_runs_the_embedded_model(tmp_path):
+    out_dir = tmp_path / "cli"
+    done = run_cli("gqakit", "eval", "niah", str(EMBEDDED), "--lengths", "256", "--samples", "2", "--depths", "0.5",
+                   "-o", str(out_dir), "-q")
+    assert done.returncode == 0, done.stderr
+    assert "| task | haystack | depth | 256 |" in done.stdout and "| vt | filler | 0.5 |" in done.stdout
+    record = report.read_report(out_dir)["results"]
+    assert len(record["cases"]) == 6 and all(256 - 12 <= c["prompt_tokens"] <= 256 for c in record["cases"])
+    assert {c["task"] for c in record["cases"]} == set(TASKS)
+    assert (out_dir / "niah_single_filler.png").is_file()
+
+
+def test_a_length_past_the_context_is_refused_by_the_console_script(tmp_path):
+    run_refused(tmp_path, "gqakit", "eval", "niah", str(EMBEDDED), "--lengths", "512,2k", "-o", str(tmp_path / "r"),
+                needles=("--lengths 2,048 is past the 1,024-token context", "use lengths up to 1,024"))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--tasks", "niah_single,needle"], "--tasks: unknown task 'needle'; choose from niah_single, niah_multikey, vt"),
+    (["--samples", 0], "--samples must be >= 1, got 0"),
+    (["--lengths", "4k"], "--lengths 4,096 is past the 1,024-token context"),
+    (["--lengths", "64"], "--lengths 64 is too short for the niah_single prompt"),
+    (["--haystack", "text", "--haystack-text", "/nonexistent.txt", "--lengths", "256"],
+     "--haystack-text /nonexistent.txt: cannot read"),
+    (["--haystack", "essay"], "--haystack: unknown haystack 'essay'"),
+])
+def test_bad_input_is_one_line(tmp_path, argv, needle):
+    code, out, err = run_eval("niah", EMBEDDED, *argv, "-q", "-o", tmp_path / "never")
+    assert one_line_error(code, err, needle), err
+    assert not (tmp_path / "never").exists()
