@@ -47,6 +47,7 @@ TINY = [
     (r"^gqakit eval ppl", "--max-tokens 256 --max-length 128"),
     (r"^gqakit eval stream", "--tokens 512 --chunk 128"),
     (r"^gqakit eval passkey", "--trials 1 --depths 0.5"),
+    (r"^gqakit eval niah", "--samples 1 --depths 0.5 --lengths 256"),
     (r"^python -m gqakit.reference.train", "steps=2 eval_every=1 log_every=1 seq_len=64 batch_size=2 "
                                            "warmup_steps=1 heldout_chars=20000"),
 ]

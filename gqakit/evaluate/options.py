@@ -9,6 +9,7 @@ import re
 from gqakit.common import attention_kinds, dtypes
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.options import option
+from gqakit.evaluate.needles import TASKS, parse_haystacks, parse_tasks
 
 
 def parse_lengths(spec: str) -> list[int]:
@@ -169,6 +170,36 @@ class PasskeyConfig:
     trials: int = option(5, help="prompts per (length, depth)")
     seed: int = option(0, help="seed of the keys")
     new_tokens: int = option(10, help="tokens decoded greedily")
+    attention: str | None = _attention()
+    window: int | None = _window()
+    sinks: int | None = _sinks()
+    attention_option: tuple[str, ...] = _attention_option()
+    dtype: str = _dtype()
+    device: str = _device()
+    tokenizer: str | None = _tokenizer()
+    output: str | None = _output()
+    force: bool = _force()
+    progress: bool = _progress()
+
+
+@dataclasses.dataclass(frozen=True)
+class NiahConfig:
+    """`gqakit eval niah`: RULER-style synthetic retrieval, accuracy per (task, haystack, length, depth) of one or
+    more models side by side (`evaluate/needles.py` generates the prompts)."""
+
+    models: tuple[str, ...] = option(flag="MODEL", help="Hugging Face checkpoint folder(s), compared side by side")
+    tasks: tuple[str, ...] = option(tuple(TASKS), parse=parse_tasks, help=f"task families: {', '.join(TASKS)}")
+    haystacks: tuple[str, ...] = option(("filler",), flag="--haystack", metavar="HAYSTACK", parse=parse_haystacks,
+                                        help="filler (repeated sentences) and/or text (the words of --haystack-text)")
+    haystack_text: str | None = option(None, help="UTF-8 .txt file of the text haystack",
+                                       default_text="gqakit/assets/pride_and_prejudice.txt")
+    lengths: tuple[int, ...] = option((1024, 2048, 4096), parse=parse_lengths,
+                                      help="prompt lengths in tokens, k = 1024; at most the model's context")
+    depths: tuple[float, ...] = option((0.0, 0.5, 1.0), parse=parse_depths,
+                                       help="relative depths of the asked needle, 0 = start, 1 = end")
+    samples: int = option(10, help="prompts per (task, haystack, length, depth)")
+    seed: int = option(0, help="seed of the needles and the text offsets")
+    new_tokens: int | None = option(None, help="tokens decoded greedily", default_text="12 for niah_*, 32 for vt")
     attention: str | None = _attention()
     window: int | None = _window()
     sinks: int | None = _sinks()

@@ -20,13 +20,12 @@ import re
 import sys
 from collections.abc import Callable, Iterable
 
-import torch
 from tqdm.auto import tqdm
 
 from gqakit.common.attention_kinds import command_attention_options
 from gqakit.common.errors import GqakitError, opt
+from gqakit.evaluate.generation import count_tokens, greedy_generator, longest_fit
 from gqakit.evaluate.options import PasskeyConfig
-from gqakit.hf.compat import cache_kwargs
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.\n")
@@ -51,10 +50,6 @@ def make_key(seed: int, length: int, depth: float, trial: int) -> str:
     return str(random.Random(f"passkey/{seed}/{length}/{float(depth)!r}/{trial}").randint(10_000, 99_999))
 
 
-def _count(tokenizer, text: str) -> int:
-    return len(tokenizer(text, verbose=False).input_ids)
-
-
 def _filler(sentences: int, start: int = 0) -> str:
     parts = FILLER.split(". ")
     parts = [p.strip().rstrip(".") + ". " for p in parts if p.strip()]
@@ -71,28 +66,10 @@ def build_prompt(tokenizer, length: int, depth: float, key: str) -> tuple[str, i
     def fit(sentences: int) -> tuple[str, int]:
         before = round(depth * sentences)
         prompt = _assemble(before, sentences - before, key)
-        return prompt, _count(tokenizer, prompt)
+        return prompt, count_tokens(tokenizer, prompt)
 
-    fixed = _count(tokenizer, _assemble(0, 0, key))
-    per_sentence = max(1.0, _count(tokenizer, _filler(50)) / 50)
-    sentences = max(0, int((length - fixed) / per_sentence))
-    prompt, n = fit(sentences)
-    for _ in range(8):  # secant steps at this size's own tokens per sentence: a few tokenisations, not thousands
-        if sentences > 0 and n > fixed:
-            per_sentence = max(1.0, (n - fixed) / sentences)
-        step = int((length - n) / per_sentence)
-        if step == 0 or sentences + step < 0:
-            break
-        sentences += step
-        prompt, n = fit(sentences)
-    while n > length and sentences > 0:  # the estimate overshot: drop sentences
-        sentences -= 1
-        prompt, n = fit(sentences)
-    while True:  # grow while the next sentence still fits
-        bigger, m = fit(sentences + 1)
-        if m > length:
-            break
-        sentences, prompt, n = sentences + 1, bigger, m
+    fixed = count_tokens(tokenizer, _assemble(0, 0, key))
+    sentences, prompt, n = longest_fit(fit, length, fixed, max(1.0, count_tokens(tokenizer, _filler(50)) / 50))
     if sentences < 1:
         raise GqakitError(f"{opt('lengths', length)} is too short for the passkey prompt (it needs more than {fixed} "
                           "tokens); use longer lengths, e.g. 256 or more")
@@ -138,30 +115,6 @@ def accuracy(results: list[dict]) -> dict[tuple[int, float], float]:
     for r in results:
         cells.setdefault((r["length"], r["depth"]), []).append(r["correct"])
     return {cell: sum(hits) / len(hits) for cell, hits in cells.items()}
-
-
-def greedy_generator(model, tokenizer, new_tokens: int = 10) -> Callable[[str], str]:
-    """`generate(prompt) -> continuation`: greedy decoding of `new_tokens` tokens with a DynamicCache."""
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-
-    @torch.no_grad()
-    def generate(prompt: str) -> str:
-        ids = tokenizer(prompt, return_tensors="pt", verbose=False).input_ids.to(device)  # (1, T)
-        cache = DynamicCache()
-        logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[0, -1]
-        out: list[int] = []
-        for step in range(new_tokens):
-            token = int(logits.argmax())
-            out.append(token)
-            if token == tokenizer.eos_token_id or step == new_tokens - 1:
-                break
-            step_ids = torch.tensor([[token]], device=device)
-            logits = model(input_ids=step_ids, **cache_kwargs(model, cache), use_cache=True).logits[0, -1]
-        return tokenizer.decode(out, skip_special_tokens=True)
-
-    return generate
 
 
 # ---------------------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ def root(tmp_path_factory, tok):
     ["eval", "ppl", "{m}", "--text", "{t}", "-q"],
     ["eval", "stream", "{m}", "--text", "{t}", "--tokens", "64", "-q"],
     ["eval", "passkey", "{m}", "--lengths", "256", "-q"],
-], ids=["generate", "ppl", "stream", "passkey"])
+    ["eval", "niah", "{m}", "--lengths", "256", "-q"],
+], ids=["generate", "ppl", "stream", "passkey", "niah"])
 def test_no_weights_is_one_line_everywhere(root, tmp_path, command):
     argv = [a.format(m=root / "noweights", t=root / "text.txt") for a in command]
     run_refused([root, tmp_path], "gqakit", *argv, cwd=tmp_path, needles=("noweights", "model.safetensors"))

@@ -86,7 +86,8 @@ def test_mixing_decoders_and_encoder_decoders_is_refused(t5, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", [["eval", "stream", "--text", "TEXT", "--tokens", "64"],
-                                     ["eval", "passkey", "--lengths", "64"], ["generate", "--prompt", "Emma"]])
+                                     ["eval", "passkey", "--lengths", "64"], ["eval", "niah", "--lengths", "256"],
+                                     ["generate", "--prompt", "Emma"]])
 def test_decoder_commands_refuse_an_encoder_decoder(t5, tmp_path, capsys, command):
     argv = [a.replace("TEXT", str(t5["text"])) for a in command]
     argv = argv[:2] + [str(t5["gqa2"])] + argv[2:] if argv[0] == "eval" else argv[:1] + [str(t5["gqa2"])] + argv[1:]

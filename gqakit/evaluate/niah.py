@@ -1,0 +1,177 @@
+"""`gqakit eval niah MODEL [MODEL ...]`: RULER-style long-context retrieval (`evaluate/needles.py` makes the
+prompts), accuracy per (task, haystack, length, depth) of each model, side by side.
+
+Every model answers the same questions (the needles depend on the seed only; the haystack is fitted to each
+model's own tokenizer). A length past a model's context (max_position_embeddings) is refused before any model
+runs: the positions there are untrained. Prompts run through `generation.greedy_generator`, the path of
+`eval passkey`; `run_niah` takes any `generate(prompt, new_tokens) -> reply` instead, for tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from gqakit.common.attention_kinds import command_attention_options
+from gqakit.common.errors import GqakitError, opt
+from gqakit.evaluate.needles import TASKS, Haystack, haystack
+from gqakit.evaluate.options import NiahConfig
+
+Generate = Callable[[str, int], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    task: str
+    haystack: str
+    length: int  # target prompt length in tokens
+    depth: float
+    sample: int
+    prompt: str
+    answer: tuple[str, ...]
+    prompt_tokens: int  # actual length
+
+
+def build_cases(tokenizer, tasks: tuple[str, ...], haystacks: dict[str, Haystack], lengths: list[int],
+                depths: list[float], samples: int, seed: int, progress: bool = False) -> list[Case]:
+    """Every (task, haystack, length, depth, sample) case, in that order; sample i has the seed f"{seed}/{i}"."""
+    cells = [(t, h, n, d, i) for t in tasks for h in haystacks for n in lengths for d in depths for i in range(samples)]
+    cases = []
+    for task, hay, length, depth, i in tqdm(cells, desc="niah prompts", unit="prompt", disable=not progress,
+                                            leave=False):
+        made = TASKS[task].generate(tokenizer, length, depth, f"{seed}/{i}", haystacks[hay])
+        cases.append(Case(task, hay, length, depth, i, made.prompt, made.answer, made.tokens))
+    return cases
+
+
+def score(cases: list[Case], generate: Generate, new_tokens: int | None = None, progress: bool = False) -> list[dict]:
+    """Run `generate` on every case (`new_tokens`, or the task's own); one dict per case with its correctness."""
+    results = []
+    for case in tqdm(cases, desc="niah", unit="prompt", disable=not progress, leave=False):
+        task = TASKS[case.task]
+        reply = generate(case.prompt, new_tokens or task.new_tokens)
+        results.append({"task": case.task, "haystack": case.haystack, "length": case.length, "depth": case.depth,
+                        "sample": case.sample, "answer": " ".join(case.answer), "prompt_tokens": case.prompt_tokens,
+                        "reply": reply, "correct": task.correct(reply, case.answer)})
+    return results
+
+
+def accuracy(results: list[dict]) -> dict[tuple[str, str, int, float], float]:
+    """Fraction correct per (task, haystack, length, depth)."""
+    cells: dict[tuple, list[bool]] = {}
+    for r in results:
+        cells.setdefault((r["task"], r["haystack"], r["length"], r["depth"]), []).append(r["correct"])
+    return {cell: sum(hits) / len(hits) for cell, hits in cells.items()}
+
+
+def format_table(names: list[str], accs: list[dict], variants: list[tuple[str, str]], lengths: list[int],
+                 depths: list[float]) -> str:
+    """Rows: (task, haystack) x depth, then its mean over depths, then the mean of all; a column per (model,
+    length), the model's name in the header only when there are several. Accuracy in percent."""
+    columns = [(m, n) for m in range(len(names)) for n in lengths]
+    head = [f"{names[m]} {n:,}" if len(names) > 1 else f"{n:,}" for m, n in columns]
+    lines = ["| task | haystack | depth | " + " | ".join(head) + " |", "|---" * (len(columns) + 3) + "|"]
+
+    def row(task: str, hay: str, depth: str, cells: list[tuple[str, str, float]]) -> str:
+        values = [sum(accs[m][(t, h, n, d)] for t, h, d in cells) / len(cells) for m, n in columns]
+        return f"| {task} | {hay} | {depth} | " + " | ".join(f"{100 * v:.0f}%" for v in values) + " |"
+
+    for task, hay in variants:
+        lines += [row(task, hay, f"{d:g}", [(task, hay, d)]) for d in depths]
+        if len(depths) > 1:
+            lines.append(row(task, hay, "mean", [(task, hay, d) for d in depths]))
+    if len(variants) > 1:
+        lines.append(row("mean", "", "", [(t, h, d) for t, h in variants for d in depths]))
+    return "\n".join(lines)
+
+
+def _check(cfg: NiahConfig) -> None:
+    if not cfg.models:
+        raise GqakitError("give at least one MODEL folder")
+    if cfg.samples < 1:
+        raise GqakitError(f"{opt('samples')} must be >= 1, got {cfg.samples}")
+    if cfg.new_tokens is not None and cfg.new_tokens < 1:
+        raise GqakitError(f"{opt('new_tokens')} must be >= 1, got {cfg.new_tokens}")
+
+
+def check_context(path: str, context: int | None, lengths: list[int]) -> None:
+    """Refuse a length past the model's trained context, in one line."""
+    longest = max(lengths)
+    if context and longest > context:
+        raise GqakitError(f"{opt('lengths', f'{longest:,}')} is past the {context:,}-token context of {path} "
+                          f"(max_position_embeddings); use lengths up to {context:,}")
+
+
+def run_niah(cfg: NiahConfig, command: str = "", out=None, generate: Generate | None = None) -> dict:
+    """Check every model's context, then per model: build the cases with its tokenizer, decode, score. Print the
+    table, write the report (results.json, results.csv, a heatmap per model and task); `generate` overrides the
+    models' decoding."""
+    from gqakit.attention.registration import apply_attention
+    from gqakit.common import plots, report
+    from gqakit.evaluate.generation import greedy_generator
+    from gqakit.hf.loading import check_model_folder, context_length, describe, load_model
+
+    out = out or sys.stdout
+    _check(cfg)
+    lengths, depths = list(cfg.lengths), [float(d) for d in cfg.depths]
+    options = command_attention_options(cfg.attention, cfg.window, cfg.sinks, cfg.attention_option)
+    target = report.prepare_output(cfg.output, "niah", cfg.force)
+    for path in cfg.models:  # every local model's context, before the first one runs
+        config = check_model_folder(path)
+        check_context(path, config and context_length(config), lengths)
+    haystacks = {name: haystack(name, cfg.haystack_text if name == "text" else None) for name in cfg.haystacks}
+    names = [Path(p).name or p for p in cfg.models]
+    if len(set(names)) < len(names):  # same folder names in different places: show the paths
+        names = list(cfg.models)
+    variants = [(t, h) for t in cfg.tasks for h in cfg.haystacks]
+    models, accs, cases_out = [], [], []
+    for path, name in zip(cfg.models, names):
+        model, tok = load_model(path, cfg.dtype, cfg.tokenizer, cfg.device)
+        check_context(path, getattr(model.config, "max_position_embeddings", None), lengths)  # a hub name
+        in_force = apply_attention(model, cfg.attention, options)
+        cases = build_cases(tok, cfg.tasks, haystacks, lengths, depths, cfg.samples, cfg.seed, cfg.progress)
+        run = generate
+        if run is None:
+            generators: dict[int, Callable[[str], str]] = {}
+
+            def run(prompt: str, new_tokens: int, model=model, tok=tok, generators=generators) -> str:
+                if new_tokens not in generators:
+                    generators[new_tokens] = greedy_generator(model, tok, new_tokens)
+                return generators[new_tokens](prompt)
+
+        results = score(cases, run, cfg.new_tokens, cfg.progress)
+        accs.append(accuracy(results))
+        overall = sum(r["correct"] for r in results) / len(results)
+        models.append({"model": name, "path": str(path), **describe(model), "attention": cfg.attention or "default",
+                       "attention_options": in_force, "overall_accuracy": overall})
+        cases_out += [{"model": name, **r} for r in results]
+        print(f"  {name}: {100 * overall:.1f}% of {len(results):,} prompts", file=out, flush=True)
+        del model
+    print(format_table(names, accs, variants, lengths, depths), file=out)
+    print(f"(exact match: niah_* the first number of the reply, vt every variable name; {cfg.samples} sample"
+          f"{'s' if cfg.samples != 1 else ''} per cell, seed {cfg.seed})", file=out)
+    cells = []
+    for name, acc in zip(names, accs):
+        for task, hay in variants:
+            for n in lengths:
+                for d in depths:
+                    tokens = [r["prompt_tokens"] for r in cases_out if r["model"] == name and
+                              (r["task"], r["haystack"], r["length"], r["depth"]) == (task, hay, n, d)]
+                    cells.append({"model": name, "task": task, "haystack": hay, "length": n, "depth": d,
+                                  "accuracy": acc[(task, hay, n, d)], "samples": cfg.samples,
+                                  "mean_prompt_tokens": sum(tokens) / len(tokens)})
+    record = {"models": models, "cells": cells, "cases": cases_out}
+    drawings = {}
+    for m, (name, acc) in enumerate(zip(names, accs)):
+        for task, hay in variants:
+            grid = {(n, d): acc[(task, hay, n, d)] for n in lengths for d in depths}
+            file = f"{task}_{hay}.png" if len(names) == 1 else f"{task}_{hay}_model{m + 1}.png"
+            drawings[file] = (lambda p, grid=grid, title=f"{name}: {task} ({hay})":
+                              plots.passkey_heatmap(lengths, depths, grid, p, title=title))
+    written = report.write_report(target, kind="niah", command=command, config=dataclasses.asdict(cfg),
+                                  results=record, rows=cells, force=cfg.force, plots=drawings)
+    print(f"wrote {written}", file=out)
+    return record
