@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.memory import release_freed_memory
 from gqakit.convert import methods
-from gqakit.convert.calibration.data import CalibrationData, load_calibration
+from gqakit.convert.calibration.data import CalibrationData, load_calibration, sample_calibration
 from gqakit.convert.calibration.runner import LayerInputs, calibrate
 from gqakit.convert.calibration.stored import layer_path, load_layer
 from gqakit.convert.layer_share import Share, barrier, check_share, meeting_folder, read_errors, write_errors
@@ -31,19 +32,32 @@ def check_launch(cfg: ConvertConfig, plan: Plan, share: Share) -> None:
     check_share(share, transfer, transfer_options(cfg).inputs if transfer else "", cfg.dry_run)
 
 
-def open_calibration(cfg: ConvertConfig, model_dir: Path, config: dict) -> CalibrationData | None:
-    """The calibration windows `cfg` asks for (None without --calibration), and a check that the device runs."""
-    if cfg.calibration is None:
+def open_calibration(cfg: ConvertConfig, model_dir: Path, config: dict, share: Share = Share()
+                     ) -> CalibrationData | None:
+    """The calibration windows `cfg` asks for: --calibration DATA's, or, for a method that needs calibration and
+    got none, the model's own samples (not on a --dry-run, which reads no weights); None for a method without
+    calibration. The device is checked first."""
+    method = methods.get(cfg.method)
+    if cfg.calibration is None and (method.calibration != "required" or cfg.dry_run):
         return None
-    calibration = load_calibration(cfg.calibration, model_dir, config, cfg.calibration_tokens,
-                                   cfg.calibration_window, cfg.text_column)
     device = cfg.calibration_device
     try:
         torch.empty(0, device=device)
     except (RuntimeError, ValueError, AssertionError) as e:  # a torch built without CUDA asserts
         raise GqakitError(f"{opt('calibration_device', repr(device))} is not usable here ({str(e).splitlines()[0]}); "
                           "use cpu or an available cuda device") from None
-    return calibration
+    if cfg.calibration is not None:
+        return load_calibration(cfg.calibration, model_dir, config, cfg.calibration_tokens, cfg.calibration_window,
+                                cfg.text_column)
+    if share.world > 1:
+        raise GqakitError(f"under torchrun every process must calibrate on the same text: pass "
+                          f"{opt('calibration', 'DATA')} (e.g. drawn once by `gqakit sample`)")
+    if share.main:
+        print(f"{opt('method', cfg.method)} without {opt('calibration')}: calibrating on {cfg.calibration_tokens:,} "
+              f"tokens sampled from the model itself (seed {cfg.seed}); pass {opt('calibration', 'TEXT')} to use "
+              "text of its domain", file=sys.stderr, flush=True)
+    return sample_calibration(model_dir, config, cfg.calibration_tokens, cfg.calibration_window, cfg.seed, device,
+                              cfg.progress)
 
 
 def calibrate_layers(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, TensorInfo],

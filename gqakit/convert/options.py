@@ -88,16 +88,18 @@ class ConvertConfig:
                                   help="aligned/fit: which K/V heads share a group: neighbours, or the most similar "
                                        "heads (q_proj/o_proj permuted to match)")
     calibration: str | None = option(None, metavar="DATA",
-                                     help="aligned/fit: text (.txt) or dataset (.jsonl/.json/.parquet file or folder) "
-                                          "whose activations weight the merge, streamed layer by layer (required by "
-                                          "fit)")
+                                     help="aligned/fit/transfer: text (.txt) or dataset (.jsonl/.json/.parquet file or "
+                                          "folder) whose activations weight the merge, streamed layer by layer; fit "
+                                          "and transfer without it calibrate on text sampled from the model itself")
     calibration_tokens: int = option(16_384, remember=True,
-                                     help="calibration tokens to read (1 in 8 windows is held out to score the merge)")
+                                     help="calibration tokens to read, or to sample (1 in 8 windows is held out "
+                                          "to score the merge)")
     calibration_window: int | None = option(None, default_text="min(512, the model's context)",
                                             help="tokens per calibration window")
     text_column: str = option("text", remember=True, help="dataset column holding the calibration text")
     calibration_device: str = option("cpu", remember=True,
-                                     help="device that runs calibration, one layer at a time (e.g. cuda)")
+                                     help="device that runs calibration, one layer at a time, and the sampling "
+                                          "of data-free calibration (e.g. cuda)")
     pool_encoder: bool = option(False, help="encoder-decoders (T5): group the encoder's self-attention K/V heads "
                                             "too (default: only the decoder's self- and cross-attention, as in the "
                                             "GQA paper)")
@@ -124,15 +126,12 @@ def check_options(cfg: ConvertConfig) -> None:
     if cfg.grouping is not None and not method.layerwise:
         raise GqakitError(f"{opt('grouping')} is used only by {opt('method', choose(methods.LAYERWISE))}; drop it "
                           f"for {opt('method', cfg.method)} (which keeps contiguous groups)")
-    if method.calibration == "required" and cfg.calibration is None:
-        raise GqakitError(f"{opt('method', cfg.method)} needs calibration data: pass {opt('calibration', 'TEXT.txt')} "
-                          "(or a .jsonl / .parquet dataset) in the model's language, e.g. a few hundred windows of "
-                          "its training text")
     if cfg.calibration is not None and method.calibration == "no":
         raise GqakitError(f"{opt('calibration')} is used only by {opt('method', choose(methods.TAKE_CALIBRATION))}; "
                           f"drop it, or choose {opt('method', choose(methods.NEED_CALIBRATION))}")
-    if cfg.calibration is None:
-        ignored = [name for name in CALIBRATION_OPTIONS if name in given]
+    if cfg.calibration is None:  # a method that needs calibration samples it: its size and device still apply
+        ignored = [name for name in CALIBRATION_OPTIONS if name in given
+                   and (method.calibration != "required" or name == "text_column")]
         if ignored:
             raise GqakitError(f"{opt(ignored[0])} needs {opt('calibration', 'DATA')}; pass the calibration data or "
                               f"drop {opt(ignored[0])}")

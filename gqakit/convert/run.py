@@ -44,7 +44,7 @@ def prepare(cfg: ConvertConfig) -> tuple[Plan, dict, dict[str, TensorInfo], Path
         config, tensors = plan.rehosted.config, plan.rehosted.tensors
     if not cfg.dry_run:
         check_output(model_dir, out, cfg.force)
-    calibration = open_calibration(cfg, model_dir, config)
+    calibration = open_calibration(cfg, model_dir, config, launched_share())
     return plan, config, tensors, out, calibration
 
 

@@ -99,9 +99,10 @@ def _first_line(e: Exception) -> str:
 
 
 def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, device: str = "auto",
-               seq2seq: bool = False):
+               seq2seq: bool = False, with_tokenizer: bool = True):
     """(model in eval mode on `device`, tokenizer) of a local Hugging Face folder (or, online, a hub name). An
-    encoder-decoder is refused in one line unless the caller handles one (`seq2seq`)."""
+    encoder-decoder is refused in one line unless the caller handles one (`seq2seq`). A caller that reads no text
+    passes `with_tokenizer=False` and gets (model, None)."""
     from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -136,6 +137,8 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
             local_files_only=local_only)
     check_loading(path, info)
     model = model.to(target).eval()
+    if not with_tokenizer:
+        return model, None
     source = tokenizer or path
     if tokenizer is not None:
         from gqakit.hf.hub import tokenizer_files_only

@@ -254,7 +254,7 @@ def test_bad_calibration_input_is_refused_in_one_line(tmp_path):
     short.write_text("It is a truth universally acknowledged.")
     out = str(tmp_path / "out")
     cases = [
-        ((str(src), "--method", "fit"), ("--method fit needs calibration data", "--calibration")),
+        ((str(src), "--method", "fit", "--text-column", "body"), ("--text-column needs --calibration",)),
         ((str(src), "--method", "mean", "--calibration", str(TEXT)), ("--calibration is used only by",)),
         ((str(src), "--method", "aligned", "--calibration-tokens", "4096"), ("--calibration-tokens needs --calibration",)),
         ((str(src), "--method", "mean", "--grouping", "similarity"), ("--grouping is used only by",)),

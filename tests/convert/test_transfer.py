@@ -212,7 +212,7 @@ def test_transfer_options_are_refused_elsewhere(tmp_path):
             (["--transfer-patience", "0"], "--transfer-patience is used only by --method transfer"),
             (["--method", "transfer", "--calibration", str(TEXT), "--transfer-patience", "-1"],
              "--transfer-patience -1 must be 0 (never stop early) or more"),
-            (["--method", "transfer"], "--method transfer needs calibration data")):
+            (["--method", "transfer", "--text-column", "body"], "--text-column needs --calibration")):
         run_refused(tmp_path, "convert-gqa", "--groups", "2", str(src), "-o", out, *args, needles=(needle,))
 
 

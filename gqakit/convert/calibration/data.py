@@ -16,15 +16,17 @@ import torch
 from gqakit.common.errors import GqakitError, opt, renamed
 
 DEFAULT_WINDOW = 512
+SAMPLE_BATCH = 16  # samples drawn at once by data-free calibration (gqakit sample's default)
 
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationData:
-    path: str
+    path: str | None  # None: the model's own samples (`sampled`)
     windows: torch.Tensor  # (N, T) token ids; the last `heldout` windows score the merge
     heldout: int
     sha256: str  # of the token ids used (int64, little-endian), which pins text, tokenizer and cut
-    file_sha256: str  # of the calibration file's bytes (a folder: of its files' bytes in name order)
+    file_sha256: str | None  # of the calibration file's bytes (a folder: of its files' bytes in name order)
+    sampled: dict | None = None  # how the model's own samples were drawn: seed, temperature, top_p
 
     @property
     def window(self) -> int:
@@ -45,11 +47,9 @@ def _file_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_calibration(path: str, model_dir: Path, config: dict, tokens: int, window: int | None,
-                     text_column: str = "text") -> CalibrationData:
-    """Tokenize `path` with the tokenizer in `model_dir` into windows; one-line errors for every bad input."""
-    from gqakit.common.text import encode_documents, load_documents
-
+def calibration_window(config: dict, tokens: int, window: int | None) -> int:
+    """The calibration window (`window`, or min(512, the model's context)), checked against the context and the
+    token budget (two windows at least: calibration fits on some and scores on others)."""
     context = config.get("max_position_embeddings")
     window = (min(DEFAULT_WINDOW, context) if isinstance(context, int) and context > 0 else DEFAULT_WINDOW) \
         if window is None else window
@@ -61,6 +61,15 @@ def load_calibration(path: str, model_dir: Path, config: dict, tokens: int, wind
     if tokens < 2 * window:
         raise GqakitError(f"{opt('calibration_tokens', f'{tokens:,}')} is less than two {window}-token windows; "
                           f"calibration fits on some windows and scores on others: use at least {2 * window:,}")
+    return window
+
+
+def load_calibration(path: str, model_dir: Path, config: dict, tokens: int, window: int | None,
+                     text_column: str = "text") -> CalibrationData:
+    """Tokenize `path` with the tokenizer in `model_dir` into windows; one-line errors for every bad input."""
+    from gqakit.common.text import encode_documents, load_documents
+
+    window = calibration_window(config, tokens, window)
     source = Path(path)
     if not source.exists():
         raise GqakitError(f"calibration data {path} does not exist; pass a local .txt file or a .jsonl / .json / "
@@ -93,6 +102,32 @@ def load_calibration(path: str, model_dir: Path, config: dict, tokens: int, wind
         path=str(path), windows=windows, heldout=heldout_count(windows.shape[0]),
         sha256=hashlib.sha256(windows.to(torch.int64).numpy().tobytes()).hexdigest(), file_sha256=_file_hash(source),
     )
+
+
+def sample_calibration(model_dir: Path, config: dict, tokens: int, window: int | None, seed: int, device: str,
+                       progress: bool = True) -> CalibrationData:
+    """Data-free calibration: tokens // window windows of the model's own text, each a new document (its start
+    token, then window - 1 tokens drawn at temperature 1 from the full distribution: `gqakit sample`'s sampler),
+    deterministic for a seed on one machine. The model is loaded whole, on `device`, for the sampling."""
+    from tqdm.auto import tqdm
+
+    from gqakit.convert.calibration.sample import sampled_batches, start_token
+    from gqakit.hf.loading import load_model
+
+    window = calibration_window(config, tokens, window)
+    model, _ = load_model(str(model_dir), device=device, with_tokenizer=False)  # ids in, ids out: no text
+    start, count = start_token(model.config), tokens // window
+    rows = []
+    with tqdm(total=count * window, desc="sample", unit="tok", unit_scale=True, disable=not progress) as bar:
+        for ids in sampled_batches(model, start, count, window - 1, 1.0, 1.0, seed, SAMPLE_BATCH):
+            rows.append(torch.cat([torch.full((ids.shape[0], 1), start, dtype=ids.dtype), ids.cpu()], dim=1))
+            bar.update(rows[-1].numel())
+    del model
+    windows = torch.cat(rows)
+    return CalibrationData(
+        path=None, windows=windows, heldout=heldout_count(windows.shape[0]),
+        sha256=hashlib.sha256(windows.to(torch.int64).numpy().tobytes()).hexdigest(), file_sha256=None,
+        sampled={"seed": seed, "temperature": 1.0, "top_p": 1.0})
 
 
 def make_windows(ids: torch.Tensor, window: int, tokens: int) -> torch.Tensor:

@@ -57,12 +57,16 @@ class SampleConfig:
 
 
 def start_token(tokenizer) -> int:
-    """The token that begins a new document: BOS, or EOS (the document separator) where there is no BOS."""
+    """The token that begins a new document: BOS, or EOS (the document separator) where there is no BOS. Of a
+    tokenizer, or of a model's config where no text is read (data-free calibration)."""
     for name in ("bos_token_id", "eos_token_id"):
         value = getattr(tokenizer, name, None)
+        if isinstance(value, (list, tuple)):  # a config may list several end tokens
+            value = value[0] if value else None
         if value is not None:
             return int(value)
-    raise GqakitError("the tokenizer has neither a BOS nor an EOS token to start a document with; "
+    what = "tokenizer" if hasattr(tokenizer, "decode") else "model's config"
+    raise GqakitError(f"the {what} has neither a BOS nor an EOS token to start a document with; "
                       "pass calibration text with convert-gqa --calibration instead")
 
 
@@ -80,6 +84,15 @@ def sample_ids(model, start: int, count: int, length: int, temperature: float, t
     with torch.inference_mode():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config)
     return out[:, 1:]
+
+
+def sampled_batches(model, start: int, samples: int, length: int, temperature: float, top_p: float, seed: int,
+                    batch_size: int):
+    """`samples` rows of `length` sampled tokens (`sample_ids`), `batch_size` at a time, each batch reseeded from
+    `seed`, so a row depends on the seed and its batch alone: yields (count, length) id tensors."""
+    for b, first in enumerate(range(0, samples, batch_size)):
+        count = min(batch_size, samples - first)
+        yield sample_ids(model, start, count, length, temperature, top_p, seed * 1_000_003 + b)
 
 
 def sample(cfg: SampleConfig) -> dict:
@@ -104,12 +117,11 @@ def sample(cfg: SampleConfig) -> dict:
     bar = tqdm(total=samples * cfg.length, desc="sample", unit="tok", unit_scale=True, disable=not cfg.progress)
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
-            for b, first in enumerate(range(0, samples, cfg.batch_size)):
-                count = min(cfg.batch_size, samples - first)
-                ids = sample_ids(model, start, count, cfg.length, cfg.temperature, cfg.top_p, cfg.seed * 1_000_003 + b)
+            for ids in sampled_batches(model, start, samples, cfg.length, cfg.temperature, cfg.top_p, cfg.seed,
+                                       cfg.batch_size):
                 for row in ids.tolist():
                     fh.write(json.dumps({"text": tokenizer.decode(row, skip_special_tokens=True)}) + "\n")
-                bar.update(count * cfg.length)
+                bar.update(ids.numel())
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)

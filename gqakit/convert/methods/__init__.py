@@ -27,7 +27,7 @@ class Method:
     help: str  # one clause for --help
     pooling: str | None = None  # head-wise: "mean" | "first" | "random" (methods.pooling)
     merge: dict | None = None  # layer-wise: the options of align.align_and_merge_layer
-    calibration: str = "no"  # "no" | "optional" | "required": --calibration DATA
+    calibration: str = "no"  # "no" | "optional" | "required" (without --calibration DATA: the model's own samples)
     card_note: str | None = None  # what the model card says the merge did (layer-wise methods)
     transfer: bool = False  # then trained per layer to reproduce the original attention (methods.transfer)
 
@@ -62,14 +62,14 @@ METHODS = {m.name: m for m in (
            card_note="each group's heads rotated into a common frame (per-RoPE-pair rotations of keys, orthogonal "
                      "maps of values, exact reparametrisations), averaged, then each head's map refitted by least "
                      "squares"),
-    Method("fit", "least squares on calibration activations; needs --calibration",
+    Method("fit", "least squares on calibration activations (--calibration TEXT, or the model's own samples)",
            merge={"align": True, "merge": "pca", "restore": "refit"},
            calibration="required",
            card_note="the shared K/V head that minimises each head's attention-logit and value error on calibration "
                      "activations (closed-form least squares per RoPE pair and value subspace), each head's map "
                      "refitted"),
     Method("transfer", "fit, then train each layer's merged K/V to reproduce the original attention's output "
-                       "(attention transfer); needs --calibration",
+                       "(attention transfer), calibrated as fit is",
            merge={"align": True, "merge": "pca", "restore": "refit"},
            calibration="required", transfer=True,
            card_note="a calibrated merge (fit, least squares on calibration activations, unless the transfer row "
