@@ -101,8 +101,16 @@ def chunked_window_nll(model, window: torch.Tensor, targets_from: int, chunk: in
         end = min(start + chunk, length)
         first = max(start, targets_from - 1)  # the first column whose logits this chunk must keep
         keep = end - first if first < min(end, length - 1) else 1
-        logits = model(input_ids=window[:, start:end], **{name: cache}, use_cache=True,
-                       logits_to_keep=keep).logits[0].float()  # (keep, V)
+        try:
+            logits = model(input_ids=window[:, start:end], **{name: cache}, use_cache=True,
+                           logits_to_keep=keep).logits[0].float()  # (keep, V)
+        except ValueError as e:
+            if "Group size" not in str(e):  # optimum-quanto's groups must tile the K/V tensor it quantizes
+                raise
+            raise GqakitError(f"{opt('kv_cache', kind)}: optimum-quanto quantizes K/V in groups of "
+                              f"{QUANTO['q_group_size']} values, which {end} tokens of this model's K/V do not "
+                              f"fill ({e}); choose {opt('max_length')}, {opt('max_tokens')} and "
+                              f"{opt('kv_chunk')} so that every chunk and window ends on a multiple") from None
         if first < min(end, length - 1):
             last = min(end, length - 1)  # the window's last column predicts nothing inside it
             logp = torch.log_softmax(logits[: last - first], dim=-1)
