@@ -39,6 +39,10 @@ def parse_depths(spec: str) -> list[float]:
     return list(dict.fromkeys(out))
 
 
+KV_CACHES = ("dense", "fp8", "int4", "int2")  # `eval ppl --kv-cache`: evaluate/kvcache.py
+DEFAULT_KV_CHUNK = 128
+
+
 def _policies(spec: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in spec.split(",") if p.strip())
 
@@ -111,16 +115,27 @@ class PplConfig:
     target_column: str | None = option(None, help="encoder-decoders with --dataset: score this column's text given "
                                                   "--text-column's as the encoder input, row by row",
                                            default_text="T5's span corruption of the text")
-    max_tokens: int | None = option(None, help="score only the first N tokens of the text")
+    max_tokens: int | None = option(None, help="score only the first N tokens of the text; 0 = the whole text",
+                                    default_text="the whole text")
     max_length: int | None = option(None, help="window in model positions",
                                     default_text="1024, or the smallest model context if shorter")
     stride: int | None = option(None, help="window step in tokens; smaller = more context per token",
                                 default_text="disjoint windows")
     bos: bool = option(False, help="prefix each window with BOS and score its first text token too")
+    bootstrap: int = option(1000, help="resamples of windows for the 95%% bootstrap interval of the perplexity")
+    seed: int = option(0, help="seed of the bootstrap resampling")
     attention: str | None = _attention()
     window: int | None = _window()
     sinks: int | None = _sinks()
     attention_option: tuple[str, ...] = _attention_option()
+    kv_cache: str | None = option(None, choices=KV_CACHES,
+                                  help="feed each window through transformers' KV cache, in --kv-chunk chunks: "
+                                       "dense (DynamicCache), fp8 (QuantizedCache, float8_e4m3fn), int4 / int2 "
+                                       "(QuantizedCache with optimum-quanto, group 64, 128 recent tokens kept at "
+                                       "full precision)",
+                                  default_text="none: one forward per window")
+    kv_chunk: int | None = option(None, help="tokens per forward with --kv-cache; later tokens read the cached past",
+                                  default_text=str(DEFAULT_KV_CHUNK))
     dtype: str = _dtype()
     device: str = _device()
     tokenizer: str | None = _tokenizer()

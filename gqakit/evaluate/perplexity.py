@@ -25,17 +25,30 @@ from tqdm.auto import tqdm
 
 from gqakit.common.attention_kinds import DEFAULT, command_attention_options, position_bias_refusal
 from gqakit.common.errors import GqakitError, opt
+from gqakit.evaluate.kvcache import DEFAULT_CHUNK, chunked_window_nll, settings
 from gqakit.evaluate.options import PplConfig
+from gqakit.evaluate.spread import bootstrap_interval, window_spread
+
+
+@dataclasses.dataclass
+class Scored:
+    """What one model scored: summed NLL (nats) and count of scored tokens, and the same per window (one forward:
+    a strided window, a span-corrupted window, an input/target row), in order; with a `--kv-cache`, the bytes per
+    token that the cache held after the first (full-length) window."""
+
+    nll: float
+    count: int
+    window_nll: list[float]
+    window_tokens: list[int]
+    kv_bytes_held_per_token: float | None = None
 
 
 @torch.no_grad()
-def strided_nll(model, input_ids: torch.Tensor, max_length: int, stride: int | None = None,
-                progress: bool = True, bos: int | None = None) -> tuple[float, int]:
-    """Summed negative log-likelihood (nats) and the number of scored tokens of a 1-D token tensor.
-
-    `max_length` counts the model's input positions (BOS included when `bos` is given); `stride`
-    defaults to the text tokens per window (disjoint windows). See the module docstring.
-    """
+def strided_windows(model, input_ids: torch.Tensor, max_length: int, stride: int | None = None,
+                    progress: bool = True, bos: int | None = None, kv_cache: str | None = None,
+                    kv_chunk: int | None = None) -> Scored:
+    """`strided_nll` window by window. With `kv_cache` (dense, fp8, int4, int2), each window is fed through a
+    fresh cache of that kind in chunks of `kv_chunk` tokens (`kvcache.chunked_window_nll`) instead of one forward."""
     if input_ids.dim() != 1:
         raise ValueError(f"input_ids must be 1-D, got shape {tuple(input_ids.shape)}")
     lead = 0 if bos is None else 1  # the BOS column in front of each window
@@ -51,6 +64,7 @@ def strided_nll(model, input_ids: torch.Tensor, max_length: int, stride: int | N
     device = next(model.parameters()).device
     prefix = torch.full((lead,), -1 if bos is None else bos, dtype=input_ids.dtype)
     total, count, prev_end = 0.0, 0, 0
+    window_nll, window_tokens, held = [], [], None
     starts = range(0, n, stride)
     for begin in tqdm(starts, desc="perplexity", unit="window", disable=not progress, leave=False):
         end = min(begin + span, n)
@@ -58,25 +72,44 @@ def strided_nll(model, input_ids: torch.Tensor, max_length: int, stride: int | N
         # Targets are text indices j in [first, end) not scored before; without BOS a window's own first
         # token has no context. Text index j sits in column j - begin + lead, predicted by the column before.
         first = max(prev_end, begin + 1 - lead)
-        if first < end:
+        if first < end and kv_cache is not None:
+            nll, scored, per_token = chunked_window_nll(model, window, first - begin + lead,
+                                                        kv_chunk or DEFAULT_CHUNK, kv_cache)
+            held = per_token if held is None else held  # the first window is a full one
+            total += nll
+            count += scored
+            window_nll.append(nll)
+            window_tokens.append(scored)
+        elif first < end:
             logits = model(input_ids=window, logits_to_keep=end - first + 1).logits[0, :-1].float()  # (end - first, V)
             logp = torch.log_softmax(logits, dim=-1)
             targets = input_ids[first:end].to(device)
-            total -= logp.gather(-1, targets[:, None]).sum().item()
+            summed = logp.gather(-1, targets[:, None]).sum().item()
+            total -= summed
             count += end - first
+            window_nll.append(-summed)
+            window_tokens.append(end - first)
         prev_end = end
         if end == n:
             break
-    return total, count
+    return Scored(total, count, window_nll, window_tokens, held)
+
+
+def strided_nll(model, input_ids: torch.Tensor, max_length: int, stride: int | None = None,
+                progress: bool = True, bos: int | None = None) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) and the number of scored tokens of a 1-D token tensor.
+
+    `max_length` counts the model's input positions (BOS included when `bos` is given); `stride`
+    defaults to the text tokens per window (disjoint windows). See the module docstring.
+    """
+    scored = strided_windows(model, input_ids, max_length, stride, progress, bos)
+    return scored.nll, scored.count
 
 
 @torch.no_grad()
-def span_corruption_nll(model, input_ids: torch.Tensor, window: int, tokenizer, seed: int = 0,
-                        batch_size: int = 8, progress: bool = True) -> tuple[float, int]:
-    """An encoder-decoder's summed NLL (nats) and count of target tokens under T5's span corruption: the text cut
-    into disjoint windows of `window` tokens (a shorter tail is dropped), each corrupted with masks that depend on
-    its tokens and `seed` only (`common.span_corruption.corrupt_rows`, with the tokenizer's sentinels and EOS),
-    every target token scored (sentinels and EOS included), given the corrupted input and the earlier targets."""
+def span_corruption_windows(model, input_ids: torch.Tensor, window: int, tokenizer, seed: int = 0,
+                            batch_size: int = 8, progress: bool = True) -> Scored:
+    """`span_corruption_nll` window by window (a window = one corrupted row)."""
     from gqakit.common.span_corruption import corrupt_rows, sentinel_ids
     from gqakit.common.text import eos_id
 
@@ -87,27 +120,49 @@ def span_corruption_nll(model, input_ids: torch.Tensor, window: int, tokenizer, 
         raise ValueError(f"text has {input_ids.numel()} token(s), fewer than one window of {window}")
     sentinels, eos = sentinel_ids(tokenizer), eos_id(tokenizer)
     device = next(model.parameters()).device
-    total, count = 0.0, 0
+    total, count, window_nll, window_tokens = 0.0, 0, [], []
     starts = range(0, len(rows), batch_size)
     for b in tqdm(starts, desc="perplexity", unit="batch", disable=not progress, leave=False):
         inputs, targets = (t.to(device) for t in corrupt_rows(rows[b : b + batch_size], sentinels, eos, seed))
         logits = model(input_ids=inputs, labels=targets).logits.float()
         total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
         count += targets.numel()
-    return total, count
+        per_row = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # (B, T)
+        window_nll.extend(per_row.sum(dim=1).tolist())
+        window_tokens.extend([targets.shape[1]] * targets.shape[0])
+    return Scored(total, count, window_nll, window_tokens)
+
+
+def span_corruption_nll(model, input_ids: torch.Tensor, window: int, tokenizer, seed: int = 0,
+                        batch_size: int = 8, progress: bool = True) -> tuple[float, int]:
+    """An encoder-decoder's summed NLL (nats) and count of target tokens under T5's span corruption: the text cut
+    into disjoint windows of `window` tokens (a shorter tail is dropped), each corrupted with masks that depend on
+    its tokens and `seed` only (`common.span_corruption.corrupt_rows`, with the tokenizer's sentinels and EOS),
+    every target token scored (sentinels and EOS included), given the corrupted input and the earlier targets."""
+    scored = span_corruption_windows(model, input_ids, window, tokenizer, seed, batch_size, progress)
+    return scored.nll, scored.count
 
 
 @torch.no_grad()
+def pair_windows(model, pairs: list[tuple[torch.Tensor, torch.Tensor]], progress: bool = True) -> Scored:
+    """`pair_nll` pair by pair (a window = one pair)."""
+    device = next(model.parameters()).device
+    total, count, window_nll, window_tokens = 0.0, 0, [], []
+    for inputs, targets in tqdm(pairs, desc="perplexity", unit="pair", disable=not progress, leave=False):
+        logits = model(input_ids=inputs[None].to(device), labels=targets[None].to(device)).logits[0].float()
+        nll = torch.nn.functional.cross_entropy(logits, targets.to(device), reduction="sum").item()
+        total += nll
+        count += targets.numel()
+        window_nll.append(nll)
+        window_tokens.append(targets.numel())
+    return Scored(total, count, window_nll, window_tokens)
+
+
 def pair_nll(model, pairs: list[tuple[torch.Tensor, torch.Tensor]], progress: bool = True) -> tuple[float, int]:
     """An encoder-decoder's summed NLL (nats) and count of target tokens over (input ids, target ids) pairs: each
     target scored token by token given its input and its earlier tokens, one pair per forward."""
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for inputs, targets in tqdm(pairs, desc="perplexity", unit="pair", disable=not progress, leave=False):
-        logits = model(input_ids=inputs[None].to(device), labels=targets[None].to(device)).logits[0].float()
-        total += torch.nn.functional.cross_entropy(logits, targets.to(device), reduction="sum").item()
-        count += targets.numel()
-    return total, count
+    scored = pair_windows(model, pairs, progress)
+    return scored.nll, scored.count
 
 
 def encode_pairs(rows: list[tuple[str, str]], tok, max_length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -142,10 +197,27 @@ def perplexity(model, input_ids: torch.Tensor, max_length: int, stride: int | No
 def _check(cfg: PplConfig) -> None:
     if not cfg.models:
         raise GqakitError("give at least one MODEL folder")
-    for name in ("max_tokens", "max_length", "stride"):
+    if cfg.max_tokens is not None and cfg.max_tokens < 0:
+        raise GqakitError(f"{opt('max_tokens')} must be a number of tokens (0 = the whole text), got {cfg.max_tokens}")
+    for name in ("max_length", "stride"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise GqakitError(f"{opt(name)} must be a positive number of tokens, got {value}")
+    if cfg.bootstrap < 1:
+        raise GqakitError(f"{opt('bootstrap')} must be a positive number of resamples, got {cfg.bootstrap}")
+    if cfg.kv_chunk is not None and cfg.kv_cache is None:
+        raise GqakitError(f"{opt('kv_chunk')} only applies with {opt('kv_cache')}; drop it or choose a cache")
+    if cfg.kv_chunk is not None and cfg.kv_chunk < 1:
+        raise GqakitError(f"{opt('kv_chunk')} must be a positive number of tokens, got {cfg.kv_chunk}")
+    if cfg.kv_cache is not None:
+        from gqakit.common.attention_kinds import LONG_CONTEXT
+        from gqakit.evaluate.kvcache import check_backend
+
+        if cfg.attention in LONG_CONTEXT:
+            raise GqakitError(f"{opt('kv_cache', cfg.kv_cache)} keeps every token in a full transformers cache, "
+                              f"which {opt('attention', cfg.attention)}'s bounded window does not read; drop one "
+                              f"of them")
+        check_backend(cfg.kv_cache)
     if cfg.max_length is not None and cfg.max_length < 2:
         raise GqakitError(f"{opt('max_length', cfg.max_length)} is too short; a window needs at least 2 positions")
     if cfg.target_column is not None and cfg.dataset is None:
@@ -165,6 +237,9 @@ def resolve_window(cfg: PplConfig, contexts: list[int | None]) -> tuple[int, int
         what = opt("max_length", max_length) + (" minus the BOS column" if cfg.bos else "")
         raise GqakitError(f"{opt('stride', stride)} is longer than a window ({span} text tokens = {what}); "
                           f"use {opt('stride')} <= {span}, or leave it out for disjoint windows")
+    if cfg.kv_chunk is not None and cfg.kv_chunk > max_length:
+        raise GqakitError(f"{opt('kv_chunk', cfg.kv_chunk)} is longer than a window of {max_length} positions; "
+                          f"use {opt('kv_chunk')} <= {max_length}")
     return max_length, stride
 
 
@@ -198,6 +273,9 @@ def _check_seq2seq(cfg: PplConfig, kinds: list[bool | None]) -> None:
         raise GqakitError(_MIXED)
     if cfg.attention not in (None, DEFAULT):
         raise GqakitError(f"{position_bias_refusal('the encoder-decoder', cfg.attention)}, or drop {opt('attention')}")
+    if cfg.kv_cache is not None:
+        raise GqakitError(f"{opt('kv_cache')} scores a decoder's text through its self-attention cache; "
+                          f"encoder-decoders are scored in one forward per window: drop {opt('kv_cache')}")
     for name in ("stride", "bos"):
         if getattr(cfg, name):
             raise GqakitError(f"{opt(name)} does not apply to encoder-decoders, which are scored on T5's span "
@@ -213,37 +291,47 @@ def _bos_id(tok, model) -> int:
     return int(bos)
 
 
-def format_table(rows: list[dict], dtype: str = "float32") -> str:
-    """A markdown table: model, K/V heads, KV-cache bytes per token at `dtype`, perplexity, scored tokens."""
+def format_table(rows: list[dict], dtype: str = "float32", kv_cache: str | None = None) -> str:
+    """A markdown table: model, K/V heads, KV-cache bytes per token (at `dtype`; with a `kv_cache`, the bytes
+    that cache held, measured), perplexity, scored tokens, windows, per-window perplexity range, 95% interval."""
     from gqakit.hf.loading import kv_heading
 
-    lines = [f"| model | K/V heads | {kv_heading(dtype)} | perplexity | scored tokens |", "|---|---|---|---|---|"]
+    heading = kv_heading(dtype) if kv_cache is None else f"KV-cache bytes/token held ({kv_cache} cache, measured)"
+    lines = [f"| model | K/V heads | {heading} | perplexity | scored tokens | windows | window perplexity "
+             "(min-max) | 95% interval |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['kv_heads']} | {r['kv_bytes_per_token']:,} | {r['perplexity']:.3f} "
-                     f"| {r['scored_tokens']:,} |")
+        kv = r["kv_bytes_per_token"] if kv_cache is None else r["kv_bytes_held_per_token"]
+        lines.append(f"| {r['model']} | {r['kv_heads']} | {kv:,.{0 if kv_cache is None else 1}f} "
+                     f"| {r['perplexity']:.3f} | {r['scored_tokens']:,} | {r['windows']:,} "
+                     f"| {r['window_ppl_min']:.3f}-{r['window_ppl_max']:.3f} "
+                     f"| {r['ppl_ci_low']:.3f}-{r['ppl_ci_high']:.3f} |")
     return "\n".join(lines)
 
 
 def _score(cfg: PplConfig, model, tok, path: str, documents: list, max_length: int, stride: int
-           ) -> tuple[str, int, float, int]:
-    """(objective, text tokens, summed NLL, scored tokens) of one model: next tokens of the text (a decoder), or an
+           ) -> tuple[str, int, Scored]:
+    """(objective, text tokens, what was scored) of one model: next tokens of the text (a decoder), or an
     encoder-decoder's span-corruption targets of it, or the targets of the dataset's input/target rows."""
     from gqakit.common.text import encode_documents
 
     if cfg.target_column is not None:
         pairs = encode_pairs(documents, tok, max_length)
-        nll, count = pair_nll(model, pairs, cfg.progress)
-        return "targets_given_inputs", sum(a.numel() + b.numel() for a, b in pairs), nll, count
-    ids = encode_documents(documents, tok, cfg.max_tokens)
+        return "targets_given_inputs", sum(a.numel() + b.numel() for a, b in pairs), pair_windows(model, pairs,
+                                                                                                  cfg.progress)
+    ids = encode_documents(documents, tok, cfg.max_tokens or None)  # 0 or None: the whole text
     span = max_length - (1 if cfg.bos else 0)
     if ids.numel() < span:
         raise GqakitError(f"the text has {ids.numel():,} tokens ({Path(path).name}'s tokenizer), shorter than "
                           f"one window of {span:,}; pass a longer text or {opt('max_length')} <= {ids.numel()}")
     if model.config.is_encoder_decoder:
-        nll, count = span_corruption_nll(model, ids, max_length, tok, progress=cfg.progress)
-        return "span_corruption", ids.numel(), nll, count
+        return "span_corruption", ids.numel(), span_corruption_windows(model, ids, max_length, tok,
+                                                                       progress=cfg.progress)
     bos = _bos_id(tok, model) if cfg.bos else None
-    return ("next_token", ids.numel(), *strided_nll(model, ids, max_length, stride, cfg.progress, bos))
+    return "next_token", ids.numel(), strided_windows(model, ids, max_length, stride, cfg.progress, bos,
+                                                      cfg.kv_cache, cfg.kv_chunk)
+
+
+_JSON_ONLY = ("attention_options", "kv_cache_settings", "window_nll", "window_tokens")  # not CSV columns
 
 
 def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
@@ -276,16 +364,24 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
         _check_seq2seq(cfg, [seq2seq])
         in_force = {} if seq2seq else apply_attention(model, cfg.attention, options)
         t0 = time.perf_counter()
-        objective, text_tokens, nll, count = _score(cfg, model, tok, path, documents, max_length, stride)
+        objective, text_tokens, scored = _score(cfg, model, tok, path, documents, max_length, stride)
         seconds = time.perf_counter() - t0
+        nll, count = scored.nll, scored.count
+        low, high = bootstrap_interval(scored.window_nll, scored.window_tokens, cfg.bootstrap, cfg.seed)
         rows.append({"model": name, "path": str(path), **describe(model), "objective": objective,
                      "attention": cfg.attention or "default", "attention_options": in_force,
                      "text_tokens": text_tokens, "scored_tokens": count, "nll": nll,
-                     "perplexity": math.exp(nll / count), "seconds": round(seconds, 3)})
+                     "perplexity": math.exp(nll / count), "seconds": round(seconds, 3),
+                     **window_spread(scored.window_nll, scored.window_tokens), "ppl_ci_low": low, "ppl_ci_high": high,
+                     "kv_cache": cfg.kv_cache or "none",
+                     "kv_cache_settings": settings(cfg.kv_cache) if cfg.kv_cache else {},
+                     "kv_chunk": (cfg.kv_chunk or DEFAULT_CHUNK) if cfg.kv_cache else None,
+                     "kv_bytes_held_per_token": scored.kv_bytes_held_per_token,
+                     "window_nll": scored.window_nll, "window_tokens": scored.window_tokens})
         print(f"  {rows[-1]['model']}: perplexity {rows[-1]['perplexity']:.3f} over {count:,} tokens "
               f"({seconds:.1f}s)", file=out, flush=True)
         del model
-    print(format_table(rows, rows[0]["dtype"]), file=out)
+    print(format_table(rows, rows[0]["dtype"], cfg.kv_cache), file=out)
     if rows[0]["objective"] == "targets_given_inputs":
         print(f"(encoder-decoders: each row's {cfg.target_column!r} given its {cfg.text_column!r}, both ending in EOS; "
               f"perplexity over the target tokens; {cfg.dtype})", file=out)
@@ -295,10 +391,16 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     else:
         print(f"(windows of {max_length} positions, stride {stride}, {'BOS-prefixed' if cfg.bos else 'no BOS'}, "
               f"{cfg.dtype})", file=out)
-    record = {"max_length": max_length, "stride": stride, "rows": rows}
-    csv_rows = [{k: v for k, v in r.items() if k != "attention_options"} for r in rows]
+    if cfg.kv_cache:
+        print(f"(each window fed through a fresh {cfg.kv_cache} cache, {rows[0]['kv_chunk']} tokens per forward; "
+              f"bytes held = every tensor of every cache layer after the first window / its positions)", file=out)
+    print(f"(95% interval: percentile bootstrap over windows, {cfg.bootstrap} resamples, seed {cfg.seed})", file=out)
+    record = {"max_length": max_length, "stride": stride, "bootstrap": cfg.bootstrap, "seed": cfg.seed,
+              "rows": rows}
+    csv_rows = [{k: v for k, v in r.items() if k not in _JSON_ONLY} for r in rows]
+    plotted = rows if not cfg.kv_cache else [{**r, "kv_bytes_per_token": r["kv_bytes_held_per_token"]} for r in rows]
     written = report.write_report(target, kind="ppl", command=command, config=dataclasses.asdict(cfg),
                                   results=record, rows=csv_rows, force=cfg.force,
-                                  plots={"ppl_vs_kv_bytes.png": lambda p: plots.ppl_vs_kv_bytes(rows, p)})
+                                  plots={"ppl_vs_kv_bytes.png": lambda p: plots.ppl_vs_kv_bytes(plotted, p)})
     print(f"wrote {written}", file=out)
     return record

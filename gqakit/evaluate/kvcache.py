@@ -1,0 +1,118 @@
+"""Perplexity under a quantized KV cache, through transformers' own cache classes (`eval ppl --kv-cache`).
+
+Each window is fed through a fresh cache in chunks of `chunk` tokens, so that every token after the first chunk
+attends to keys and values read back from the cache (quantized, for fp8 / int4 / int2), as in decoding:
+
+- dense: `DynamicCache` (K and V at the compute dtype); scores equal one plain forward per window;
+- fp8: `QuantizedCache(backend="fp8")`, float8_e4m3fn with one scale per tensor, frozen at the first update;
+- int4 / int2: `QuantizedCache(backend="quanto")` (optimum-quanto), KIVI-style: group-wise (q_group_size 64)
+  integers, the most recent tokens (up to residual_length 128) kept at full precision.
+
+`held_bytes(cache)` counts what a cache actually holds (see its docstring); the report's bytes per token is that
+total over every layer divided by the tokens in the cache, measured on the first full-length window.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import torch
+
+from gqakit.common.errors import GqakitError, opt
+from gqakit.evaluate.options import DEFAULT_KV_CHUNK as DEFAULT_CHUNK, KV_CACHES  # noqa: F401 (one declaration)
+QUANTO = {"q_group_size": 64, "residual_length": 128}  # transformers' defaults, written out (KIVI's group / residual)
+EXTRA = 'pip install "gqakit[kvquant]"'
+
+
+def quanto_available() -> bool:
+    try:
+        return importlib.util.find_spec("optimum.quanto") is not None
+    except ModuleNotFoundError:  # no `optimum` at all
+        return False
+
+
+def check_backend(kind: str) -> None:
+    """One line when `kind` needs a backend that is not installed."""
+    if kind in ("int4", "int2") and not quanto_available():
+        raise GqakitError(f"{opt('kv_cache', kind)} quantizes with optimum-quanto, which is not installed; "
+                          f"{EXTRA}")
+
+
+def settings(kind: str) -> dict:
+    """What the report records about the cache: its class, backend and quantization settings."""
+    if kind == "dense":
+        return {"class": "DynamicCache"}
+    if kind == "fp8":
+        return {"class": "QuantizedCache", "backend": "fp8", "dtype": "float8_e4m3fn", "scale": "per tensor"}
+    return {"class": "QuantizedCache", "backend": "quanto", "nbits": int(kind[3:]), **QUANTO}
+
+
+def make_cache(kind: str, config):
+    """A fresh, empty cache of `kind` for a model with `config`."""
+    from transformers import DynamicCache, QuantizedCache
+
+    if kind == "dense":
+        return DynamicCache(config=config)
+    check_backend(kind)
+    try:
+        if kind == "fp8":
+            return QuantizedCache(backend="fp8", config=config)
+        return QuantizedCache(backend="quanto", config=config, nbits=int(kind[3:]), **QUANTO)
+    except ValueError as e:  # e.g. sliding-window layers: QuantizedCache holds full attention only
+        raise GqakitError(f"{opt('kv_cache', kind)}: transformers' QuantizedCache refuses this model: "
+                          f"{str(e).splitlines()[0]}; use {opt('kv_cache', 'dense')}") from None
+
+
+def _tensors(obj, seen: set) -> int:
+    """Bytes of every tensor reachable from `obj` (tensor subclasses by their inner tensors, tuples, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in seen:
+            return 0
+        seen.add(id(obj))
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):  # e.g. quanto's packed tensors
+            names, _ = obj.__tensor_flatten__()
+            return sum(_tensors(getattr(obj, name), seen) for name in names)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensors(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return sum(_tensors(x, seen) for x in obj.values())
+    return 0
+
+
+def held_bytes(cache) -> int:
+    """Bytes held by every layer of `cache`: each tensor attribute of a layer, quantized data, scales, zero points
+    (shifts) and the full-precision residual included; for a dense cache, its K and V tensors."""
+    seen: set = set()
+    return sum(_tensors(vars(layer), seen) for layer in cache.layers)
+
+
+@torch.no_grad()
+def chunked_window_nll(model, window: torch.Tensor, targets_from: int, chunk: int, kind: str
+                       ) -> tuple[float, int, float]:
+    """(summed NLL of window[0, targets_from:], its token count, bytes held per token) of a (1, L) window fed
+    through a fresh `kind` cache in chunks of `chunk` tokens; column j is predicted by column j - 1's logits."""
+    length = window.shape[1]
+    cache = make_cache(kind, model.config)
+    # transformers 5.24 names the argument `cache` (`past_key_values` is deprecated); older 5.x take only the latter
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    total = 0.0
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        first = max(start, targets_from - 1)  # the first column whose logits this chunk must keep
+        keep = end - first if first < min(end, length - 1) else 1
+        try:
+            logits = model(input_ids=window[:, start:end], **{name: cache}, use_cache=True,
+                           logits_to_keep=keep).logits[0].float()  # (keep, V)
+        except ValueError as e:
+            if "Group size" not in str(e):  # optimum-quanto's groups must tile the K/V tensor it quantizes
+                raise
+            raise GqakitError(f"{opt('kv_cache', kind)}: optimum-quanto quantizes K/V in groups of "
+                              f"{QUANTO['q_group_size']} values, which {end} tokens of this model's K/V do not "
+                              f"fill ({e}); choose {opt('max_length')}, {opt('max_tokens')} and "
+                              f"{opt('kv_chunk')} so that every chunk and window ends on a multiple") from None
+        if first < min(end, length - 1):
+            last = min(end, length - 1)  # the window's last column predicts nothing inside it
+            logp = torch.log_softmax(logits[: last - first], dim=-1)
+            total -= logp.gather(-1, window[0, first + 1 : last + 1, None]).sum().item()
+    return total, length - targets_from, held_bytes(cache) / length

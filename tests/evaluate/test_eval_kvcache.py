@@ -1,0 +1,145 @@
+"""`gqakit eval ppl --kv-cache`: scoring each window through transformers' caches in chunks equals the plain
+forward for the dense cache, the bytes held are measured from the cache's tensors, and the refusals are one line
+through the console script. int4 / int2 need optimum-quanto (the `kvquant` extra)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cli_contract import run_cli, run_refused
+from eval_tiny import checkpoint, run_eval, text, tiny_llama, tokenizer
+from gqakit.common import report
+from gqakit.evaluate.kvcache import held_bytes, make_cache
+from gqakit.evaluate.perplexity import strided_windows
+from gqakit.hf.loading import kv_bytes_per_token
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab=64, max_positions=128)
+
+
+def ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 48])
+@pytest.mark.parametrize("bos,stride", [(None, 48), (None, 20), (1, 47)])
+def test_dense_chunks_equal_the_plain_forward(model, chunk, bos, stride):
+    x = ids(130, seed=1)
+    plain = strided_windows(model, x, 48, stride, progress=False, bos=bos)
+    cached = strided_windows(model, x, 48, stride, progress=False, bos=bos, kv_cache="dense", kv_chunk=chunk)
+    assert cached.window_tokens == plain.window_tokens and cached.count == plain.count
+    assert cached.window_nll == pytest.approx(plain.window_nll, abs=1e-4)
+    assert cached.nll == pytest.approx(plain.nll, abs=1e-4)
+
+
+def test_dense_bytes_held_equal_the_config_figure(model):
+    scored = strided_windows(model, ids(100), 48, progress=False, kv_cache="dense", kv_chunk=16)
+    assert scored.kv_bytes_held_per_token == kv_bytes_per_token(model.config, torch.float32) == 2 * 2 * 2 * 8 * 4
+
+
+def test_fp8_holds_a_quarter_plus_its_scales(model):
+    scored = strided_windows(model, ids(100), 48, progress=False, kv_cache="fp8", kv_chunk=16)
+    # one byte per value, plus one fp32 scale per K and V tensor of each layer, over the window's 48 positions
+    assert scored.kv_bytes_held_per_token == pytest.approx(2 * 2 * 2 * 8 + 2 * 2 * 4 / 48)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int2"])
+def test_quanto_holds_fewer_bytes(model, kind):
+    pytest.importorskip("optimum.quanto")
+    x = ids(300)
+    scored = strided_windows(model, x, 300, progress=False, kv_cache=kind, kv_chunk=128)
+    dense = kv_bytes_per_token(model.config, torch.float32)
+    assert scored.kv_bytes_held_per_token < dense
+    cache = make_cache(kind, model.config)
+    with torch.no_grad():
+        model(input_ids=x[None], cache=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert held_bytes(cache) > 0 and type(layer._quantized_keys).__name__ == "WeightQBitsTensor"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    tok = tokenizer()
+    root = tmp_path_factory.mktemp("kv")
+    (root / "text.txt").write_text(text(400, seed=2), encoding="utf-8")
+    return {"root": root, "text": root / "text.txt", "model": checkpoint(root / "m", tok)}
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4"])
+def test_report_states_the_bytes_held(files, kind):
+    if kind == "int4":
+        pytest.importorskip("optimum.quanto")
+    out_dir = files["root"] / kind
+    # 256 tokens = 4 full windows: each chunk's K/V (2 heads of 8) fills whole groups of 64 for optimum-quanto
+    code, out, err = run_eval("ppl", files["model"], "--text", files["text"], "--max-length", 64, "--max-tokens", 256,
+                              "--kv-cache", kind, "--kv-chunk", 24, "-o", out_dir, "-q")
+    assert code == 0, err
+    row = report.read_report(out_dir)["results"]["rows"][0]
+    assert row["kv_cache"] == kind and row["kv_chunk"] == 24
+    assert row["kv_cache_settings"]["class"] == ("DynamicCache" if kind == "dense" else "QuantizedCache")
+    if kind == "dense":
+        assert row["kv_bytes_held_per_token"] == row["kv_bytes_per_token"]
+    else:
+        assert row["kv_cache_settings"] == {"class": "QuantizedCache", "backend": "quanto", "nbits": 4,
+                                            "q_group_size": 64, "residual_length": 128}
+        assert row["kv_bytes_held_per_token"] < row["kv_bytes_per_token"]
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert f"| KV-cache bytes/token held ({kind} cache, measured) |" in table[0]
+    assert table[1].split(" | ")[2] == f"{row['kv_bytes_held_per_token']:,.1f}"
+
+
+def test_unknown_cache_is_argparses_usual_error(files, tmp_path):
+    result = run_cli("gqakit", "eval", "ppl", str(files["model"]), "--text", str(files["text"]), "--kv-cache", "int3",
+                     "-o", str(tmp_path / "r"), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "gqakit eval ppl: error: argument --kv-cache: invalid choice: 'int3'" in result.stderr
+    assert not (tmp_path / "r").exists()
+
+
+REFUSED = [
+    (["--kv-cache", "dense", "--kv-chunk", "0"], ("--kv-chunk must be a positive number of tokens, got 0",)),
+    (["--kv-cache", "dense", "--kv-chunk", "65"], ("--kv-chunk 65 is longer than a window of 64 positions",)),
+    (["--kv-chunk", "16"], ("--kv-chunk only applies with --kv-cache",)),
+    (["--kv-cache", "fp8", "--attention", "sinks"], ("--kv-cache fp8", "--attention sinks", "drop one")),
+    (["--kv-cache", "dense", "--attention", "sliding", "--window", "8"], ("--attention sliding",)),
+]
+
+
+@pytest.mark.parametrize("argv, needles", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_refusals_are_one_line(files, tmp_path, argv, needles):
+    run_refused([files["root"], tmp_path], "gqakit", "eval", "ppl", str(files["model"]), "--text",
+                str(files["text"]), "--max-length", "64", "-q", "-o", str(tmp_path / "r"), *argv, cwd=tmp_path,
+                needles=needles)
+
+
+def test_missing_backend_names_the_extra(files, tmp_path):
+    """A regular package `optimum` first on the path hides optimum.quanto, as if it were not installed."""
+    import os
+
+    shadow = tmp_path / "shadow"
+    (shadow / "optimum").mkdir(parents=True)
+    (shadow / "optimum" / "__init__.py").write_text("")
+    path = os.pathsep.join(p for p in (str(shadow), os.environ.get("PYTHONPATH", "")) if p)
+    run_refused([files["root"]], "gqakit", "eval", "ppl", str(files["model"]), "--text", str(files["text"]),
+                "--kv-cache", "int2", "-q", "-o", str(tmp_path / "r"), cwd=tmp_path, env={"PYTHONPATH": path},
+                needles=("--kv-cache int2 quantizes with optimum-quanto, which is not installed",
+                         'pip install "gqakit[kvquant]"'))
+    assert not (tmp_path / "r").exists()
+
+
+def test_encoder_decoder_is_refused(tmp_path):
+    from uptrain_tiny import make_t5_model, make_text
+
+    t5, txt = make_t5_model(tmp_path / "t5", kv_heads=2), make_text(tmp_path / "t.txt", chars=2_000)
+    run_refused([tmp_path], "gqakit", "eval", "ppl", str(t5), "--text", str(txt), "--kv-cache", "dense", "-q",
+                "-o", str(tmp_path / "r"), cwd=tmp_path, needles=("encoder-decoders", "drop --kv-cache"))
+
+
+def test_quanto_groups_that_do_not_fill_are_one_line(model):
+    pytest.importorskip("optimum.quanto")
+    from gqakit.common.errors import GqakitError
+
+    with pytest.raises(GqakitError, match=r"^kv_cache=int4: optimum-quanto quantizes K/V in groups of 64"):
+        strided_windows(model, ids(30), 30, progress=False, kv_cache="int4", kv_chunk=30)  # 2 x 30 x 8 values
