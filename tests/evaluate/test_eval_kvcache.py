@@ -53,10 +53,11 @@ def test_quanto_holds_fewer_bytes(model, kind):
     dense = kv_bytes_per_token(model.config, torch.float32)
     assert scored.kv_bytes_held_per_token < dense
     cache = make_cache(kind, model.config)
-    with torch.no_grad():
-        model(input_ids=x[None], cache=cache, use_cache=True)
+    with torch.no_grad():  # 256 positions of 2 K/V heads: whole groups of 64 for keys grouped along tokens
+        model(input_ids=x[None, :256], cache=cache, use_cache=True)
     layer = cache.layers[0]
     assert held_bytes(cache) > 0 and type(layer._quantized_keys).__name__ == "WeightQBitsTensor"
+    assert (layer.axis_key, layer.axis_value) == (-1, 0)  # KIVI: keys per channel, values per token
 
 
 @pytest.fixture(scope="module")
@@ -72,18 +73,19 @@ def test_report_states_the_bytes_held(files, kind):
     if kind == "int4":
         pytest.importorskip("optimum.quanto")
     out_dir = files["root"] / kind
-    # 256 tokens = 4 full windows: each chunk's K/V (2 heads of 8) fills whole groups of 64 for optimum-quanto
+    # 256 tokens = 4 full windows of 64 in chunks of 32: keys quantized per channel are grouped along tokens, and
+    # 32 positions of 2 K/V heads fill one group of 64 for optimum-quanto
     code, out, err = run_eval("ppl", files["model"], "--text", files["text"], "--max-length", 64, "--max-tokens", 256,
-                              "--kv-cache", kind, "--kv-chunk", 24, "-o", out_dir, "-q")
+                              "--kv-cache", kind, "--kv-chunk", 32, "-o", out_dir, "-q")
     assert code == 0, err
     row = report.read_report(out_dir)["results"]["rows"][0]
-    assert row["kv_cache"] == kind and row["kv_chunk"] == 24
+    assert row["kv_cache"] == kind and row["kv_chunk"] == 32
     assert row["kv_cache_settings"]["class"] == ("DynamicCache" if kind == "dense" else "QuantizedCache")
     if kind == "dense":
         assert row["kv_bytes_held_per_token"] == row["kv_bytes_per_token"]
     else:
-        assert row["kv_cache_settings"] == {"class": "QuantizedCache", "backend": "quanto", "nbits": 4,
-                                            "q_group_size": 64, "residual_length": 128}
+        assert row["kv_cache_settings"] == {"class": "QuantizedCache", "backend": "quanto", "nbits": 4, "axis_key": -1,
+                                            "axis_value": 0, "q_group_size": 64, "residual_length": 128}
         assert row["kv_bytes_held_per_token"] < row["kv_bytes_per_token"]
     table = [line for line in out.splitlines() if line.startswith("| ")]
     assert f"| KV-cache bytes/token held ({kind} cache, measured) |" in table[0]
