@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gqakit.common.errors import opt
 from gqakit.hf.compat import cache_kwargs
 
 
@@ -40,26 +41,100 @@ def longest_fit(fit: Callable[[int], tuple[str, int]], length: int, fixed: int,
     return units, prompt, n
 
 
-def greedy_generator(model, tokenizer, new_tokens: int = 10) -> Callable[[str], str]:
-    """`generate(prompt) -> continuation`: greedy decoding of `new_tokens` tokens with a DynamicCache."""
-    import torch
-    from transformers import DynamicCache
+class GreedyDecoder:
+    """`decoder(prompt, new_tokens=None) -> continuation`: greedy decoding of `new_tokens` tokens (the decoder's own
+    count by default), stopping at EOS.
 
-    device = next(model.parameters()).device
+    Without `kv_cache` the prompt is one forward into a DynamicCache. With `kv_cache` (dense, fp8, int4, int2:
+    `kvcache.make_cache`) the prompt is prefilled into a fresh cache of that kind in chunks of `kv_chunk` tokens, so
+    that every later prompt token and every generated token reads the past back from that (quantized) cache; then
+    `held_per_token` is the bytes the cache held after the prompt (`kvcache.held_bytes`) over the prompt's tokens."""
 
-    @torch.no_grad()
-    def generate(prompt: str) -> str:
-        ids = tokenizer(prompt, return_tensors="pt", verbose=False).input_ids.to(device)  # (1, T)
-        cache = DynamicCache()
-        logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[0, -1]
-        out: list[int] = []
-        for step in range(new_tokens):
-            token = int(logits.argmax())
-            out.append(token)
-            if token == tokenizer.eos_token_id or step == new_tokens - 1:
-                break
-            step_ids = torch.tensor([[token]], device=device)
-            logits = model(input_ids=step_ids, **cache_kwargs(model, cache), use_cache=True).logits[0, -1]
-        return tokenizer.decode(out, skip_special_tokens=True)
+    def __init__(self, model, tokenizer, new_tokens: int = 10, kv_cache: str | None = None,
+                 kv_chunk: int | None = None):
+        from gqakit.evaluate.options import DEFAULT_KV_CHUNK
 
-    return generate
+        self.model, self.tokenizer, self.new_tokens = model, tokenizer, new_tokens
+        self.kv_cache, self.kv_chunk = kv_cache, kv_chunk or DEFAULT_KV_CHUNK
+        self.held_per_token: float | None = None  # of the last prompt, with a kv_cache
+
+    def _forward(self, ids, cache, tokens: int):
+        """The last position's logits of `ids` (1, t) fed into `cache`, which then holds `tokens` positions."""
+        import contextlib
+
+        from gqakit.evaluate.kvcache import whole_groups
+
+        # optimum-quanto quantizes the first chunk, then the whole cache each time 128 tokens have gathered at full
+        # precision: its groups tile when those counts are multiples of 64 / K/V heads (a kv_chunk dividing 128)
+        fix = (f"use {opt('kv_chunk')} 128 or a divisor of it that fills whole groups, and {opt('lengths')} longer "
+               f"than {opt('kv_chunk')}")
+        guard = whole_groups(self.kv_cache, tokens, fix) if self.kv_cache else contextlib.nullcontext()
+        with guard:
+            return self.model(input_ids=ids, **cache_kwargs(self.model, cache), use_cache=True,
+                              logits_to_keep=1).logits[0, -1]
+
+    def __call__(self, prompt: str, new_tokens: int | None = None) -> str:
+        import torch
+        from transformers import DynamicCache
+
+        from gqakit.evaluate.kvcache import held_bytes, make_cache
+
+        new_tokens = new_tokens or self.new_tokens
+        device = next(self.model.parameters()).device
+        with torch.no_grad():
+            ids = self.tokenizer(prompt, return_tensors="pt", verbose=False).input_ids.to(device)  # (1, T)
+            length = ids.shape[1]
+            if self.kv_cache is None:
+                cache = DynamicCache()
+                logits = self._forward(ids, cache, length)
+            else:
+                cache = make_cache(self.kv_cache, self.model.config)
+                for start in range(0, length, self.kv_chunk):
+                    end = min(start + self.kv_chunk, length)
+                    logits = self._forward(ids[:, start:end], cache, end)
+                self.held_per_token = held_bytes(cache) / length
+            out: list[int] = []
+            for step in range(new_tokens):
+                token = int(logits.argmax())
+                out.append(token)
+                if token == self.tokenizer.eos_token_id or step == new_tokens - 1:
+                    break
+                logits = self._forward(torch.tensor([[token]], device=device), cache, length + step + 1)
+        return self.tokenizer.decode(out, skip_special_tokens=True)
+
+
+def held_after(generate) -> dict:
+    """{"kv_bytes_held_per_token": ...} of the prompt `generate` last ran, when it measures it (a `GreedyDecoder`
+    with a kv_cache); {} otherwise (no cache option, a fake model in tests)."""
+    held = getattr(generate, "held_per_token", None)
+    return {} if held is None else {"kv_bytes_held_per_token": held}
+
+
+def mean_held(results: list[dict], key: Callable[[dict], object] = lambda r: None) -> dict:
+    """The mean bytes per token held after the prompt per `key(result)` (by default one figure, under None); {}
+    when nothing was measured."""
+    groups: dict = {}
+    for r in results:
+        if "kv_bytes_held_per_token" in r:
+            groups.setdefault(key(r), []).append(r["kv_bytes_held_per_token"])
+    return {k: sum(v) / len(v) for k, v in groups.items()}
+
+
+def held_heading(kv_cache: str | None) -> str:
+    """The table's row name for the bytes held (the wording of `eval ppl`'s column)."""
+    return f"KV-cache bytes/token held ({kv_cache} cache, measured)"
+
+
+def held_note(kv_cache: str, kv_chunk: int | None) -> str:
+    """The line under the table that says how the prompts ran and how the bytes held were measured."""
+    from gqakit.evaluate.options import DEFAULT_KV_CHUNK
+
+    return (f"(each prompt prefilled into a fresh {kv_cache} cache, {kv_chunk or DEFAULT_KV_CHUNK} tokens per "
+            f"forward, then decoded greedily from it; bytes held = every tensor of every cache layer after the prompt "
+            f"/ its tokens, mean over the prompts)")
+
+
+def greedy_generator(model, tokenizer, new_tokens: int = 10, kv_cache: str | None = None,
+                     kv_chunk: int | None = None) -> GreedyDecoder:
+    """`generate(prompt) -> continuation`: greedy decoding of `new_tokens` tokens (`GreedyDecoder`)."""
+    return GreedyDecoder(model, tokenizer, new_tokens, kv_cache, kv_chunk)

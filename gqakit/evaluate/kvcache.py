@@ -13,6 +13,7 @@ total over every layer divided by the tokens in the cache, measured on the first
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 
@@ -42,6 +43,38 @@ def check_backend(kind: str) -> None:
                           f"{EXTRA}")
 
 
+def check_options(kind: str | None, chunk: int | None, attention: str | None) -> None:
+    """The one-line refusals of `--kv-cache` / `--kv-chunk` shared by `eval ppl | passkey | niah`: a chunk without a
+    cache or below 1, a bounded attention window (whose tokens a full cache would hold but never read), a backend
+    that is not installed."""
+    from gqakit.common.attention_kinds import LONG_CONTEXT
+
+    if chunk is not None and kind is None:
+        raise GqakitError(f"{opt('kv_chunk')} only applies with {opt('kv_cache')}; drop it or choose a cache")
+    if chunk is not None and chunk < 1:
+        raise GqakitError(f"{opt('kv_chunk')} must be a positive number of tokens, got {chunk}")
+    if kind is None:
+        return
+    if attention in LONG_CONTEXT:
+        raise GqakitError(f"{opt('kv_cache', kind)} keeps every token in a full transformers cache, which "
+                          f"{opt('attention', attention)}'s bounded window does not read; drop one of them")
+    check_backend(kind)
+
+
+@contextlib.contextmanager
+def whole_groups(kind: str, tokens: int, fix: str):
+    """Turn optimum-quanto's refusal of K/V that its groups do not tile (`tokens` positions in the cache when it
+    quantized) into one line that ends with `fix`, the caller's options to change."""
+    try:
+        yield
+    except ValueError as e:
+        if "Group size" not in str(e):
+            raise
+        raise GqakitError(f"{opt('kv_cache', kind)}: optimum-quanto quantizes K/V in groups of "
+                          f"{QUANTO['q_group_size']} values, which {tokens} tokens of this model's K/V do not "
+                          f"fill ({e}); {fix}") from None
+
+
 def settings(kind: str) -> dict:
     """What the report records about the cache: its class, backend and quantization settings."""
     if kind == "dense":
@@ -49,6 +82,13 @@ def settings(kind: str) -> dict:
     if kind == "fp8":
         return {"class": "QuantizedCache", "backend": "fp8", "dtype": "float8_e4m3fn", "scale": "per tensor"}
     return {"class": "QuantizedCache", "backend": "quanto", "nbits": int(kind[3:]), **QUANTO}
+
+
+def report_fields(kind: str | None, chunk: int | None) -> dict:
+    """The report's cache fields, the same in `eval ppl | passkey | niah`: kv_cache ("none" without one), its
+    settings (JSON only) and kv_chunk (None without one)."""
+    return {"kv_cache": kind or "none", "kv_cache_settings": settings(kind) if kind else {},
+            "kv_chunk": (chunk or DEFAULT_CHUNK) if kind else None}
 
 
 def make_cache(kind: str, config):
@@ -105,16 +145,11 @@ def chunked_window_nll(model, window: torch.Tensor, targets_from: int, chunk: in
         end = min(start + chunk, length)
         first = max(start, targets_from - 1)  # the first column whose logits this chunk must keep
         keep = end - first if first < min(end, length - 1) else 1
-        try:
+        fix = (f"choose {opt('max_length')}, {opt('max_tokens')} and {opt('kv_chunk')} so that every chunk and "
+               f"window ends on a multiple")
+        with whole_groups(kind, end, fix):
             logits = model(input_ids=window[:, start:end], **{name: cache}, use_cache=True,
                            logits_to_keep=keep).logits[0].float()  # (keep, V)
-        except ValueError as e:
-            if "Group size" not in str(e):  # optimum-quanto's groups must tile the K/V tensor it quantizes
-                raise
-            raise GqakitError(f"{opt('kv_cache', kind)}: optimum-quanto quantizes K/V in groups of "
-                              f"{QUANTO['q_group_size']} values, which {end} tokens of this model's K/V do not "
-                              f"fill ({e}); choose {opt('max_length')}, {opt('max_tokens')} and "
-                              f"{opt('kv_chunk')} so that every chunk and window ends on a multiple") from None
         if first < min(end, length - 1):
             last = min(end, length - 1)  # the window's last column predicts nothing inside it
             logp = torch.log_softmax(logits[: last - first], dim=-1)

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from gqakit.common.attention_kinds import command_attention_options
 from gqakit.common.errors import GqakitError, opt
+from gqakit.evaluate.generation import held_after, held_heading, mean_held
 from gqakit.evaluate.needles import TASKS, Haystack, haystack
 from gqakit.evaluate.options import NiahConfig
 
@@ -48,14 +49,15 @@ def build_cases(tokenizer, tasks: tuple[str, ...], haystacks: dict[str, Haystack
 
 
 def score(cases: list[Case], generate: Generate, new_tokens: int | None = None, progress: bool = False) -> list[dict]:
-    """Run `generate` on every case (`new_tokens`, or the task's own); one dict per case with its correctness."""
+    """Run `generate` on every case (`new_tokens`, or the task's own); one dict per case with its correctness (and
+    the KV-cache bytes per token held after the prompt, when `generate` measures them: `generation.held_after`)."""
     results = []
     for case in tqdm(cases, desc="niah", unit="prompt", disable=not progress, leave=False):
         task = TASKS[case.task]
         reply = generate(case.prompt, new_tokens or task.new_tokens)
         results.append({"task": case.task, "haystack": case.haystack, "length": case.length, "depth": case.depth,
                         "sample": case.sample, "answer": " ".join(case.answer), "prompt_tokens": case.prompt_tokens,
-                        "reply": reply, "correct": task.correct(reply, case.answer)})
+                        "reply": reply, "correct": task.correct(reply, case.answer), **held_after(generate)})
     return results
 
 
@@ -68,9 +70,10 @@ def accuracy(results: list[dict]) -> dict[tuple[str, str, int, float], float]:
 
 
 def format_table(names: list[str], accs: list[dict], variants: list[tuple[str, str]], lengths: list[int],
-                 depths: list[float]) -> str:
+                 depths: list[float], held: list[dict] | None = None, kv_cache: str | None = None) -> str:
     """Rows: (task, haystack) x depth, then its mean over depths, then the mean of all; a column per (model,
-    length), the model's name in the header only when there are several. Accuracy in percent."""
+    length), the model's name in the header only when there are several. Accuracy in percent. With `held` (per
+    model, length -> bytes per token the `kv_cache` held after the prompt), a last row of them."""
     columns = [(m, n) for m in range(len(names)) for n in lengths]
     head = [f"{names[m]} {n:,}" if len(names) > 1 else f"{n:,}" for m, n in columns]
     lines = ["| task | haystack | depth | " + " | ".join(head) + " |", "|---" * (len(columns) + 3) + "|"]
@@ -85,6 +88,9 @@ def format_table(names: list[str], accs: list[dict], variants: list[tuple[str, s
             lines.append(row(task, hay, "mean", [(task, hay, d) for d in depths]))
     if len(variants) > 1:
         lines.append(row("mean", "", "", [(t, h, d) for t, h in variants for d in depths]))
+    if held and all(held):
+        lines.append(f"| {held_heading(kv_cache)} | | | " + " | ".join(f"{held[m][n]:,.1f}" for m, n in columns)
+                     + " |")
     return "\n".join(lines)
 
 
@@ -95,6 +101,9 @@ def _check(cfg: NiahConfig) -> None:
         raise GqakitError(f"{opt('samples')} must be >= 1, got {cfg.samples}")
     if cfg.new_tokens is not None and cfg.new_tokens < 1:
         raise GqakitError(f"{opt('new_tokens')} must be >= 1, got {cfg.new_tokens}")
+    from gqakit.evaluate.kvcache import check_options
+
+    check_options(cfg.kv_cache, cfg.kv_chunk, cfg.attention)
 
 
 def check_context(path: str, context: int | None, lengths: list[int]) -> None:
@@ -111,7 +120,8 @@ def run_niah(cfg: NiahConfig, command: str = "", out=None, generate: Generate | 
     models' decoding."""
     from gqakit.attention.registration import apply_attention
     from gqakit.common import plots, report
-    from gqakit.evaluate.generation import greedy_generator
+    from gqakit.evaluate.generation import greedy_generator, held_note
+    from gqakit.evaluate.kvcache import report_fields
     from gqakit.hf.loading import check_model_folder, context_length, describe, load_model
 
     out = out or sys.stdout
@@ -127,43 +137,41 @@ def run_niah(cfg: NiahConfig, command: str = "", out=None, generate: Generate | 
     if len(set(names)) < len(names):  # same folder names in different places: show the paths
         names = list(cfg.models)
     variants = [(t, h) for t in cfg.tasks for h in cfg.haystacks]
-    models, accs, cases_out = [], [], []
+    models, accs, helds, cases_out = [], [], [], []
     for path, name in zip(cfg.models, names):
         model, tok = load_model(path, cfg.dtype, cfg.tokenizer, cfg.device)
         check_context(path, getattr(model.config, "max_position_embeddings", None), lengths)  # a hub name
         in_force = apply_attention(model, cfg.attention, options)
         cases = build_cases(tok, cfg.tasks, haystacks, lengths, depths, cfg.samples, cfg.seed, cfg.progress)
-        run = generate
-        if run is None:
-            generators: dict[int, Callable[[str], str]] = {}
-
-            def run(prompt: str, new_tokens: int, model=model, tok=tok, generators=generators) -> str:
-                if new_tokens not in generators:
-                    generators[new_tokens] = greedy_generator(model, tok, new_tokens)
-                return generators[new_tokens](prompt)
-
+        run = generate or greedy_generator(model, tok, kv_cache=cfg.kv_cache, kv_chunk=cfg.kv_chunk)
         results = score(cases, run, cfg.new_tokens, cfg.progress)
         accs.append(accuracy(results))
+        helds.append(mean_held(results, lambda r: r["length"]))
         overall = sum(r["correct"] for r in results) / len(results)
         models.append({"model": name, "path": str(path), **describe(model), "attention": cfg.attention or "default",
-                       "attention_options": in_force, "overall_accuracy": overall})
+                       "attention_options": in_force, "kv_bytes_held_per_token": mean_held(results).get(None),
+                       "overall_accuracy": overall})
         cases_out += [{"model": name, **r} for r in results]
         print(f"  {name}: {100 * overall:.1f}% of {len(results):,} prompts", file=out, flush=True)
         del model
-    print(format_table(names, accs, variants, lengths, depths), file=out)
+    print(format_table(names, accs, variants, lengths, depths, helds, cfg.kv_cache), file=out)
     print(f"(exact match: niah_* the first number of the reply, vt every variable name; {cfg.samples} sample"
           f"{'s' if cfg.samples != 1 else ''} per cell, seed {cfg.seed})", file=out)
+    if all(helds):
+        print(held_note(cfg.kv_cache, cfg.kv_chunk), file=out)
     cells = []
     for name, acc in zip(names, accs):
         for task, hay in variants:
             for n in lengths:
                 for d in depths:
-                    tokens = [r["prompt_tokens"] for r in cases_out if r["model"] == name and
-                              (r["task"], r["haystack"], r["length"], r["depth"]) == (task, hay, n, d)]
+                    mine = [r for r in cases_out if r["model"] == name and
+                            (r["task"], r["haystack"], r["length"], r["depth"]) == (task, hay, n, d)]
+                    held = mean_held(mine)
                     cells.append({"model": name, "task": task, "haystack": hay, "length": n, "depth": d,
                                   "accuracy": acc[(task, hay, n, d)], "samples": cfg.samples,
-                                  "mean_prompt_tokens": sum(tokens) / len(tokens)})
-    record = {"models": models, "cells": cells, "cases": cases_out}
+                                  "mean_prompt_tokens": sum(r["prompt_tokens"] for r in mine) / len(mine),
+                                  **({"kv_bytes_held_per_token": held[None]} if held else {})})
+    record = {**report_fields(cfg.kv_cache, cfg.kv_chunk), "models": models, "cells": cells, "cases": cases_out}
     drawings = {}
     for m, (name, acc) in enumerate(zip(names, accs)):
         for task, hay in variants:

@@ -1,4 +1,4 @@
-"""The options of `gqakit eval ppl | stream | passkey`: one frozen dataclass per command, each field declared once
+"""The options of `gqakit eval ppl | stream | passkey | niah`: one frozen dataclass per command, each field declared once
 with its flag (`common.options.option(help=...)`); `evaluate/cli.py` builds the parsers from them. No torch here:
 `gqakit --help` stays fast."""
 from __future__ import annotations
@@ -39,7 +39,7 @@ def parse_depths(spec: str) -> list[float]:
     return list(dict.fromkeys(out))
 
 
-KV_CACHES = ("dense", "fp8", "int4", "int2")  # `eval ppl --kv-cache`: evaluate/kvcache.py
+KV_CACHES = ("dense", "fp8", "int4", "int2")  # `eval ppl | passkey | niah --kv-cache`: evaluate/kvcache.py
 DEFAULT_KV_CHUNK = 128
 
 
@@ -78,6 +78,20 @@ def _attention_option():
     return option((), metavar="NAME=VALUE",
                   help="any other option of the kind, e.g. stride=128 for --attention sparse (repeatable; see "
                        "docs/attention.md)")
+
+
+def _kv_cache(what: str, without: str):
+    """--kv-cache of `eval ppl | passkey | niah`: one cache vocabulary, checked once (`kvcache.check_options`)."""
+    return option(None, choices=KV_CACHES,
+                  help=f"feed {what} through transformers' KV cache, in --kv-chunk chunks: dense (DynamicCache), fp8 "
+                       "(QuantizedCache, float8_e4m3fn), int4 / int2 (QuantizedCache with optimum-quanto, KIVI-style, "
+                       "group 64, 128 recent tokens kept at full precision)",
+                  default_text=f"none: {without}")
+
+
+def _kv_chunk():
+    return option(None, help="tokens per forward with --kv-cache; later tokens read the cached past",
+                  default_text=str(DEFAULT_KV_CHUNK))
 
 
 def _dtype():
@@ -128,14 +142,8 @@ class PplConfig:
     window: int | None = _window()
     sinks: int | None = _sinks()
     attention_option: tuple[str, ...] = _attention_option()
-    kv_cache: str | None = option(None, choices=KV_CACHES,
-                                  help="feed each window through transformers' KV cache, in --kv-chunk chunks: "
-                                       "dense (DynamicCache), fp8 (QuantizedCache, float8_e4m3fn), int4 / int2 "
-                                       "(QuantizedCache with optimum-quanto, group 64, 128 recent tokens kept at "
-                                       "full precision)",
-                                  default_text="none: one forward per window")
-    kv_chunk: int | None = option(None, help="tokens per forward with --kv-cache; later tokens read the cached past",
-                                  default_text=str(DEFAULT_KV_CHUNK))
+    kv_cache: str | None = _kv_cache("each window", "one forward per window")
+    kv_chunk: int | None = _kv_chunk()
     dtype: str = _dtype()
     device: str = _device()
     tokenizer: str | None = _tokenizer()
@@ -189,6 +197,8 @@ class PasskeyConfig:
     window: int | None = _window()
     sinks: int | None = _sinks()
     attention_option: tuple[str, ...] = _attention_option()
+    kv_cache: str | None = _kv_cache("each prompt (prefilled, then decoded greedily)", "the prompt in one forward, a dense cache")
+    kv_chunk: int | None = _kv_chunk()
     dtype: str = _dtype()
     device: str = _device()
     tokenizer: str | None = _tokenizer()
@@ -219,6 +229,8 @@ class NiahConfig:
     window: int | None = _window()
     sinks: int | None = _sinks()
     attention_option: tuple[str, ...] = _attention_option()
+    kv_cache: str | None = _kv_cache("each prompt (prefilled, then decoded greedily)", "the prompt in one forward, a dense cache")
+    kv_chunk: int | None = _kv_chunk()
     dtype: str = _dtype()
     device: str = _device()
     tokenizer: str | None = _tokenizer()

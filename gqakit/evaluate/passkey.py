@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 
 from gqakit.common.attention_kinds import command_attention_options
 from gqakit.common.errors import GqakitError, opt
-from gqakit.evaluate.generation import count_tokens, greedy_generator, longest_fit
+from gqakit.evaluate.generation import (count_tokens, greedy_generator, held_after, held_heading, held_note,
+                                        longest_fit, mean_held)
 from gqakit.evaluate.options import PasskeyConfig
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -98,14 +99,15 @@ def answer_digits(continuation: str) -> str | None:
 
 
 def score(cases: list[Case], generate: Callable[[str], str], progress: bool = False) -> list[dict]:
-    """Run `generate` on every case; one dict per case with the answer and exact-match correctness."""
+    """Run `generate` on every case; one dict per case with the answer and exact-match correctness (and the KV-cache
+    bytes per token held after the prompt, when `generate` measures them: `held_after`)."""
     results = []
     for case in tqdm(cases, desc="passkey", unit="prompt", disable=not progress, leave=False):
         continuation = generate(case.prompt)
         answer = answer_digits(continuation)
         results.append({"length": case.length, "depth": case.depth, "trial": case.trial, "key": case.key,
                         "prompt_tokens": case.prompt_tokens, "answer": answer, "continuation": continuation,
-                        "correct": answer == case.key})
+                        "correct": answer == case.key, **held_after(generate)})
     return results
 
 
@@ -121,13 +123,17 @@ def accuracy(results: list[dict]) -> dict[tuple[int, float], float]:
 # `gqakit eval passkey MODEL --lengths 1k,2k --depths 0,0.5,1 --trials N --seed S`
 # ---------------------------------------------------------------------------------------------
 
-def format_table(lengths: list[int], depths: list[float], acc: dict[tuple[int, float], float]) -> str:
-    """Depth rows x length columns, accuracy in percent, plus a mean row."""
+def format_table(lengths: list[int], depths: list[float], acc: dict[tuple[int, float], float],
+                 held: dict[int, float] | None = None, kv_cache: str | None = None) -> str:
+    """Depth rows x length columns, accuracy in percent, plus a mean row; with `held` (length -> bytes per token
+    the `kv_cache` held after the prompt, mean over the length's prompts), a row of them."""
     lines = ["| depth | " + " | ".join(f"{n:,}" for n in lengths) + " |", "|---" * (len(lengths) + 1) + "|"]
     for d in depths:
         lines.append(f"| {d:g} | " + " | ".join(f"{100 * acc[(n, d)]:.0f}%" for n in lengths) + " |")
     means = [sum(acc[(n, d)] for d in depths) / len(depths) for n in lengths]
     lines.append("| mean | " + " | ".join(f"{100 * m:.0f}%" for m in means) + " |")
+    if held:
+        lines.append(f"| {held_heading(kv_cache)} | " + " | ".join(f"{held[n]:,.1f}" for n in lengths) + " |")
     return "\n".join(lines)
 
 
@@ -162,6 +168,7 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
     A warning (on `err`, stderr) comes first when a length is past the model's context or its window."""
     from gqakit.common import plots, report
     from gqakit.attention.registration import apply_attention
+    from gqakit.evaluate.kvcache import check_options, report_fields
     from gqakit.hf.loading import describe, load_model
 
     out, err = out or sys.stdout, err or sys.stderr
@@ -169,6 +176,7 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
         raise GqakitError(f"{opt('new_tokens')} must be >= 1, got {cfg.new_tokens}")
     if cfg.trials < 1:
         raise GqakitError(f"{opt('trials')} must be >= 1, got {cfg.trials}")
+    check_options(cfg.kv_cache, cfg.kv_chunk, cfg.attention)
     lengths, depths = list(cfg.lengths), [float(d) for d in cfg.depths]
     options = command_attention_options(cfg.attention, cfg.window, cfg.sinks, cfg.attention_option)
     target = report.prepare_output(cfg.output, "passkey", cfg.force)
@@ -181,15 +189,22 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
     if warning:
         print(f"gqakit: {warning}", file=err, flush=True)
     cases = build_cases(tok, lengths, depths, cfg.trials, cfg.seed, cfg.progress)
-    results = score(cases, generate or greedy_generator(model, tok, cfg.new_tokens), cfg.progress)
+    generate = generate or greedy_generator(model, tok, cfg.new_tokens, cfg.kv_cache, cfg.kv_chunk)
+    results = score(cases, generate, cfg.progress)
     acc = accuracy(results)
-    print(format_table(lengths, depths, acc), file=out)
+    held = mean_held(results, lambda r: r["length"])
+    print(format_table(lengths, depths, acc, held, cfg.kv_cache), file=out)
     overall = sum(r["correct"] for r in results) / len(results)
     print(f"(overall {100 * overall:.1f}% of {len(results)} prompts; exact match of the 5 digits)", file=out)
+    if held:
+        print(held_note(cfg.kv_cache, cfg.kv_chunk), file=out)
+    cell_held = mean_held(results, lambda r: (r["length"], r["depth"]))
     cells = [{"length": n, "depth": d, "accuracy": acc[(n, d)], "trials": cfg.trials,
               "mean_prompt_tokens": sum(r["prompt_tokens"] for r in results if (r["length"], r["depth"]) == (n, d))
-              / cfg.trials} for n in lengths for d in depths]
+              / cfg.trials, **({"kv_bytes_held_per_token": cell_held[(n, d)]} if cell_held else {})}
+             for n in lengths for d in depths]
     record = {"model": describe(model), "attention": cfg.attention or "default", "attention_options": in_force,
+              **report_fields(cfg.kv_cache, cfg.kv_chunk), "kv_bytes_held_per_token": mean_held(results).get(None),
               "overall_accuracy": overall, "cells": cells, "cases": results}
     written = report.write_report(
         target, kind="passkey", command=command, config=dataclasses.asdict(cfg), results=record, rows=cells,

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from gqakit.common.attention_kinds import DEFAULT, command_attention_options, position_bias_refusal
 from gqakit.common.errors import GqakitError, opt
-from gqakit.evaluate.kvcache import DEFAULT_CHUNK, chunked_window_nll, settings
+from gqakit.evaluate.kvcache import DEFAULT_CHUNK, chunked_window_nll, report_fields
 from gqakit.evaluate.options import PplConfig
 from gqakit.evaluate.spread import bootstrap_interval, window_spread
 
@@ -205,19 +205,9 @@ def _check(cfg: PplConfig) -> None:
             raise GqakitError(f"{opt(name)} must be a positive number of tokens, got {value}")
     if cfg.bootstrap < 1:
         raise GqakitError(f"{opt('bootstrap')} must be a positive number of resamples, got {cfg.bootstrap}")
-    if cfg.kv_chunk is not None and cfg.kv_cache is None:
-        raise GqakitError(f"{opt('kv_chunk')} only applies with {opt('kv_cache')}; drop it or choose a cache")
-    if cfg.kv_chunk is not None and cfg.kv_chunk < 1:
-        raise GqakitError(f"{opt('kv_chunk')} must be a positive number of tokens, got {cfg.kv_chunk}")
-    if cfg.kv_cache is not None:
-        from gqakit.common.attention_kinds import LONG_CONTEXT
-        from gqakit.evaluate.kvcache import check_backend
+    from gqakit.evaluate.kvcache import check_options
 
-        if cfg.attention in LONG_CONTEXT:
-            raise GqakitError(f"{opt('kv_cache', cfg.kv_cache)} keeps every token in a full transformers cache, "
-                              f"which {opt('attention', cfg.attention)}'s bounded window does not read; drop one "
-                              f"of them")
-        check_backend(cfg.kv_cache)
+    check_options(cfg.kv_cache, cfg.kv_chunk, cfg.attention)
     if cfg.max_length is not None and cfg.max_length < 2:
         raise GqakitError(f"{opt('max_length', cfg.max_length)} is too short; a window needs at least 2 positions")
     if cfg.target_column is not None and cfg.dataset is None:
@@ -373,9 +363,7 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
                      "text_tokens": text_tokens, "scored_tokens": count, "nll": nll,
                      "perplexity": math.exp(nll / count), "seconds": round(seconds, 3),
                      **window_spread(scored.window_nll, scored.window_tokens), "ppl_ci_low": low, "ppl_ci_high": high,
-                     "kv_cache": cfg.kv_cache or "none",
-                     "kv_cache_settings": settings(cfg.kv_cache) if cfg.kv_cache else {},
-                     "kv_chunk": (cfg.kv_chunk or DEFAULT_CHUNK) if cfg.kv_cache else None,
+                     **report_fields(cfg.kv_cache, cfg.kv_chunk),
                      "kv_bytes_held_per_token": scored.kv_bytes_held_per_token,
                      "window_nll": scored.window_nll, "window_tokens": scored.window_tokens})
         print(f"  {rows[-1]['model']}: perplexity {rows[-1]['perplexity']:.3f} over {count:,} tokens "
