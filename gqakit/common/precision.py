@@ -1,6 +1,10 @@
 """Whether bf16 pays on this machine's CPU: many CPUs have no bf16 arithmetic units, and there torch's bf16 matmuls
 run several times slower than fp32 (issue 22 reports about 8x on one such machine). Measured once per process, on a
-small matmul, so a bf16 run on such a CPU says what it costs before it starts."""
+small matmul, so a bf16 run on such a CPU says what it costs before it starts.
+
+A default that picks bf16 must not depend on a timing (a loaded machine would flip it between runs): `bf16_units`
+reads what the hardware has instead (a CUDA device's bf16 support; on a CPU the avx512_bf16 / amx_bf16 flags, or
+Arm's bf16 feature), the same answer on every run of one machine."""
 from __future__ import annotations
 
 import functools
@@ -47,3 +51,21 @@ def warn_if_slow_bf16(command: str, what: str, instead: str) -> None:
     slow = bf16_cpu_warning(what, instead)
     if slow:
         print(f"{command}: warning: {slow}", file=sys.stderr, flush=True)
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return frozenset(word for line in f if line.startswith(("flags", "Features")) for word in line.split())
+    except OSError:  # not Linux: no flags to read, so no claim of bf16 units
+        return frozenset()
+
+
+def bf16_units(device: str = "cpu") -> bool:
+    """Does `device` have bf16 arithmetic units (a deterministic check, no timing)?"""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})

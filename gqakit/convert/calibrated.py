@@ -20,7 +20,7 @@ from gqakit.convert.calibration.stored import layer_path, load_layer
 from gqakit.convert.layer_share import Share, barrier, check_share, meeting_folder, read_errors, write_errors
 from gqakit.convert.methods.engine import LayerMerge, merge_checkpoint_layer, transferred_path
 from gqakit.convert.methods.transfer import transfer_merged_layer
-from gqakit.convert.options import ConvertConfig, TransferOptions, transfer_options
+from gqakit.convert.options import ConvertConfig, TransferOptions, calibration_tokens, transfer_options
 from gqakit.convert.output import new_config
 from gqakit.convert.plan import Plan
 from gqakit.hf.checkpoint import TensorInfo, load_tensor
@@ -47,16 +47,16 @@ def open_calibration(cfg: ConvertConfig, model_dir: Path, config: dict, share: S
         raise GqakitError(f"{opt('calibration_device', repr(device))} is not usable here ({str(e).splitlines()[0]}); "
                           "use cpu or an available cuda device") from None
     if cfg.calibration is not None:
-        return load_calibration(cfg.calibration, model_dir, config, cfg.calibration_tokens, cfg.calibration_window,
+        return load_calibration(cfg.calibration, model_dir, config, calibration_tokens(cfg), cfg.calibration_window,
                                 cfg.text_column)
     if share.world > 1:
         raise GqakitError(f"under torchrun every process must calibrate on the same text: pass "
                           f"{opt('calibration', 'DATA')} (e.g. drawn once by `gqakit sample`)")
     if share.main:
-        print(f"{opt('method', cfg.method)} without {opt('calibration')}: calibrating on {cfg.calibration_tokens:,} "
+        print(f"{opt('method', cfg.method)} without {opt('calibration')}: calibrating on {calibration_tokens(cfg):,} "
               f"tokens sampled from the model itself (seed {cfg.seed}); pass {opt('calibration', 'TEXT')} to use "
               "text of its domain", file=sys.stderr, flush=True)
-    return sample_calibration(model_dir, config, cfg.calibration_tokens, cfg.calibration_window, cfg.seed, device,
+    return sample_calibration(model_dir, config, calibration_tokens(cfg), cfg.calibration_window, cfg.seed, device,
                               cfg.progress)
 
 

@@ -15,7 +15,7 @@ from gqakit.convert import methods
 PARAMS = {"kv": ("k_proj", "v_proj"), "qkvo": ("q_proj", "k_proj", "v_proj", "o_proj")}
 INPUTS = ("original", "converted")  # --transfer-inputs
 STARTS = ("fit", "aligned")  # --transfer-start: calibrated merges (methods.METHODS) training can start from
-DTYPES = ("float32", "bfloat16")  # --transfer-dtype
+DTYPES = ("auto", "float32", "bfloat16")  # --transfer-dtype; auto: bfloat16 where the device has bf16 units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,19 +32,19 @@ class TransferOptions:
     step_tokens: int = 1024  # tokens per step: max(1, step_tokens // window) windows (2 windows of 512)
     warmup: float = 0.1  # fraction of `steps`
     eval_every: int = 20
-    patience: int = option(3, remember=True,
+    patience: int = option(0, remember=True,
                            help="transfer: held-out scores (every 20 steps) without improvement before a layer "
                                 "stops; 0: never stop early, the best score's weights are kept")
     inputs: str = option("original", choices=INPUTS, remember=True,
                          help="transfer: what each layer is trained on: the original model's layer inputs, or those "
                               "of the model converted up to that layer (the target stays the original's attention "
                               "output)")
-    start: str = option("fit", choices=STARTS, remember=True,
+    start: str = option("aligned", choices=STARTS, remember=True,
                         help="transfer: the calibrated merge that training starts from")
-    dtype: str = option("float32", choices=DTYPES, remember=True,
+    dtype: str = option("auto", choices=DTYPES, remember=True,
                         help="transfer: the precision of training's forward and backward (bfloat16: autocast, "
-                             "weights and held-out scores stay float32; about 1.5x faster on CPUs with fast "
-                             "bfloat16)")
+                             "weights and held-out scores stay float32; about 1.35x faster where the device has "
+                             "bf16 units; auto: bfloat16 there, else float32)")
     seed: int = 0
 
     def __post_init__(self):
@@ -91,9 +91,9 @@ class ConvertConfig:
                                      help="aligned/fit/transfer: text (.txt) or dataset (.jsonl/.json/.parquet file or "
                                           "folder) whose activations weight the merge, streamed layer by layer; fit "
                                           "and transfer without it calibrate on text sampled from the model itself")
-    calibration_tokens: int = option(16_384, remember=True,
-                                     help="calibration tokens to read, or to sample (1 in 8 windows is held out "
-                                          "to score the merge)")
+    calibration_tokens: int | None = option(None, default_text="16,384; 65,536 for transfer",
+                                            help="calibration tokens to read, or to sample (1 in 8 windows is held "
+                                                 "out to score the merge)")
     calibration_window: int | None = option(None, default_text="min(512, the model's context)",
                                             help="tokens per calibration window")
     text_column: str = option("text", remember=True, help="dataset column holding the calibration text")
@@ -108,8 +108,24 @@ class ConvertConfig:
 
 
 def transfer_options(cfg: ConvertConfig) -> TransferOptions:
-    """The transfer options a `ConvertConfig` asks for, seeded by its --seed."""
-    return dataclasses.replace(cfg.transfer, seed=cfg.seed)
+    """The transfer options a `ConvertConfig` asks for, seeded by its --seed, `auto` dtype resolved for its device."""
+    return dataclasses.replace(cfg.transfer, seed=cfg.seed, dtype=training_dtype(cfg.transfer.dtype,
+                                                                                  cfg.calibration_device))
+
+
+def training_dtype(dtype: str, device: str) -> str:
+    """--transfer-dtype as run: `auto` is bfloat16 where `device` has bf16 units (`common.precision.bf16_units`, a
+    check of the hardware, never a timing: one machine always resolves it alike), else float32."""
+    if dtype != "auto":
+        return dtype
+    from gqakit.common.precision import bf16_units
+
+    return "bfloat16" if bf16_units(device) else "float32"
+
+
+def calibration_tokens(cfg: ConvertConfig) -> int:
+    """--calibration-tokens, or the method's default (`methods.Method.calibration_tokens`)."""
+    return cfg.calibration_tokens if cfg.calibration_tokens is not None else methods.get(cfg.method).calibration_tokens
 
 
 CALIBRATION_OPTIONS = ("calibration_tokens", "calibration_window", "text_column", "calibration_device")

@@ -129,7 +129,7 @@ def _train(seed: int, steps: int = 40):
     student, kwargs, xs, ys = _student_problem()
     errors = transfer_layer(student, kwargs, 8, lambda w: (xs[w], ys[w]), xs[8:], ys[8:],
                             TransferOptions(params="kv", steps=steps, lr=0.3, eval_every=5, patience=100,
-                                            seed=seed), 0,
+                                            seed=seed, dtype="float32"), 0,
                             progress=False)
     return student, errors, (kwargs, xs, ys)
 
@@ -179,7 +179,7 @@ def test_transfer_end_to_end(tmp_path, params):
     common = ["--groups", "1", str(src), "--calibration", str(TEXT), *SMALL, "-q"]
     assert convert_main([*common, "--method", "fit", "-o", str(fit)]) == 0
     assert convert_main([*common, "--method", "transfer", "--transfer-params", params, "--transfer-steps", "30",
-                         "-o", str(out)]) == 0
+                         "--transfer-start", "fit", "-o", str(out)]) == 0  # from fit's merge: compared with it below
     rows = _card_rows(out)
     assert len(rows) == 2
     for row in rows:  # layer, k, v, logits, logits (mean), before, after, steps
@@ -398,3 +398,19 @@ def test_bfloat16_transfer_warns_on_a_cpu_without_fast_bfloat16(tmp_path, monkey
         err = capsys.readouterr().err
         assert ("--transfer-dtype bfloat16 on this CPU: a bf16 matmul takes 4.0x" in err) == warned, err
         assert ("--transfer-dtype float32 runs faster" in err) == warned
+
+
+def test_auto_dtype_follows_the_hardware_not_a_timing(monkeypatch):
+    """--transfer-dtype auto (the default) is bfloat16 exactly where the device has bf16 units: read from the CPU's
+    flags, the same on every run of a machine, so a conversion's output never depends on how loaded it was."""
+    from gqakit.common import precision
+    from gqakit.convert.options import ConvertConfig, training_dtype, transfer_options
+
+    assert TransferOptions().dtype == "auto" and TransferOptions().start == "aligned" and TransferOptions().patience == 0
+    for flags, want in ((frozenset({"avx2", "avx512_bf16"}), "bfloat16"), (frozenset({"amx_bf16"}), "bfloat16"),
+                        (frozenset({"avx2", "avx512f"}), "float32"), (frozenset(), "float32")):
+        monkeypatch.setattr(precision, "_cpu_flags", lambda flags=flags: flags)
+        assert training_dtype("auto", "cpu") == want
+        assert training_dtype("float32", "cpu") == "float32" and training_dtype("bfloat16", "cpu") == "bfloat16"
+        cfg = ConvertConfig(model_dir="m", groups=1, method="transfer")
+        assert transfer_options(cfg).dtype == want  # what the run trains in and the card records

@@ -30,6 +30,7 @@ class Method:
     calibration: str = "no"  # "no" | "optional" | "required" (without --calibration DATA: the model's own samples)
     card_note: str | None = None  # what the model card says the merge did (layer-wise methods)
     transfer: bool = False  # then trained per layer to reproduce the original attention (methods.transfer)
+    calibration_tokens: int = 16_384  # --calibration-tokens' default: tokens read (or sampled) to calibrate
 
     @property
     def layerwise(self) -> bool:
@@ -71,7 +72,7 @@ METHODS = {m.name: m for m in (
     Method("transfer", "fit, then train each layer's merged K/V to reproduce the original attention's output "
                        "(attention transfer), calibrated as fit is",
            merge={"align": True, "merge": "pca", "restore": "refit"},
-           calibration="required", transfer=True,
+           calibration="required", transfer=True, calibration_tokens=65_536,
            card_note="a calibrated merge (fit, least squares on calibration activations, unless the transfer row "
                      "says aligned), then each layer's merged projections trained to reproduce the original "
                      "attention's output on the calibration windows (attention transfer; best held-out score kept)"),

@@ -43,7 +43,7 @@ from torch import nn
 
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.memory import heap_kept
-from gqakit.convert.options import PARAMS, TransferOptions
+from gqakit.convert.options import PARAMS, TransferOptions, training_dtype
 from gqakit.convert.calibration.streamed import WindowStates
 from gqakit.hf.fields import config_object
 
@@ -132,6 +132,7 @@ def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
     stale = steps = 0
     per_step = min(max(1, opts.step_tokens // held_x.shape[-2]), windows)
     device_type = held_x.device.type
+    bf16 = training_dtype(opts.dtype, str(held_x.device)) == "bfloat16"  # `auto` resolved for this device
     bar = tqdm(total=opts.steps, desc=f"transfer layer {layer}", unit="step", leave=False, disable=not progress)
     try:
         for step in range(opts.steps):
@@ -142,7 +143,7 @@ def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
                 batch.append(read(order.pop()))
             x = torch.stack([b[0] for b in batch])
             y = torch.stack([b[1] for b in batch])
-            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=opts.dtype == "bfloat16"):
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
                 out = attend(student, x, kwargs)
             loss = (out.float() - y).pow(2).sum() / y.pow(2).sum()
             optimizer.zero_grad(set_to_none=True)
