@@ -25,7 +25,7 @@ CHILD = r"""
 import json, resource, sys, time, torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
-from gqakit.common import memory
+import gqakit.convert.memory as memory
 mode, steps = sys.argv[1], int(sys.argv[2])
 if mode != "default":
     memory.return_freed_memory_eagerly()

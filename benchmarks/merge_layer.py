@@ -35,7 +35,7 @@ import torch
 
 from co_runner import co_running
 from gqakit.convert.calibration.calibrate import save_layer
-from gqakit.common.memory import return_freed_memory_eagerly
+from gqakit.convert.memory import return_freed_memory_eagerly
 from gqakit.convert.merge_ahead import MergeAhead, merge_workers
 from gqakit.convert.run import _read_stats, merge_layer
 

@@ -37,7 +37,7 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
 def _run_convert(args: argparse.Namespace, command: str) -> None:
     from gqakit.convert import ConvertConfig, convert
     from gqakit.convert.card import against_mean, describe_plan, kv_summary
-    from gqakit.common.memory import return_freed_memory_eagerly
+    from gqakit.convert.memory import return_freed_memory_eagerly
 
     cfg = from_args(ConvertConfig, args)
     if cfg.method in methods.LAYERWISE:  # the layer merges and calibration allocate many large temporaries

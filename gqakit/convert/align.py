@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from gqakit.common.threads import lapack, one_thread
+from gqakit.convert.threads import lapack, one_thread
 from gqakit.convert.methods import GROUPINGS
 from gqakit.convert.grams import KeySide, ValueSide, factor, key_side, metric_from_matrix, value_side
 

@@ -35,7 +35,7 @@ from gqakit.convert.layer_share import (Share, barrier, check_share, finish, lau
 from gqakit.convert.merge_ahead import MergeAhead, merge_workers
 from gqakit.convert.transfer import TransferOptions, transfer_merged_layer, transfer_options
 from gqakit.common.atomic import check_replaceable
-from gqakit.common.memory import release_freed_memory
+from gqakit.convert.memory import release_freed_memory
 from gqakit.common.sizes import parse_size
 from gqakit.hf.folder import copy_side_files, read_config
 

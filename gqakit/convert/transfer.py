@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from gqakit.common.errors import GqakitError
-from gqakit.common.memory import heap_kept
+from gqakit.convert.memory import heap_kept
 from gqakit.convert.options import ConvertConfig
 from gqakit.convert.calibration.streamed import _WindowStates
 from gqakit.hf.fields import config_object
