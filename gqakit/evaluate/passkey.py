@@ -168,7 +168,7 @@ def greedy_generator(model, tokenizer, new_tokens: int = 10) -> Callable[[str], 
 # `gqakit eval passkey MODEL --lengths 1k,2k --depths 0,0.5,1 --trials N --seed S`
 # ---------------------------------------------------------------------------------------------
 
-def format_table(lengths: list[int], depths: list[float], acc: dict[tuple[int, float], float]) -> str:
+def passkey_table(lengths: list[int], depths: list[float], acc: dict[tuple[int, float], float]) -> str:
     """Depth rows x length columns, accuracy in percent, plus a mean row."""
     lines = ["| depth | " + " | ".join(f"{n:,}" for n in lengths) + " |", "|---" * (len(lengths) + 1) + "|"]
     for d in depths:
@@ -230,7 +230,7 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
     cases = build_cases(tok, lengths, depths, cfg.trials, cfg.seed, cfg.progress)
     results = score(cases, generate or greedy_generator(model, tok, cfg.new_tokens), cfg.progress)
     acc = accuracy(results)
-    print(format_table(lengths, depths, acc), file=out)
+    print(passkey_table(lengths, depths, acc), file=out)
     overall = sum(r["correct"] for r in results) / len(results)
     print(f"(overall {100 * overall:.1f}% of {len(results)} prompts; exact match of the 5 digits)", file=out)
     cells = [{"length": n, "depth": d, "accuracy": acc[(n, d)], "trials": cfg.trials,

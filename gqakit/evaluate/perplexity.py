@@ -210,7 +210,7 @@ def _bos_id(tok, model) -> int:
     return int(bos)
 
 
-def format_table(rows: list[dict], dtype: str = "float32") -> str:
+def perplexity_table(rows: list[dict], dtype: str = "float32") -> str:
     """A markdown table: model, K/V heads, KV-cache bytes per token at `dtype`, perplexity, scored tokens."""
     from gqakit.hf.loading import kv_heading
 
@@ -282,7 +282,7 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
         print(f"  {rows[-1]['model']}: perplexity {rows[-1]['perplexity']:.3f} over {count:,} tokens "
               f"({seconds:.1f}s)", file=out, flush=True)
         del model
-    print(format_table(rows, rows[0]["dtype"]), file=out)
+    print(perplexity_table(rows, rows[0]["dtype"]), file=out)
     if rows[0]["objective"] == "targets_given_inputs":
         print(f"(encoder-decoders: each row's {cfg.target_column!r} given its {cfg.text_column!r}, both ending in EOS; "
               f"perplexity over the target tokens; {cfg.dtype})", file=out)
