@@ -1,4 +1,4 @@
-"""Package faces stay light: importing a package of gqakit loads neither torch nor
+"""Package faces stay light: importing a package of gqakit (or the attention kinds) loads neither torch nor
 transformers, and the command line parses without them. Each import runs in a fresh interpreter: the test process
 has loaded torch long since."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _run(code: str) -> None:
     assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.parametrize("name", [p for p in PACKAGES if p not in HOLDS_TORCH])
+@pytest.mark.parametrize("name", [*(p for p in PACKAGES if p not in HOLDS_TORCH), "gqakit.attention.kinds"])
 def test_importing_a_package_loads_no_torch(name):
     _run(f"import {name}\nname = {name!r}\n" + LIGHT)
 

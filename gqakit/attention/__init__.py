@@ -26,7 +26,7 @@ def __getattr__(name: str):
 
         return use
     if name == "KINDS":
-        from gqakit.common.attention_kinds import KINDS
+        from gqakit.attention.kinds import KINDS
 
         return KINDS
     if name == "AttentionOptionError":

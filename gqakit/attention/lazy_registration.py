@@ -15,7 +15,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-from gqakit.common.attention_kinds import KINDS
+from gqakit.attention.kinds import KINDS
 
 RING = "gqakit_ring"
 NAMES = (*(f"gqakit_{kind}" for kind in KINDS), RING)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from gqakit.common import attention_kinds, dtypes
+from gqakit.attention import kinds as attention_kinds
+from gqakit.common import dtypes
 from gqakit.common.errors import GqakitError
 from gqakit.common.options import option
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from gqakit.common.attention_kinds import command_attention_options
+from gqakit.attention.kinds import command_attention_options
 from gqakit.common.errors import GqakitError
 from gqakit.evaluate.options import PasskeyConfig
 from gqakit.hf.compat import cache_kwargs

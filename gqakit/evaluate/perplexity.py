@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqakit.common.attention_kinds import DEFAULT, command_attention_options, position_bias_refusal
+from gqakit.attention.kinds import DEFAULT, command_attention_options, position_bias_refusal
 from gqakit.common.errors import GqakitError, opt
 from gqakit.evaluate.options import PplConfig
 
