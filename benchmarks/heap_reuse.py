@@ -1,6 +1,6 @@
 """What glibc's allocator settings cost a transfer training step: the default, the console script's eager return
-of freed memory (`common.memory.return_freed_memory_eagerly`: every block of 1 MiB or more mapped anew and faulted
-in), and eager with the training loop inside `common.memory.heap_kept` (what `--method transfer` does).
+of freed memory (`convert.memory.return_freed_memory_eagerly`: every block of 1 MiB or more mapped anew and faulted
+in), and eager with the training loop inside `convert.memory.heap_kept` (what `--method transfer` does).
 
 One step is transfer's: SmolLM2-135M's attention shape (576 wide, 9 query heads, 1 K/V head of 64), two
 512-token windows, forward under bfloat16 autocast, the relative-error loss, backward, AdamW. Each setting runs in
@@ -25,7 +25,7 @@ CHILD = r"""
 import json, resource, sys, time, torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
-from gqakit.common import memory
+import gqakit.convert.memory as memory
 mode, steps = sys.argv[1], int(sys.argv[2])
 if mode != "default":
     memory.return_freed_memory_eagerly()

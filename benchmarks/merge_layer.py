@@ -33,7 +33,7 @@ import torch
 
 from _measure import co_running, sampled_peak
 from gqakit.convert.calibration.stored import save_layer
-from gqakit.common.memory import return_freed_memory_eagerly
+from gqakit.convert.memory import return_freed_memory_eagerly
 from gqakit.convert.methods.merge_ahead import MergeAhead, merge_workers
 from gqakit.convert.methods.engine import read_stats
 from gqakit.convert.methods.layer import merge_layer

@@ -39,7 +39,7 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
 def _run_convert(args: argparse.Namespace, command: str) -> None:
     from gqakit.convert import ConvertConfig, convert
     from gqakit.convert.card import against_mean, describe_plan, kv_summary
-    from gqakit.common.memory import return_freed_memory_eagerly
+    from gqakit.convert.memory import return_freed_memory_eagerly
 
     cfg = from_args(ConvertConfig, args, given=typed(ConvertConfig, args))  # refused where the method ignores it
     if cfg.method in methods.LAYERWISE:  # the layer merges and calibration allocate many large temporaries

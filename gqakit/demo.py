@@ -36,7 +36,7 @@ def evaluate_folder(path: Path, ids: torch.Tensor, window: int) -> dict:
     }
 
 
-def format_table(rows: list[dict], dtype: torch.dtype = COMPUTE_DTYPE) -> str:
+def demo_table(rows: list[dict], dtype: torch.dtype = COMPUTE_DTYPE) -> str:
     header = f"| model | K/V heads | method | {kv_heading(dtype)} | held-out perplexity | vs MHA |"
     lines = [header, "|---|---|---|---|---|---|"]
     base = rows[0]["perplexity"]
@@ -79,7 +79,7 @@ def run_demo(output_dir: str | None = None, eval_tokens: int | None = None, keep
                                       method=method, progress=False))
                 rows.append({"model": name, "method": method, **evaluate_folder(folder, ids, window)})
                 print(f"  {name:6s} {method:6s} perplexity {rows[-1]['perplexity']:10.2f}", flush=True)
-        print(format_table(rows))
+        print(demo_table(rows))
         print(f"({time.time() - t0:.0f}s; perplexity: disjoint {window}-token windows, fp32 compute)")
         if out is not None:
             # write_report's per-file hook also places the kept model folders before the atomic swap.

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from gqakit.common.dtypes import NAMES as DTYPES
-from gqakit.common import attention_kinds
+from gqakit.attention import kinds as attention_kinds
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.options import option
 

@@ -204,11 +204,6 @@ _CACHE: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 8  # a few forwards' worth; each entry keeps its key padding / mask function alive
 
 
-def clear_block_mask_cache() -> None:
-    """Drop the cached BlockMasks (and the padding tensors and mask functions they hold)."""
-    _CACHE.clear()
-
-
 def _cache_key(*parts, tensors=()):
     """Key on values and on the identity + in-place version of tensors/callables (the entry keeps them
     alive, so an id cannot be reused while it is cached)."""

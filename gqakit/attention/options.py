@@ -1,6 +1,6 @@
 """The attention kinds' options checked against a model (`normalise_options`) and turned into mask patterns
 (`mask_spec`). The kinds themselves, and which options each takes, are declared once in
-`gqakit.common.attention_kinds` (torch-free, so that the command line reads them without loading torch).
+`gqakit.attention.kinds` (torch-free, so that the command line reads them without loading torch).
 
 Options live in `config.gqakit_attention`, a plain JSON dict that `save_pretrained` keeps, so
 `from_pretrained(..., attn_implementation="gqakit_sliding")` works. The pattern options (`LAYERED`) may be one
@@ -14,7 +14,7 @@ import functools
 
 from gqakit.attention import patterns
 from gqakit.attention.masks import AttentionOptionError, MaskSpec
-from gqakit.common.attention_kinds import CONFIG_KEY, DEFAULTS, KINDS, LAYERED, OPTIONS, SPARSE_PATTERNS
+from gqakit.attention.kinds import CONFIG_KEY, DEFAULTS, KINDS, LAYERED, OPTIONS, SPARSE_PATTERNS
 from gqakit.common.errors import opt
 
 

@@ -22,7 +22,7 @@ from gqakit.attention.flex import attention_forward
 from gqakit.attention.hf_masks import TiledMask, gqakit_mask, uses_alibi
 from gqakit.attention.masks import AttentionOptionError, MaskSpec, dropout_refusal
 from gqakit.attention.options import mask_spec, normalise_options, stored_options
-from gqakit.common.attention_kinds import CONFIG_KEY, DEFAULT, KINDS, adds_position_bias, position_bias_refusal
+from gqakit.attention.kinds import CONFIG_KEY, DEFAULT, KINDS, adds_position_bias, position_bias_refusal
 from gqakit.common.errors import opt
 
 

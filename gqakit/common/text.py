@@ -15,7 +15,6 @@ import torch
 
 from gqakit.common.errors import GqakitError, opt
 
-TEXT_SUFFIXES = (".txt",)
 ROW_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from gqakit.common.errors import GqakitError, opt
-from gqakit.common.memory import release_freed_memory
+from gqakit.convert.memory import release_freed_memory
 from gqakit.convert import methods
 from gqakit.convert.calibration.data import CalibrationData, load_calibration, sample_calibration
 from gqakit.convert.calibration.runner import LayerInputs, calibrate

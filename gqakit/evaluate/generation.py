@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gqakit.common.errors import opt
+from gqakit.evaluate.cache_kinds import DEFAULT_KV_CHUNK
 from gqakit.hf.compat import cache_kwargs
 
 
@@ -52,8 +53,6 @@ class GreedyDecoder:
 
     def __init__(self, model, tokenizer, new_tokens: int = 10, kv_cache: str | None = None,
                  kv_chunk: int | None = None):
-        from gqakit.evaluate.options import DEFAULT_KV_CHUNK
-
         self.model, self.tokenizer, self.new_tokens = model, tokenizer, new_tokens
         self.kv_cache, self.kv_chunk = kv_cache, kv_chunk or DEFAULT_KV_CHUNK
         self.held_per_token: float | None = None  # of the last prompt, with a kv_cache
@@ -127,7 +126,6 @@ def held_heading(kv_cache: str | None) -> str:
 
 def held_note(kv_cache: str, kv_chunk: int | None) -> str:
     """The line under the table that says how the prompts ran and how the bytes held were measured."""
-    from gqakit.evaluate.options import DEFAULT_KV_CHUNK
 
     return (f"(each prompt prefilled into a fresh {kv_cache} cache, {kv_chunk or DEFAULT_KV_CHUNK} tokens per "
             f"forward, then decoded greedily from it; bytes held = every tensor of every cache layer after the prompt "

@@ -20,7 +20,7 @@ import inspect
 import torch
 
 from gqakit.common.errors import GqakitError, opt
-from gqakit.evaluate.options import DEFAULT_KV_CHUNK as DEFAULT_CHUNK, KV_CACHES  # noqa: F401 (one declaration)
+from gqakit.evaluate.cache_kinds import DEFAULT_KV_CHUNK as DEFAULT_CHUNK, KV_CACHES  # noqa: F401 (one declaration)
 # KIVI (arXiv 2402.02750): keys quantized per channel (quanto's axis -1: each group is 64 tokens of one channel),
 # values per token (axis 0: each group is 64 channels of one token); groups of 64, the last 128 tokens kept whole.
 # transformers' defaults quantize keys per token too (axis 0), which an outlier channel ruins (checked here: 20x the
@@ -47,7 +47,7 @@ def check_options(kind: str | None, chunk: int | None, attention: str | None) ->
     """The one-line refusals of `--kv-cache` / `--kv-chunk` shared by `eval ppl | passkey | niah`: a chunk without a
     cache or below 1, a bounded attention window (whose tokens a full cache would hold but never read), a backend
     that is not installed."""
-    from gqakit.common.attention_kinds import LONG_CONTEXT
+    from gqakit.attention.kinds import LONG_CONTEXT
 
     if chunk is not None and kind is None:
         raise GqakitError(f"{opt('kv_chunk')} only applies with {opt('kv_cache')}; drop it or choose a cache")

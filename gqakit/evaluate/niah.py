@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from gqakit.common.attention_kinds import command_attention_options
+from gqakit.attention.kinds import command_attention_options
 from gqakit.common.errors import GqakitError, opt
 from gqakit.evaluate.generation import held_after, held_heading, mean_held
 from gqakit.evaluate.needles import TASKS, Haystack, haystack
@@ -69,7 +69,7 @@ def accuracy(results: list[dict]) -> dict[tuple[str, str, int, float], float]:
     return {cell: sum(hits) / len(hits) for cell, hits in cells.items()}
 
 
-def format_table(names: list[str], accs: list[dict], variants: list[tuple[str, str]], lengths: list[int],
+def niah_table(names: list[str], accs: list[dict], variants: list[tuple[str, str]], lengths: list[int],
                  depths: list[float], held: list[dict] | None = None, kv_cache: str | None = None) -> str:
     """Rows: (task, haystack) x depth, then its mean over depths, then the mean of all; a column per (model,
     length), the model's name in the header only when there are several. Accuracy in percent. With `held` (per
@@ -154,7 +154,7 @@ def run_niah(cfg: NiahConfig, command: str = "", out=None, generate: Generate | 
         cases_out += [{"model": name, **r} for r in results]
         print(f"  {name}: {100 * overall:.1f}% of {len(results):,} prompts", file=out, flush=True)
         del model
-    print(format_table(names, accs, variants, lengths, depths, helds, cfg.kv_cache), file=out)
+    print(niah_table(names, accs, variants, lengths, depths, helds, cfg.kv_cache), file=out)
     print(f"(exact match: niah_* the first number of the reply, vt every variable name; {cfg.samples} sample"
           f"{'s' if cfg.samples != 1 else ''} per cell, seed {cfg.seed})", file=out)
     if all(helds):

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from gqakit.common import attention_kinds, dtypes
+from gqakit.attention import kinds as attention_kinds
+from gqakit.common import dtypes
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.options import option
+from gqakit.evaluate.cache_kinds import DEFAULT_KV_CHUNK, KV_CACHES
 from gqakit.evaluate.needles import TASKS, parse_haystacks, parse_tasks
 
 
@@ -39,8 +41,6 @@ def parse_depths(spec: str) -> list[float]:
     return list(dict.fromkeys(out))
 
 
-KV_CACHES = ("dense", "fp8", "int4", "int2")  # `eval ppl | passkey | niah --kv-cache`: evaluate/kvcache.py
-DEFAULT_KV_CHUNK = 128
 
 
 def _policies(spec: str) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 
 from tqdm.auto import tqdm
 
-from gqakit.common.attention_kinds import command_attention_options
+from gqakit.attention.kinds import command_attention_options
 from gqakit.common.errors import GqakitError, opt
 from gqakit.evaluate.generation import (count_tokens, greedy_generator, held_after, held_heading, held_note,
                                         longest_fit, mean_held)
@@ -123,7 +123,7 @@ def accuracy(results: list[dict]) -> dict[tuple[int, float], float]:
 # `gqakit eval passkey MODEL --lengths 1k,2k --depths 0,0.5,1 --trials N --seed S`
 # ---------------------------------------------------------------------------------------------
 
-def format_table(lengths: list[int], depths: list[float], acc: dict[tuple[int, float], float],
+def passkey_table(lengths: list[int], depths: list[float], acc: dict[tuple[int, float], float],
                  held: dict[int, float] | None = None, kv_cache: str | None = None) -> str:
     """Depth rows x length columns, accuracy in percent, plus a mean row; with `held` (length -> bytes per token
     the `kv_cache` held after the prompt, mean over the length's prompts), a row of them."""
@@ -193,7 +193,7 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
     results = score(cases, generate, cfg.progress)
     acc = accuracy(results)
     held = mean_held(results, lambda r: r["length"])
-    print(format_table(lengths, depths, acc, held, cfg.kv_cache), file=out)
+    print(passkey_table(lengths, depths, acc, held, cfg.kv_cache), file=out)
     overall = sum(r["correct"] for r in results) / len(results)
     print(f"(overall {100 * overall:.1f}% of {len(results)} prompts; exact match of the 5 digits)", file=out)
     if held:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from gqakit.common.attention_kinds import DEFAULT, command_attention_options, position_bias_refusal
+from gqakit.attention.kinds import DEFAULT, command_attention_options, position_bias_refusal
 from gqakit.common.errors import GqakitError, opt
 from gqakit.evaluate.kvcache import DEFAULT_CHUNK, chunked_window_nll, report_fields
 from gqakit.evaluate.options import PplConfig
@@ -281,7 +281,7 @@ def _bos_id(tok, model) -> int:
     return int(bos)
 
 
-def format_table(rows: list[dict], dtype: str = "float32", kv_cache: str | None = None) -> str:
+def perplexity_table(rows: list[dict], dtype: str = "float32", kv_cache: str | None = None) -> str:
     """A markdown table: model, K/V heads, KV-cache bytes per token (at `dtype`; with a `kv_cache`, the bytes
     that cache held, measured), perplexity, scored tokens, windows, per-window perplexity range, 95% interval."""
     from gqakit.hf.loading import kv_heading
@@ -369,7 +369,7 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
         print(f"  {rows[-1]['model']}: perplexity {rows[-1]['perplexity']:.3f} over {count:,} tokens "
               f"({seconds:.1f}s)", file=out, flush=True)
         del model
-    print(format_table(rows, rows[0]["dtype"], cfg.kv_cache), file=out)
+    print(perplexity_table(rows, rows[0]["dtype"], cfg.kv_cache), file=out)
     if rows[0]["objective"] == "targets_given_inputs":
         print(f"(encoder-decoders: each row's {cfg.target_column!r} given its {cfg.text_column!r}, both ending in EOS; "
               f"perplexity over the target tokens; {cfg.dtype})", file=out)

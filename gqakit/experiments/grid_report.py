@@ -24,7 +24,7 @@ def _line(heads: str, method: str, cells: list) -> str:
     return f"| {heads} | {method} | " + " | ".join(f"{c:.2f}" if c is not None else "" for c in cells) + " |"
 
 
-def format_table(rows: list[dict]) -> str:
+def grid_table(rows: list[dict]) -> str:
     """One line per (G, method); columns alpha = 0, then each alpha without and (where any cell has it) with
     distillation."""
     ppl = _lookup(rows)
@@ -77,7 +77,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def write_grid_report(out: Path, rows: list[dict], cfg, eval_tokens: int) -> None:
     out = Path(out)
-    table = format_table(rows)
+    table = grid_table(rows)
     (out / "results.md").write_text(table + "\n")
     with (out / "results.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, FIELDS, extrasaction="ignore")

@@ -13,7 +13,8 @@ import dataclasses
 import math
 from pathlib import Path
 
-from gqakit.common import attention_kinds, dtypes
+from gqakit.attention import kinds as attention_kinds
+from gqakit.common import dtypes
 from gqakit.common.atomic import inside
 from gqakit.common.errors import GqakitError
 from gqakit.common.options import check_fields, option, to_dict

@@ -19,7 +19,7 @@ from gqakit.attention.masks import MaskSpec
 from gqakit.attention.options import mask_spec
 from gqakit.attention.ring import ring_context, use_ring
 from gqakit.attention.ring_layout import RingLayout, ring_groups
-from gqakit.common.attention_kinds import CONFIG_KEY
+from gqakit.attention.kinds import CONFIG_KEY
 from gqakit.uptrain.loss import IGNORE
 
 class SequenceParallel:

@@ -39,7 +39,7 @@ def test_an_override_is_blamed_as_an_override(tmp_path):
 
 def test_window_and_sinks_are_refused_inside_the_extra_options(tmp_path):
     """window and sinks have their own flag / key; given again among a kind's other options they are refused."""
-    from gqakit.common.attention_kinds import command_attention_options
+    from gqakit.attention.kinds import command_attention_options
 
     with pytest.raises(GqakitError, match=r"^set --window itself, not inside --attention-option$"):
         command_attention_options("sliding", 8, None, ("window=4",))

@@ -230,7 +230,7 @@ def test_demo_and_eval_count_kv_bytes_alike(tmp_path, tok):
     """A bf16-stored model scored in fp32: before, demo said 2 bytes per value (stored), eval 4 (compute)."""
     from gqakit import demo
     from gqakit.hf.loading import describe, kv_bytes_per_token, kv_heading, load_model
-    from gqakit.evaluate.perplexity import format_table
+    from gqakit.evaluate.perplexity import perplexity_table
 
     folder = tmp_path / "bf16"
     model = tiny_llama(len(tok), kv_heads=2, bos=tok.eos_token_id, eos=tok.eos_token_id)
@@ -251,9 +251,9 @@ def test_demo_and_eval_count_kv_bytes_alike(tmp_path, tok):
     assert row.split(" | ")[2] == f"{from_demo:,}"
     heading = kv_heading("float32")
     assert heading == "KV-cache bytes/token (float32)"
-    assert heading in demo.format_table([{"model": "m", "kv_heads": 2, "method": "-", "kv_bytes_per_token": 1,
-                                          "perplexity": 1.0}]).splitlines()[0]
-    assert heading in format_table([], "float32") and heading in out
+    assert heading in demo.demo_table([{"model": "m", "kv_heads": 2, "method": "-", "kv_bytes_per_token": 1,
+                                         "perplexity": 1.0}]).splitlines()[0]
+    assert heading in perplexity_table([], "float32") and heading in out
 
 
 def _text_file(folder: Path) -> Path:

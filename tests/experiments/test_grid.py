@@ -8,7 +8,7 @@ import pytest
 from gqakit.common.errors import GqakitError
 from gqakit.common.options import from_dict
 from gqakit.experiments.grid import GridConfig, run_grid
-from gqakit.experiments.grid_report import format_table
+from gqakit.experiments.grid_report import grid_table
 from uptrain_tiny import make_text, make_uptrain_model
 
 
@@ -42,7 +42,7 @@ def test_grid_runs_every_cell_once_and_writes_one_table_and_plot(tmp_path, capsy
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "cells").iterdir()}
     assert run_grid(cfg) == rows  # a second run reads every finished cell instead of training again
     assert stamps == {p.name: p.stat().st_mtime_ns for p in (out / "cells").iterdir()}
-    assert format_table(rows) == table.strip()
+    assert grid_table(rows) == table.strip()
 
 
 def _tiny_grid(tmp_path, model, text, **fields) -> dict:

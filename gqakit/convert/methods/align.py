@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from gqakit.common.threads import lapack, one_thread
+from gqakit.convert.threads import lapack, one_thread
 from gqakit.convert.methods import GROUPINGS
 from gqakit.convert.methods.grams import KeySide, ValueSide, factor, key_side, metric_from_matrix, value_side
 
@@ -351,7 +351,7 @@ def group_order(key_gram, value_block, key_total: float, val_total: float, num_k
     m = num_kv // groups
     if groups in (1, num_kv):
         return tuple(range(num_kv))
-    with one_thread():  # thousands of small eigvalsh calls: see common/threads.py
+    with one_thread():  # thousands of small eigvalsh calls: see convert/threads.py
         return _search(key_gram, value_block, key_total, val_total, num_kv, m, head_dim, exhaustive_limit)
 
 

@@ -17,7 +17,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from gqakit.common.threads import lapack
+from gqakit.convert.threads import lapack
 
 F64 = torch.float64
 BLOCK = 256  # rows (and metric columns) per block: 8 MiB of float64 at hidden size 4096

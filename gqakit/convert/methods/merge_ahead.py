@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 import torch
 
 from gqakit.common.cpu_split import on_one_thread, one_threaded_pool, restore_threads
-from gqakit.common.threads import one_thread
+from gqakit.convert.threads import one_thread
 
 T = TypeVar("T")
 MAX_WORKERS = 8  # bounds the memory above; more cores than this add little to a write pass of byte copies

@@ -25,7 +25,7 @@ start, so transfer is never worse than its start merge on held-out windows.
 Memory: one layer's attention twice (teacher and student, fp32) with AdamW state for the trained projections, the
 held-out windows, and one batch of windows; the fitting windows' inputs and the teacher's outputs wait in scratch
 files (calibration's), read one batch at a time. While a layer trains, glibc keeps freed blocks for reuse
-(`common.memory.heap_kept`) even where the console script returns freed memory eagerly: every step allocates the
+(`convert.memory.heap_kept`) even where the console script returns freed memory eagerly: every step allocates the
 same activations, which would otherwise be mapped and faulted in anew at every step (1.5x the step's time).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from gqakit.common.errors import GqakitError, opt
-from gqakit.common.memory import heap_kept
+from gqakit.convert.memory import heap_kept
 from gqakit.convert.options import PARAMS, TransferOptions, training_dtype
 from gqakit.convert.calibration.streamed import WindowStates
 from gqakit.hf.fields import config_object

@@ -1,4 +1,4 @@
-"""`common.memory`: after `return_freed_memory_eagerly` every large block is mapped anew (and faulted in) at each
+"""`convert.memory`: after `return_freed_memory_eagerly` every large block is mapped anew (and faulted in) at each
 allocation; inside `heap_kept` freed blocks are reused, and on leaving the eager setting is back. Without the eager
 setting `heap_kept` changes nothing. Each case runs in its own process: the allocator's settings are process-wide.
 Counts are page faults (`getrusage`), not times, so the test does not depend on the machine's load."""
@@ -12,7 +12,7 @@ import pytest
 
 CHILD = r"""
 import json, resource, sys, torch
-from gqakit.common import memory
+import gqakit.convert.memory as memory
 
 def faults(n=40):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
