@@ -17,7 +17,7 @@ TORCHES="${TORCHES:-2.11.0 2.15.0}"
 TRANSFORMERS="${TRANSFORMERS:-}"
 PYTHON="${PYTHON:-python3}"
 # The smoke subset: kernels and masks, ring attention on 2 gloo processes, the merge methods, uptraining on 1
-# and 2 processes (DDP and FSDP2), perplexity, the floor rule and the CLI. Not slow-marked ones (../shared).
+# and 2 processes (DDP, context parallelism), perplexity, the floor rule and the CLI. Not slow-marked ones.
 SMOKE=(
   tests/attention/test_tiled.py tests/attention/test_attention_masks.py tests/attention/test_ring.py
   tests/convert/test_pooling.py tests/convert/test_convert_aligned.py tests/convert/test_calibrate.py
