@@ -1,0 +1,110 @@
+"""Quality against KV-cache bytes, side by side: every model under every cache, one table and one plot.
+
+What a user buys is a smaller KV cache at the least loss, so each converted model is set beside the original
+under transformers' quantized caches (`gqakit eval ppl --kv-cache dense|fp8|int4|int2`), at the bytes per token
+each cache really holds (measured from its tensors, scales and full-precision residual included). For every cache
+kind this runs one `gqakit eval ppl` over all models (the whole text by default, disjoint windows, a bootstrap
+interval per row), reads its results.json, and prints one markdown table sorted by bytes, each row's interval and
+whether it overlaps the best row's at no more bytes; `--plot` writes one PNG (perplexity against bytes per token,
+one marker per cache kind, one colour per model).
+
+    python benchmarks/kv_tradeoff.py gqakit/assets/austen-mha-8h runs/austen-mqa --text gqakit/assets/heldout_emma.txt
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _measure import command_line, logger
+
+log = logger("kv_tradeoff")
+CACHES = ("dense", "fp8", "int4", "int2")
+
+
+def evaluate(models: list[str], cache: str, args, folder: Path) -> list[dict]:
+    """One `gqakit eval ppl` of every model under `cache`; its rows (results.json)."""
+    out = folder / cache
+    cmd = ["gqakit", "eval", "ppl", *models, "--text", args.text, "--max-tokens", str(args.max_tokens),
+           "--max-length", str(args.max_length), "--kv-cache", cache, "--kv-chunk", str(args.kv_chunk),
+           "-o", str(out), "-q"]
+    log(" ".join(cmd))
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    rows = json.loads((out / "results.json").read_text(encoding="utf-8"))["results"]["rows"]
+    return [{**r, "cache": cache, "path": m} for r, m in zip(rows, models)]
+
+
+def table(rows: list[dict]) -> str:
+    """Rows by measured bytes per token; a row whose interval overlaps that of the best row at no more bytes
+    says so (the two cannot be told apart on this text)."""
+    rows = sorted(rows, key=lambda r: (r["kv_bytes_held_per_token"], r["perplexity"]))
+    lines = ["| model | K/V heads | cache | bytes/token held | vs the first model dense | perplexity | 95% interval "
+             "| overlaps a row at no more bytes |", "|---|---|---|---|---|---|---|---|"]
+    base = next((r for r in rows if r["cache"] == "dense" and r["first"]), None)  # the reference's dense row
+    for i, r in enumerate(rows):
+        cheaper = [o for o in rows[:i] if o["kv_bytes_held_per_token"] <= r["kv_bytes_held_per_token"]]
+        best = min(cheaper, key=lambda o: o["perplexity"], default=None)
+        overlap = ("" if best is None else
+                   f"{best['model']} {best['cache']}" if best["ppl_ci_low"] <= r["ppl_ci_high"]
+                   and r["ppl_ci_low"] <= best["ppl_ci_high"] else "no")
+        ratio = f"{base['kv_bytes_held_per_token'] / r['kv_bytes_held_per_token']:.1f}x fewer" if base else ""
+        lines.append(f"| {r['model']} | {r['kv_heads']} | {r['cache']} | {r['kv_bytes_held_per_token']:,.0f} | {ratio} "
+                     f"| {r['perplexity']:.2f} | {r['ppl_ci_low']:.2f}-{r['ppl_ci_high']:.2f} | {overlap} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    from gqakit.common.plots import new_figure
+
+    fig = new_figure(7.5, 4.5)
+    ax = fig.add_subplot()
+    markers = dict(zip(CACHES, "osD^"))
+    colours = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(r["model"] for r in rows))}
+    for r in rows:
+        ax.errorbar(r["kv_bytes_held_per_token"], r["perplexity"],
+                    yerr=[[r["perplexity"] - r["ppl_ci_low"]], [r["ppl_ci_high"] - r["perplexity"]]],
+                    marker=markers[r["cache"]], color=colours[r["model"]], linestyle="none", capsize=2)
+    for m, c in colours.items():
+        ax.plot([], [], color=c, marker="o", linestyle="none", label=m)
+    for k, mk in markers.items():
+        ax.plot([], [], color="grey", marker=mk, linestyle="none", label=k)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV-cache bytes per token held (measured)")
+    ax.set_ylabel("perplexity (95% bootstrap interval)")
+    ax.set_title("quality against KV-cache bytes")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("models", nargs="+", help="model folders; the first is the reference (its dense row: 1x)")
+    p.add_argument("--text", required=True, help="the evaluation text")
+    p.add_argument("--caches", nargs="+", default=list(CACHES[:3]), choices=CACHES, help="cache kinds")
+    p.add_argument("--max-tokens", type=int, default=0, help="tokens scored (0: the whole text)")
+    p.add_argument("--max-length", type=int, default=2048, help="window length (disjoint windows)")
+    p.add_argument("--kv-chunk", type=int, default=128, help="tokens per forward through the cache")
+    p.add_argument("--plot", help="write the PNG here")
+    p.add_argument("--keep", help="keep the eval report folders here (default: a temporary folder)")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(args.keep or tmp)
+        rows = [r for cache in args.caches for r in evaluate(args.models, cache, args, folder)]
+    for r in rows:
+        r["first"] = r["path"] == args.models[0]
+    print(f"`{command_line(__file__, argv)}`\n")
+    print(table(rows))
+    print(f"\n(windows of {args.max_length} tokens, {'the whole text' if args.max_tokens == 0 else args.max_tokens}; "
+          f"each fed through the cache {args.kv_chunk} tokens per forward; bytes held = every tensor of every "
+          "cache layer after the first window, over its positions)")
+    if args.plot:
+        plot(rows, Path(args.plot))
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
