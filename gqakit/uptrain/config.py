@@ -72,7 +72,7 @@ class UptrainConfig:
     attention_options: dict | None = None  # any other option of the kind, e.g. {stride: 128} for attention=sparse
     context_parallel: int = option(1, above=0, metavar="P", remember=True,  # ranks sharing one sequence; the rest: DP
                                    help="split each sequence over P processes with ring attention (= "
-                                        "context_parallel=P)")
+                                        "context_parallel=P)", default_text="the recipe's context_parallel, else 1")
     sharding: str = option("ddp", choices=SHARDING)  # ddp: every process holds all; fsdp: FSDP2, state sharded
     device_memory: str | None = option(None, metavar="SIZE", remember=True,  # what the fit check plans for
                                        help="memory per rank, e.g. 80GB or 24GiB (= device_memory=SIZE)",
