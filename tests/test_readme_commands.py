@@ -27,10 +27,10 @@ SHARED = REPO.parent / "shared"
 # and docs/results/reference-models.md rebuilds the embedded model last.
 PAGES = ("README.md", "docs/convert.md", "docs/attention.md", "docs/uptrain.md", "docs/evaluate.md",
          "docs/results.md", "docs/results/conversion.md", "docs/results/gqa-paper.md", "docs/results/uptrain-scale.md",
-         "docs/results/smollm2-mqa.md", "docs/results/transfer.md", "docs/results/decoding.md",
-         "docs/results/long-context.md", "docs/results/convert-speed.md", "docs/results/merge-memory.md",
-         "docs/results/attention-kernels.md", "docs/results/from-the-tests.md", "docs/results/reference-models.md",
-         "docs/architecture.md")
+         "docs/results/smollm2-mqa.md", "docs/results/transfer.md", "docs/results/kv-bytes.md",
+         "docs/results/decoding.md", "docs/results/long-context.md", "docs/results/convert-speed.md",
+         "docs/results/merge-memory.md", "docs/results/attention-kernels.md", "docs/results/from-the-tests.md",
+         "docs/results/reference-models.md", "docs/architecture.md")
 
 # Appended to a command (argparse and key=value overrides: the last value wins) so it runs in seconds.
 TINY = [
@@ -48,6 +48,7 @@ TINY = [
     (r"^gqakit eval stream", "--tokens 512 --chunk 128"),
     (r"^gqakit eval passkey", "--trials 1 --depths 0.5"),
     (r"^gqakit eval niah", "--samples 1 --depths 0.5 --lengths 256"),
+    (r"^python benchmarks/kv_tradeoff.py", "--max-tokens 256 --max-length 128"),
     (r"^python -m gqakit.reference.train", "steps=2 eval_every=1 log_every=1 seq_len=64 batch_size=2 "
                                            "warmup_steps=1 heldout_chars=20000"),
 ]
