@@ -29,8 +29,8 @@ def evaluate(models: list[str], cache: str, args, folder: Path) -> list[dict]:
     """One `gqakit eval ppl` of every model under `cache`; its rows (results.json)."""
     out = folder / cache
     cmd = [sys.executable, "-m", "gqakit.cli", "eval", "ppl", *models, "--text", args.text,
-           "--max-tokens", str(args.max_tokens), "--max-length", str(args.max_length), "--kv-cache", cache, "--kv-chunk", str(args.kv_chunk),
-           "-o", str(out), "-q"]
+           "--max-tokens", str(args.max_tokens), "--max-length", str(args.max_length), "--kv-cache", cache,
+           "--kv-chunk", str(args.kv_chunk), "-o", str(out), "-q"]
     log(" ".join(["gqakit", *cmd[3:]]))
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     rows = json.loads((out / "results.json").read_text(encoding="utf-8"))["results"]["rows"]
