@@ -221,6 +221,9 @@ def resolve_window(cfg: PplConfig, contexts: list[int | None]) -> tuple[int, int
     """(max_length, stride) in model positions / text tokens, checked against each other (one-line errors)."""
     known = [c for c in contexts if c]
     max_length = cfg.max_length or min([1024, *known])
+    if known and max_length > min(known):  # positions the model never saw: extrapolation, not its perplexity
+        raise GqakitError(f"{opt('max_length', max_length)} exceeds a model's {min(known):,}-token context "
+                          f"(max_position_embeddings); use {opt('max_length')} <= {min(known)}")
     span = max_length - (1 if cfg.bos else 0)
     stride = cfg.stride or span
     if stride > span:

@@ -164,6 +164,7 @@ def test_dataset_rows_joined_with_eos(tmp_path, tok):
     (lambda d: ["--text", d / "text.txt", "--window", 8], "--window only applies with --attention sliding or sinks"),
     (lambda d: ["--text", d / "text.txt", "--attention", "sliding", "--window", 0], "window=0 must be a positive"),
     (lambda d: ["--text", d / "text.txt", "--max-length", 1], "too short"),
+    (lambda d: ["--text", d / "text.txt", "--max-length", 256], "--max-length 256 exceeds a model's 128-token context"),
 ])
 def test_bad_input_is_one_line(files, make, needle):
     d = files["root"]
