@@ -108,7 +108,7 @@ def transfer_layer_at_hand(inputs: LayerInputs, plan: Plan, config: dict, tensor
     from safetensors.torch import save_file
 
     i = inputs.index
-    op = next(op for op in plan.ops if op.kind == "attn" and op.layer == i)
+    op = next(op for op in plan.ops if op.kind in ("attn", "latent") and op.layer == i)
     heldout = load_layer(how.stats, i, ())[1]
     start_plan = dataclasses.replace(plan, method=opts.start)  # the calibrated merge that training starts from
     merged, cost = merge_checkpoint_layer(start_plan, tensors, i, op.sources, how, heldout)

@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from gqakit import __version__
+from gqakit.hf.architectures.latent import ARCHITECTURE
 from gqakit.hf.checkpoint import DTYPES
 from gqakit.convert import methods
 from gqakit.convert.plan import Plan, total_bytes
@@ -36,6 +37,7 @@ def describe_plan(plan: Plan) -> str:
         f"attention heads, head_dim {plan.head_dim}",
         f"K/V heads: {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}, method {plan.method})",
         *([encoder_line(plan)] if plan.spec.encoder_kv else []),
+        *([latent_line(plan)] if plan.latent else []),
         *([f"re-hosted: {plan.rehosted.describe()}"] if plan.rehosted else []),
         kv_summary(plan),
         f"tensors: {len(plan.ops)} ({kinds.get('copy', 0)} copied, {kinds.get('cast', 0)} cast, "
@@ -58,6 +60,15 @@ def describe_plan(plan: Plan) -> str:
     if plan.own_class:
         lines.append("note: " + own_class_note(plan))
     return "\n".join(lines)
+
+
+def latent_line(plan: Plan) -> str:
+    """--to mla: what the output's attention is and where it runs."""
+    shape = plan.latent
+    return (f"latent attention (--to mla): transformers' stock {ARCHITECTURE}, caching per token and layer a latent "
+            f"of {shape.latent} values and a shared RoPE key of {shape.rope_dim} (the MQA's value and key, exactly); "
+            "kv_a_proj_with_mqa carries a bias, so the checkpoint runs in transformers but not in vLLM/SGLang's "
+            "DeepSeek classes (which build that projection without one)")
 
 
 def encoder_line(plan: Plan) -> str:
@@ -164,7 +175,7 @@ def _against_mean(plan: Plan, errors: dict[int, dict[str, float]], calibrated: b
 def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]], command: str,
                calibration=None) -> None:
     before, after = plan.kv_cache_bytes_per_token(False), plan.kv_cache_bytes_per_token(True)
-    name = "MQA" if plan.groups == 1 else f"GQA-{plan.groups}"
+    name = "MLA (from MQA)" if plan.latent else "MQA" if plan.groups == 1 else f"GQA-{plan.groups}"
     held = calibration is not None
     compared = held and any("logits_mean" in e for e in errors.values())
     trained = any("transfer_before" in e for e in errors.values())
@@ -184,7 +195,7 @@ def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]],
     )
     text = f"""---
 library_name: transformers
-tags: [gqakit, grouped-query-attention]
+tags: [gqakit, {"multi-head-latent-attention" if plan.latent else "grouped-query-attention"}]
 ---
 # {Path(cfg.model_dir).name} converted to {name}
 
@@ -192,11 +203,12 @@ Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if comm
 
 | | |
 |---|---|
-| architecture | {plan.own_class[1] + f" (gqakit's own, from {plan.architecture})" if plan.own_class else plan.architecture}{
+| architecture | {plan.own_class[1] + f" (gqakit's own, from {plan.architecture})" if plan.own_class else
+                  f"{ARCHITECTURE} (stock, from {plan.architecture})" if plan.latent else plan.architecture}{
 f" (re-hosted: {plan.rehosted.describe()})" if plan.rehosted else ""} |
 | attention heads | {plan.num_attention_heads} |
 | K/V heads | {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}) |
-{encoder_row}| method | {plan.method}{f" (seed {cfg.seed})" if methods.get(plan.method).seeded else ""} |
+{encoder_row}{f"| attention | {latent_line(plan).partition(': ')[2]} |{chr(10)}" if plan.latent else ""}| method | {plan.method}{f" (seed {cfg.seed})" if methods.get(plan.method).seeded else ""} |
 | head_dim | {plan.head_dim} |
 | KV-cache bytes per token (at the stored dtype of k_proj; `gqakit eval` counts its compute dtype) | {before:,} -> {after:,} |
 | dtype | {cfg.dtype} |

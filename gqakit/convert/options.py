@@ -16,6 +16,7 @@ PARAMS = {"kv": ("k_proj", "v_proj"), "qkvo": ("q_proj", "k_proj", "v_proj", "o_
 INPUTS = ("original", "converted")  # --transfer-inputs
 STARTS = ("fit", "aligned")  # --transfer-start: calibrated merges (methods.METHODS) training can start from
 DTYPES = ("auto", "float32", "bfloat16")  # --transfer-dtype; auto: bfloat16 where the device has bf16 units
+TARGETS = ("gqa", "mla")  # --to: grouped K/V heads, or latent attention (convert/latent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,10 @@ class ConvertConfig:
     calibration_device: str = option("cpu", remember=True,
                                      help="device that runs calibration, one layer at a time, and the sampling "
                                           "of data-free calibration (e.g. cuda)")
+    to: str = option("gqa", choices=TARGETS,
+                     help="what the output's attention is: gqa, grouped K/V heads in the family's own class; mla, "
+                          "latent attention in transformers' stock DeepseekV3 class (with --groups 1: the MQA it "
+                          "computes exactly, one latent and one shared RoPE key per token; Llama-like models)")
     pool_encoder: bool = option(False, help="encoder-decoders (T5): group the encoder's self-attention K/V heads "
                                             "too (default: only the decoder's self- and cross-attention, as in the "
                                             "GQA paper)")
@@ -133,6 +138,8 @@ CALIBRATION_OPTIONS = ("calibration_tokens", "calibration_window", "text_column"
 
 def check_options(cfg: ConvertConfig) -> None:
     """Refuse an unknown dtype, options the chosen method would ignore, and a fit without its calibration data."""
+    if cfg.to not in TARGETS:
+        raise GqakitError(f"unknown {opt('to', repr(cfg.to))}; choose {' or '.join(TARGETS)}")
     if cfg.dtype not in dtypes.WITH_AUTO:
         raise GqakitError(f"unknown {opt('dtype', repr(cfg.dtype))}; choose auto, float32, bfloat16 or float16")
     if cfg.grouping is not None and cfg.grouping not in methods.GROUPINGS:

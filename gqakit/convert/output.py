@@ -9,6 +9,7 @@ from gqakit.common.atomic import check_replaceable
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.sizes import parse_size
 from gqakit.convert.plan import Plan
+from gqakit.hf.architectures.latent import latent_config
 
 
 def max_shard_bytes(text: str) -> int:
@@ -16,14 +17,14 @@ def max_shard_bytes(text: str) -> int:
     return parse_size(text, opt("max_shard_size"), "5GB, 500MB or 2GiB")
 
 
-def default_output(model_dir: Path, groups: int) -> Path:
-    suffix = "mqa" if groups == 1 else f"gqa{groups}"
+def default_output(model_dir: Path, groups: int, to: str = "gqa") -> Path:
+    suffix = "mla" if to == "mla" else "mqa" if groups == 1 else f"gqa{groups}"
     return model_dir.with_name(f"{model_dir.name}-{suffix}")
 
 
-def output_path(model_dir: Path, output_dir: str | None, groups: int) -> Path:
+def output_path(model_dir: Path, output_dir: str | None, groups: int, to: str = "gqa") -> Path:
     """The -o folder (or the default), with a final `..` or `.` resolved so that it has a name."""
-    out = Path(output_dir) if output_dir else default_output(model_dir, groups)
+    out = Path(output_dir) if output_dir else default_output(model_dir, groups, to)
     return out.resolve() if out.name in ("", ".", "..") else out
 
 
@@ -69,3 +70,9 @@ def new_config(config: dict, plan: Plan, dtype: str) -> dict:
         config["dtype"] = dtype
         config.pop("torch_dtype", None)
     return config
+
+
+def written_config(config: dict, plan: Plan, dtype: str) -> dict:
+    """The config.json the output folder holds: `new_config`'s, or with `--to mla` the stock DeepseekV3 class's."""
+    grouped = new_config(config, plan, dtype)
+    return grouped if plan.latent is None else latent_config(grouped, plan.latent, plan.num_layers)

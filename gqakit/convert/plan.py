@@ -15,10 +15,12 @@ import torch
 from gqakit.common.errors import GqakitError, opt
 from gqakit.hf.architectures import ArchSpec, KNorm, find_family, supported_architectures
 from gqakit.hf.checkpoint import DTYPE_NAMES, DTYPES, DerivedTensor, TensorInfo, assign_shards, shard_names
+from gqakit.hf.architectures.latent import LatentShape, host_refusal, mqa_shape
 from gqakit.hf.architectures.refused import refusal
 from gqakit.hf.architectures.rehost import Rehosted, find_rehost, rehost, rehosted_architectures
 from gqakit.hf.fields import ModelFields, architecture_of, positive_int, read_fields
 from gqakit.convert import methods
+from gqakit.convert.latent.ops import latent_tensors
 from gqakit.convert.methods.pooling import valid_groups
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -27,7 +29,8 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 @dataclasses.dataclass(frozen=True)
 class TensorOp:
     """How one output tensor is made. kind: copy | cast | kv | qkv | head_norm | attn (one of a layer's
-    q/k/v/o tensors from an aligned merge; `sources` are all of that layer's attention tensors)."""
+    q/k/v/o tensors from an aligned merge; `sources` are all of that layer's attention tensors) | latent (one of a
+    layer's latent-attention tensors, `--to mla`; `sources` likewise)."""
 
     name: str
     dtype: str
@@ -60,6 +63,8 @@ class Plan:
     qkv_layout: tuple[str, str] = ("blocks", "blocks")
     # an encoder-decoder's encoder layers when --pool-encoder regroups them too (None: the encoder is copied)
     encoder_layers: int | None = None
+    # --to mla: each layer's latent attention, written as transformers' DeepseekV3 (None: grouped K/V heads)
+    latent: LatentShape | None = None
 
     @functools.cached_property
     def shards(self) -> list[list[int]]:
@@ -73,6 +78,8 @@ class Plan:
         """K and V cache bytes for one token across all layers."""
         heads = self.groups if after else self.num_key_value_heads
         itemsize = self.target_kv_itemsize if after else self.source_kv_itemsize
+        if after and self.latent is not None:  # the latent and the shared RoPE key
+            return self.num_layers * self.latent.values_per_token * itemsize
         return 2 * self.num_layers * heads * self.head_dim * itemsize
 
     @property
@@ -202,6 +209,18 @@ def _attention_ops(spec: ArchSpec, tensors, i: int, h: _Heads, target) -> dict[s
         shape = info.shape if role == "o" else (new_rows[role], *info.shape[1:])
         ops[name] = [TensorOp(name, target(info), shape, "attn", sources, i, role if suffix == "weight" else "")]
     return ops
+
+
+def _latent_ops(spec: ArchSpec, tensors, i: int, h: _Heads, target, shape: LatentShape) -> dict[str, list[TensorOp]]:
+    """Layer i's attention as latent attention (`convert/latent/ops.py`): every target tensor where the key
+    projection was, the other sources dropped."""
+    def rows(name: str, n: int, what: str) -> None:
+        _check_rows(name, _need(tensors, name), n, what)
+
+    sources, key, shapes = latent_tensors(spec, tensors, i, h.heads, h.kv_heads, h.head_dim, shape, rows)
+    dtype = target(tensors[key])
+    new = [TensorOp(name, dtype, size, "latent", sources, i) for name, size in shapes.items()]
+    return {name: (new if name == key else []) for name in sources}
 
 
 def _norm_ops(spec: ArchSpec, tensors, i: int, h: _Heads, target) -> dict[str, list[TensorOp]]:
@@ -341,8 +360,20 @@ def encoder_layers(spec: ArchSpec, arch: str, config: dict, tensors: dict[str, T
     return layers
 
 
+def check_latent(spec: ArchSpec, arch: str, config: dict, groups: int) -> None:
+    """--to mla: refuse, in one line, a model whose layers the stock DeepseekV3 class cannot compute, or a G it
+    cannot hold."""
+    if (why := host_refusal(spec.family, config)) is not None:
+        raise GqakitError(f"{opt('to', 'mla')} cannot convert {arch}: it {why}; drop {opt('to', 'mla')} to write "
+                          "grouped K/V heads")
+    if groups != 1:
+        raise GqakitError(f"{opt('to', 'mla')} holds one key and one value per token in the latent (MQA's); use "
+                          f"{opt('groups', 1)}, not {groups}")
+
+
 def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method: str = "mean",
-              dtype: str | None = None, max_shard_bytes: int = 5 * 10**9, pool_encoder: bool = False) -> Plan:
+              dtype: str | None = None, max_shard_bytes: int = 5 * 10**9, pool_encoder: bool = False,
+              to: str = "gqa") -> Plan:
     """Decide every output tensor's name, dtype, shape and recipe. Raises GqakitError on bad input.
 
     A re-hosted family (GPT-NeoX, GPT-J, GPT-2, OPT) is planned on its target class: `plan.rehosted` then holds the
@@ -363,6 +394,10 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
                           f"grouping in between; use {opt('groups', 1)} (MQA) or {opt('groups', heads)}")
     if layerwise:
         check_alignable(spec, arch, config, groups, kv_heads, head_dim, method)
+    latent = None
+    if to == "mla":
+        check_latent(spec, arch, config, groups)
+        latent = mqa_shape(heads, head_dim)
     check_layers(spec, tensors, layers)
     encoder = encoder_layers(spec, arch, config, tensors, kv_heads, heads) if pool_encoder else None
     out_dtype = None if dtype in (None, "auto") else DTYPE_NAMES[getattr(torch, dtype)]
@@ -374,7 +409,9 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
     # Source tensor name -> the output ops that replace it (an empty list drops it).
     special: dict[str, list[TensorOp]] = {}
     for i in range(layers):
-        if layerwise:
+        if latent is not None:
+            special.update(_latent_ops(spec, tensors, i, shape, target, latent))
+        elif layerwise:
             special.update(_attention_ops(spec, tensors, i, shape, target))
         else:
             special.update(_projection_ops(spec, tensors, i, shape, target))
@@ -401,6 +438,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         max_shard_bytes=max_shard_bytes, source_kv_itemsize=DTYPES[kv_probe.dtype].itemsize,
         target_kv_itemsize=DTYPES[target(kv_probe)].itemsize, initializer_range=fields.initializer_range,
         rehosted=rehosted, qkv_layout=qkv_layouts(spec, heads, kv_heads, groups), encoder_layers=encoder,
+        latent=latent,
     )
 
 

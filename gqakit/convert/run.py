@@ -22,7 +22,7 @@ from gqakit.convert.card import write_card
 from gqakit.convert.layer_share import Share, finish, launched_share, start
 from gqakit.convert.methods.engine import LayerMerge, compute, merges_ahead
 from gqakit.convert.options import ConvertConfig, check_options
-from gqakit.convert.output import check_output, max_shard_bytes, new_config, output_path
+from gqakit.convert.output import check_output, max_shard_bytes, output_path, written_config
 from gqakit.convert.plan import Plan, check_family, make_plan
 from gqakit.hf.checkpoint import ShardWriter, TensorInfo, scan_checkpoint
 from gqakit.hf.folder import copy_side_files, read_config
@@ -35,11 +35,11 @@ def prepare(cfg: ConvertConfig) -> tuple[Plan, dict, dict[str, TensorInfo], Path
     model_dir = Path(cfg.model_dir)
     config = read_config(model_dir)
     check_family(config)  # a refused family is named before anything else is looked at
-    out = output_path(model_dir, cfg.output_dir, cfg.groups)
+    out = output_path(model_dir, cfg.output_dir, cfg.groups, cfg.to)
     check_options(cfg)
     max_shard = max_shard_bytes(cfg.max_shard_size)
     tensors = scan_checkpoint(model_dir)
-    plan = make_plan(config, tensors, cfg.groups, cfg.method, cfg.dtype, max_shard, cfg.pool_encoder)
+    plan = make_plan(config, tensors, cfg.groups, cfg.method, cfg.dtype, max_shard, cfg.pool_encoder, cfg.to)
     if plan.rehosted is not None:  # from here on the checkpoint is the target class's
         config, tensors = plan.rehosted.config, plan.rehosted.tensors
     if not cfg.dry_run:
@@ -112,7 +112,7 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
         writer.finish()
         if how.stats is not None:
             shutil.rmtree(how.stats)
-        (tmp / "config.json").write_text(json.dumps(new_config(config, plan, cfg.dtype), indent=2) + "\n",
+        (tmp / "config.json").write_text(json.dumps(written_config(config, plan, cfg.dtype), indent=2) + "\n",
                                          encoding="utf-8")
         copy_side_files(Path(cfg.model_dir), tmp)
         write_card(tmp / "README.md", cfg, plan, errors, command, calibration)

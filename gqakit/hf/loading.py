@@ -167,12 +167,15 @@ def kv_bytes_per_token(config, dtype: torch.dtype | str) -> int:
     them), not the dtype stored on disk; `kv_heading` names it in the column heading.
     An encoder-decoder's is its decoder's self-attention cache per generated token (its cross-attention cache
     holds as many bytes per input token). A family whose transformers cache holds K/V expanded to every query head
-    (Falcon) counts every head: that is what its runtime keeps.
+    (Falcon) counts every head: that is what its runtime keeps. Latent attention (DeepSeek V2/V3, `convert-gqa
+    --to mla`) caches a latent and one shared RoPE key per token and layer.
     """
     from gqakit.hf.architectures import find_family
 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     itemsize = torch.empty(0, dtype=dtype).element_size()
+    if getattr(config, "kv_lora_rank", None):  # latent attention (DeepSeek V2/V3): the latent and the RoPE key
+        return cached_layers(config) * (config.kv_lora_rank + config.qk_rope_head_dim) * itemsize
     spec = find_family((getattr(config, "architectures", None) or [""])[0])
     heads = config.num_attention_heads if spec is not None and spec.cache_holds_every_head else kv_heads(config)
     return 2 * cached_layers(config) * heads * head_dim(config) * itemsize

@@ -14,10 +14,12 @@ import torch
 from gqakit.common.errors import GqakitError
 from gqakit.convert import methods
 from gqakit.convert.calibration.stored import StoredMoment, load_layer
+from gqakit.convert.latent.construct import embed_mqa
 from gqakit.convert.methods.layer import merge_layer
 from gqakit.convert.methods.merge_ahead import MergeAhead, merge_workers
 from gqakit.convert.methods.pooling import merge_norms, random_heads, regroup, relative_error
 from gqakit.convert.plan import Plan, TensorOp
+from gqakit.hf.architectures.latent import ATTENTION
 from gqakit.hf.checkpoint import DTYPES, TensorInfo, load_tensor
 
 
@@ -79,26 +81,59 @@ def merge_checkpoint_layer(plan: Plan, tensors: dict[str, TensorInfo], layer: in
     return {keys[key]: tensor for key, tensor in merged.items()}, cost
 
 
-def merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, dict[str, float]],
-                  layers: dict[int, dict[str, torch.Tensor]], how: LayerMerge) -> torch.Tensor:
-    """One of layer op.layer's q/k/v/o tensors from a layer merge. The first of them takes the whole merged
-    layer (from `how.ahead`, which merges a few layers ahead side by side, or merged here); the others wait in
-    `layers` until written."""
-    if op.layer not in layers and how.transferred:
+def whole_layer(plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, dict[str, float]], how: LayerMerge,
+                layer: int, sources: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s merged q/k/v/o tensors {checkpoint name: tensor}: trained by attention transfer (read back),
+    merged ahead side by side (`how.ahead`), or merged here; its errors go to `errors`."""
+    if how.transferred:
         from safetensors.torch import load_file
 
-        layers[op.layer] = load_file(str(transferred_path(how.stats, op.layer)))
+        return load_file(str(transferred_path(how.stats, layer)))
+    if how.ahead is not None:
+        merged, cost = how.ahead.get(layer)
+    else:
+        merged, cost = merge_one_layer(plan, tensors, how, layer, sources)
+    errors.setdefault(layer, {}).update(cost)
+    return merged
+
+
+def merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, dict[str, float]],
+                  layers: dict[int, dict[str, torch.Tensor]], how: LayerMerge, std: float = 0.02, seed: int = 0
+                  ) -> torch.Tensor:
+    """One of layer op.layer's q/k/v/o tensors from a layer merge (or, for a `latent` op, one of its latent-attention
+    tensors). The first of them makes the whole layer; the others wait in `layers` until written."""
     if op.layer not in layers:
-        if how.ahead is not None:
-            layers[op.layer], cost = how.ahead.get(op.layer)
+        if op.kind == "latent":
+            layers[op.layer] = latent_layer(plan, tensors, errors, how, op.layer, op.sources, std, seed)
         else:
-            layers[op.layer], cost = merge_one_layer(plan, tensors, how, op.layer, op.sources)
-        errors.setdefault(op.layer, {}).update(cost)
+            layers[op.layer] = whole_layer(plan, tensors, errors, how, op.layer, op.sources)
     held = layers[op.layer]
     out = held.pop(op.name)
     if not held:
         del layers[op.layer]
     return out
+
+
+def latent_layer(plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, dict[str, float]], how: LayerMerge,
+                 layer: int, sources: tuple[str, ...], std: float = 0.02, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Layer `layer` merged to MQA by the plan's method, then written as latent attention (`convert/latent`)."""
+    if methods.get(plan.method).layerwise:
+        merged = whole_layer(plan, tensors, errors, how, layer, sources)
+    else:
+        merged = {name: load_tensor(tensors[name], name) for name in sources}
+        for name in sources:
+            if attention_key(plan, layer, name)[0] in "kv":
+                new = regroup_rows(merged[name], plan, std, seed, name)
+                role = attention_key(plan, layer, name)
+                if role.endswith("_w"):
+                    errors.setdefault(layer, {})[role[0]] = relative_error(merged[name], new, plan.num_key_value_heads)
+                merged[name] = new
+    parts = {attention_key(plan, layer, name): t for name, t in merged.items()}
+    dtype = DTYPES[next(op.dtype for op in plan.ops if op.kind == "latent" and op.layer == layer)]
+    made = embed_mqa(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, dtype,
+                     parts.get("k_b"), parts.get("v_b"))
+    prefix = ATTENTION.format(i=layer)
+    return {prefix + name: t for name, t in made.items()}
 
 
 def merge_one_layer(plan: Plan, tensors: dict[str, TensorInfo], how: LayerMerge, layer: int,
@@ -116,7 +151,7 @@ def merges_ahead(plan: Plan, tensors: dict[str, TensorInfo], how: LayerMerge) ->
         return None
     sources = {}
     for op in plan.ops:
-        if op.kind == "attn":
+        if op.kind in ("attn", "latent"):
             sources.setdefault(op.layer, op.sources)
     return MergeAhead(list(sources), lambda i: merge_one_layer(plan, tensors, how, i, sources[i]),
                       merge_workers(len(sources)))
@@ -132,8 +167,9 @@ def compute(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], std: float
             ) -> torch.Tensor:
     """Make one output tensor that is not a plain byte copy (`layers`: the aligned merge's layer memo)."""
     out_dtype = DTYPES[op.dtype]
-    if op.kind == "attn":
-        return merged_layer(op, plan, tensors, errors, layers if layers is not None else {}, how).to(out_dtype)
+    if op.kind in ("attn", "latent"):
+        held = layers if layers is not None else {}
+        return merged_layer(op, plan, tensors, errors, held, how, std, seed).to(out_dtype)
     if op.kind == "head_norm":
         stack = torch.stack([load_tensor(tensors[s], s).float() for s in op.sources])  # (n, d)
         return merge_norms(stack, methods.get(plan.method).norm_pooling).to(out_dtype)

@@ -1,0 +1,40 @@
+"""One MQA layer as a DeepseekV3 latent-attention layer that computes the same function (pure tensor maths).
+
+The latent is [v, B] (the value, then the bias coordinate), the shared RoPE key is the MQA key; see
+`gqakit.hf.architectures.latent` for why the latent's RMSNorm then cancels. The norm's weight w and the bias B are
+rounded to the output dtype; the scale they realise, w * sqrt(r + 1) / B, is divided out of o_proj (whose rows
+round randomly) rather than out of kv_b_proj (an identity that would round it away).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gqakit.hf.architectures.latent import BIAS_SCALE, KV_A, KV_A_BIAS, KV_B, KV_NORM, O, O_BIAS, Q, LatentShape
+
+
+def embed_mqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, shape: LatentShape,
+              dtype: torch.dtype, k_bias: torch.Tensor | None = None, v_bias: torch.Tensor | None = None
+              ) -> dict[str, torch.Tensor]:
+    """The target's attention tensors (names under `latent.ATTENTION`) from an MQA layer's q (H*d, hidden),
+    k and v (d, hidden), o (hidden, H*d) and optional k/v biases, at `dtype`."""
+    d, hidden = k.shape
+    if shape.nope_dim or shape.rank != d or shape.rope_dim != d or shape.v_dim != d:
+        raise ValueError(f"embed_mqa holds an MQA layer exactly only as rank = rope_dim = v_dim = {d}, nope_dim 0")
+    r = shape.rank
+    f32 = torch.float32
+    a = torch.zeros(r + 1 + d, hidden, dtype=f32)
+    a[:r], a[r + 1:] = v.to(f32), k.to(f32)
+    bias = torch.zeros(r + 1 + d, dtype=f32)
+    bias[r] = BIAS_SCALE
+    if v_bias is not None:
+        bias[:r] = v_bias.to(f32)
+    if k_bias is not None:
+        bias[r + 1:] = k_bias.to(f32)
+    weight = torch.full((r + 1,), BIAS_SCALE / math.sqrt(r + 1), dtype=f32).to(dtype)
+    realised = weight[0].double().item() * math.sqrt(r + 1) / torch.tensor(BIAS_SCALE).to(dtype).double().item()
+    expand = torch.zeros(shape.heads * d, r + 1, dtype=f32)
+    expand[:, :r] = torch.eye(d, dtype=f32).repeat(shape.heads, 1)
+    return {Q: q.to(dtype), KV_A: a.to(dtype), KV_A_BIAS: bias.to(dtype), KV_NORM: weight, KV_B: expand.to(dtype),
+            O: (o.to(torch.float64) / realised).to(dtype), O_BIAS: torch.zeros(o.shape[0], dtype=dtype)}
