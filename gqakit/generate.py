@@ -11,6 +11,7 @@ from gqakit.common.dtypes import NAMES as DTYPES
 from gqakit.attention import kinds as attention_kinds
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.options import option
+from gqakit.hf.architectures.latent import is_latent
 
 # sinks and sliding bound the KV cache (sink/window caches); the other kinds keep a full cache and switch the
 # model's attention kernel (gqakit.attention.use), as `gqakit eval --attention` does.
@@ -155,6 +156,10 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> str:
     if ids.shape[1] == 0:
         raise GqakitError("the prompt encodes to no tokens with this model's tokenizer; give some text to continue")
     eos = None if cfg.ignore_eos else tok.eos_token_id
+    if cfg.attention in BOUNDED and is_latent(model.config):
+        raise GqakitError(f"{opt('attention', cfg.attention)} re-rotates cached RoPE keys, and a latent-attention "
+                          f"model ({type(model).__name__}) caches them beside its latent; use "
+                          f"{opt('attention', 'default')} (a full cache)")
     if cfg.attention in BOUNDED:
         sinks = cfg.sinks if cfg.attention == "sinks" else 0
         pieces = streaming.streaming_generate(

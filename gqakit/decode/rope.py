@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from gqakit.hf.architectures.latent import is_latent
+
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
@@ -16,6 +18,10 @@ def rope_inv_freq(rope: torch.nn.Module | torch.Tensor) -> torch.Tensor:
     """The RoPE inverse frequencies (r/2,) of a model (its one rotary embedding) or of a tensor."""
     if isinstance(rope, torch.Tensor):
         return rope.detach().to("cpu", torch.float64).reshape(-1)
+    if is_latent(getattr(rope, "config", None) or {}):
+        raise ValueError(f"{type(rope).__name__} is latent attention: its cache holds a position-free latent beside "
+                         "one shared RoPE key, which re-rotating keys would mistake for the latent; keep no sinks "
+                         "(a plain window) for this model")
     found = [m for m in rope.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
     if not found:
         raise ValueError(f"{type(rope).__name__} has no rotary embedding (no `inv_freq` buffer); "

@@ -80,8 +80,9 @@ def stream_tokens(model, input_ids: torch.Tensor, max_new_tokens: int, *, sinks:
         raise ValueError(f"input_ids must be (batch, length>0), got shape {tuple(input_ids.shape)}")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    if cache is None:
-        cache = SinkCache(sinks, window, rope=model, attention_mask=attention_mask)
+    if cache is None:  # RoPE is read only where keys are re-rotated: sinks, or a window the sequence outgrows
+        rotates = sinks > 0 or input_ids.shape[1] + max_new_tokens > sinks + window
+        cache = SinkCache(sinks, window, rope=model if rotates else None, attention_mask=attention_mask)
     capacity = cache.sinks + cache.window
     limit = capacity + (rebase_every if rebase_every is not None else capacity)
     generator = torch.Generator().manual_seed(seed)

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from gqakit.common.errors import GqakitError, opt
 from gqakit.evaluate.options import StreamConfig
+from gqakit.hf.architectures.latent import is_latent
 from gqakit.decode.stream_cache import ChunkedSinkCache
 from gqakit.hf.compat import cache_kwargs
 
@@ -243,6 +244,11 @@ def run_stream(cfg: StreamConfig, command: str = "", out=None) -> dict:
             raise GqakitError(f"{opt('bos')}: neither the tokenizer nor config.json names a BOS token; drop "
                               f"{opt('bos')}")
         ids = torch.cat([torch.tensor([int(bos)]), ids])
+    rotating = [p for p in policies if p in ("sinks", "window")]
+    if rotating and is_latent(model.config):
+        raise GqakitError(f"{opt('policies', rotating[0])} re-rotates cached RoPE keys, and a latent-attention model "
+                          f"({type(model).__name__}) caches them beside its latent; use {opt('policies', 'dense')} or "
+                          f"{opt('policies', 'recompute')}")
     size = cfg.bucket or max(1, math.ceil(ids.numel() / 32))
     every = cfg.recompute_every or cfg.chunk
     summary: dict[str, dict] = {}

@@ -4,6 +4,7 @@ the card says, and refuse in one line what the stock class cannot host."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from gqakit.cli import convert_main
 from gqakit.hf.loading import kv_bytes_per_token
 from tiny_models import make_tiny_llama
 
+ASSETS = Path(__file__).resolve().parents[2] / "gqakit" / "assets"
 IDS = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
 
 
@@ -97,3 +99,26 @@ def test_a_grouping_the_latent_cannot_hold_is_refused(tmp_path):
     src = make_tiny_llama(tmp_path / "src")
     run_refused(tmp_path, "convert-gqa", "--groups", "2", "--to", "mla", str(src), "-o", str(tmp_path / "o"),
                 needles=("--to mla holds one key and one value", "use --groups 1"))
+
+
+def test_generate_and_eval_run_on_the_mla_output_and_refuse_key_re_rotation(tmp_path):
+    from gqakit.decode.streaming import stream_tokens
+
+    src = make_tiny_llama(tmp_path / "src", heads=4, head_dim=16)
+    convert(src, tmp_path / "mla", "--to", "mla")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "mla", dtype=torch.float32).eval()
+    prompt = IDS[:1, :8]
+    expected = model.generate(prompt, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(prompt),
+                              pad_token_id=0)[0, 8:]
+    # gqakit's decoding loop with a cache that never evicts (generate's full-cache path) reads no RoPE
+    got = torch.cat(list(stream_tokens(model, prompt, 12, sinks=0, window=20)))
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="latent attention"):  # sinks would re-rotate the latent as if it were keys
+        next(iter(stream_tokens(model, prompt, 12, sinks=2, window=4)))
+    embedded = ASSETS / "austen-mha-8h"
+    convert(embedded, tmp_path / "austen-mla", "--to", "mla")
+    run_refused(tmp_path, "gqakit", "eval", "stream", str(tmp_path / "austen-mla"), "--text",
+                str(ASSETS / "heldout_emma.txt"), "--tokens", "64", "--chunk", "16", "-o", str(tmp_path / "r"),
+                needles=("--policy sinks re-rotates", "--policy dense"))
+    run_refused(tmp_path, "gqakit", "generate", str(tmp_path / "austen-mla"), "--prompt", "It is", "--window", "8",
+                needles=("--attention sinks re-rotates", "--attention default"))

@@ -58,6 +58,13 @@ class LatentShape:
                 O: (hidden, self.heads * self.v_dim), O_BIAS: (hidden,)}
 
 
+def is_latent(config) -> bool:
+    """Is this config (a dict or a transformers config) latent attention, which caches a latent and a shared RoPE
+    key per token instead of keys and values?"""
+    rank = config.get("kv_lora_rank") if isinstance(config, dict) else getattr(config, "kv_lora_rank", None)
+    return bool(rank)
+
+
 def mqa_shape(heads: int, head_dim: int) -> LatentShape:
     """The latent that holds an MQA layer exactly: its value as the latent, its key as the shared RoPE key."""
     return LatentShape(heads=heads, rank=head_dim, rope_dim=head_dim, nope_dim=0, v_dim=head_dim)
