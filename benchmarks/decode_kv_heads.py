@@ -31,34 +31,44 @@ SHAPES = {
                     head_dim=64, vocab_size=49152, kv=(9, 3, 1)),
     "embedded": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
                      head_dim=32, vocab_size=4096, kv=(8, 2, 1)),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+                 vocab_size=256, kv=(4, 2, 1)),  # dry runs
+    # Llama-3.2-1B's shape (its GQA-8 is the second K/V count): benchmarks/gpu/decode.py's default
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     head_dim=64, vocab_size=128256, kv=(32, 8, 4, 1)),
 }
 
 
 log = logger("decode_kv_heads")
 
 
-def build(shape: dict, kv_heads: int, dtype: torch.dtype, max_positions: int):
+def build(shape: dict, kv_heads: int, dtype: torch.dtype, max_positions: int, device="cpu"):
+    """A random Llama of `shape` with `kv_heads` K/V heads, its weights made directly on `device`."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     fields = {k: v for k, v in shape.items() if k != "kv"}
     cfg = LlamaConfig(**fields, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                       tie_word_embeddings=True)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype).eval()
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype).eval()
 
 
-def filled_cache(model, context: int, sinks: tuple[int, int] | None, dtype: torch.dtype, seed: int):
-    """A cache holding `context` positions of random keys and values (a SinkCache keeps S + W of them)."""
+def filled_cache(model, context: int, sinks: tuple[int, int] | None, dtype: torch.dtype, seed: int,
+                 batch: int = 1):
+    """A cache holding `context` positions of random keys and values for `batch` rows, on the model's device (a
+    SinkCache keeps S + W of them)."""
     from transformers import DynamicCache
 
     from gqakit.decode.cache import SinkCache
 
-    cfg = model.config
+    cfg, device = model.config, model.device
     cache = DynamicCache() if sinks is None else SinkCache(*sinks, rope=model)
-    g = torch.Generator().manual_seed(seed)
-    shape = (1, cfg.num_key_value_heads, context, cfg.head_dim)
+    g = torch.Generator(device).manual_seed(seed)
+    shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
     for layer in range(cfg.num_hidden_layers):
-        cache.update(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype), layer)
+        cache.update(torch.randn(shape, generator=g, device=device, dtype=dtype),
+                     torch.randn(shape, generator=g, device=device, dtype=dtype), layer)
     return cache
 
 

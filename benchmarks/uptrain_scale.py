@@ -162,6 +162,7 @@ class Recorder:
             self.res["optim_bytes"] = _optimizer_bytes(optimizer)
 
     def step_end(self, step: int, model) -> None:
+        _sync()  # on a GPU a step ends when its kernels do
         now = time.perf_counter()
         if self._last is not None:
             self.res["times"][step] = now - self._last
@@ -179,6 +180,13 @@ class Recorder:
             self.res["step_peak_rss"] = _status_bytes("VmHWM")
             self.res["step_peak_live"] = max(self._mode.top, malloc_in_use())
         self._last = time.perf_counter()
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def worker(spec_path: str) -> None:
@@ -201,20 +209,26 @@ def worker(spec_path: str) -> None:
 
 
 def bare(spec_path: str) -> None:
-    """The bare single-process loop: same model, batch, loss, clip and optimizer, no gqakit."""
+    """The bare single-process loop: same model, batch, loss, clip and optimizer, no gqakit. The spec's `device`
+    (default cpu) and `mixed_precision` ("bf16": autocast, as gqakit's recipe; default "no") say where and how."""
+    import contextlib
+
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
+    device = torch.device(spec.get("device", "cpu"))
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if spec.get("mixed_precision") == "bf16"
+                else contextlib.nullcontext())
     rec = Recorder()
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     ids = torch.tensor(tokenizer(Path(spec["text"]).read_text(encoding="utf-8"))["input_ids"])
     T, B = spec["seq"], spec["batch"]
     data = ids[: len(ids) // (T + 1) * (T + 1)].view(-1, T + 1)  # packed (N, T + 1)
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],
@@ -222,8 +236,9 @@ def bare(spec_path: str) -> None:
     model.train()
     for step in range(1, spec["steps"] + 1):
         optimizer.zero_grad(set_to_none=True)
-        seqs = data[torch.randint(len(data), (B,))]  # (B, T + 1)
-        logits = model(input_ids=seqs[:, :-1], use_cache=False).logits  # (B, T, V)
+        seqs = data[torch.randint(len(data), (B,))].to(device)  # (B, T + 1)
+        with autocast:
+            logits = model(input_ids=seqs[:, :-1], use_cache=False).logits  # (B, T, V)
         loss = F.cross_entropy(logits.float().flatten(0, 1), seqs[:, 1:].flatten(), reduction="sum") / (B * T)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec["grad_clip"])

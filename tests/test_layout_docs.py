@@ -101,9 +101,10 @@ def recipe_problems() -> list[str]:
 
 def benchmark_problems() -> list[str]:
     readme = (REPO / "benchmarks" / "README.md").read_text(encoding="utf-8")
-    table = set(re.findall(r"^\| `([\w]+\.(?:py|sh))` \|", readme, re.M))
-    scripts = {p.name for pattern in ("*.py", "*.sh") for p in (REPO / "benchmarks").glob(pattern)
-               if not p.name.startswith("_")}
+    table = set(re.findall(r"^\| `([\w/]+\.(?:py|sh))` \|", readme, re.M))
+    folder = REPO / "benchmarks"  # its scripts and those of its folders (gpu/run.sh), by their relative path
+    scripts = {p.relative_to(folder).as_posix() for pattern in ("*.py", "*.sh") for p in folder.rglob(pattern)
+               if not p.name.startswith("_") and "__pycache__" not in p.parts}
     return [f"benchmarks/{name}: add a row to the table in benchmarks/README.md (what it measures, a quick "
             f"check and a full run)" for name in sorted(scripts - table)] + \
         [f"benchmarks/README.md has a row for {name}, which is not in benchmarks/: remove the row"

@@ -1,0 +1,242 @@
+"""Decode on one GPU: MHA vs GQA vs MQA of a 1B-class Llama shape (random bf16 weights), per batch and context.
+
+For each K/V head count (default Llama-3.2-1B's shape: 16 layers, hidden 2048, 32 heads of 64, intermediate
+8,192, vocab 128,256; K/V heads 32, 8, 4, 1), batch B and context T: the KV cache is filled with T positions of
+random keys and values (`decode_kv_heads.filled_cache`, on the GPU), then `--decode` single-token steps are timed
+(each synchronised). Reported per cell: decode tokens/s (B / median step), time to first token (a prefill forward
+of B x T random tokens plus the argmax, where B x T <= --ttft-tokens), peak device memory, the KV bytes per token
+read off the cache's tensors, and which SDPA kernel ran in decode and in prefill (the CUDA kernel names of one
+profiled call: flash, efficient, cudnn or math; transformers passes `enable_gqa` to sdpa only with no mask and
+head_dim <= 256). Then, per K/V count, the largest batch whose cache of --fit-contexts positions plus one decode
+step fits (doubling, then bisecting, catching out-of-memory). A cell whose cache alone would exceed
+--memory-fraction of the free memory is not tried; every K/V count gets an equal share of --budget-s.
+
+MLA (DeepSeek's latent cache) is a row still to be added: see MLA_VARIANTS.
+
+    python benchmarks/gpu/decode.py --json decode.json          # on the GPU (~2 min)
+    python benchmarks/gpu/decode.py --dry-run                   # CPU, tiny shape, seconds
+
+Progress goes to stderr; stdout is only the markdown report. A benchmark, never a test.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from _gpu import (Budget, classify_kernels, free_bytes, is_oom, kernels_of, peak_bytes, pick_device, release,
+                  reset_peak, sync, timed, versions, write_json)
+from _measure import cache_bytes, logger
+from decode_kv_heads import SHAPES, build, filled_cache
+
+log = logger("gpu/decode")
+# Further rows beside the K/V-head variants: (label, builder(shape, dtype, max_positions, device) -> model).
+# MLA goes here once a latent-attention model can be built from the shape (docs: DeepseekV3 re-hosting).
+MLA_VARIANTS: list[tuple[str, object]] = []
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
+    p.add_argument("--kv-heads", default=None, help="comma list (default: the shape's)")
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--contexts", default="1024,4096,16384,32768")
+    p.add_argument("--decode", type=int, default=8, help="timed single-token steps per cell (after 2 warm-up)")
+    p.add_argument("--ttft-tokens", type=int, default=131072, help="time the prefill where B x T is at most this")
+    p.add_argument("--fit-contexts", default="4096,32768", help="contexts of the largest-batch probe")
+    p.add_argument("--fit-cap", type=int, default=4096, help="largest batch the probe tries")
+    p.add_argument("--memory-fraction", type=float, default=0.85)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--budget-s", type=float, default=110.0, help="time for the whole script (seconds)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--dry-run", action="store_true", help="CPU, the tiny shape and sizes (seconds)")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.shape, args.batches, args.contexts, args.decode = "tiny", "1,2", "32,64", 2
+        args.ttft_tokens, args.fit_contexts, args.fit_cap, args.dtype = 128, "64", 4, "float32"
+    return args
+
+
+def label(kv: int, heads: int) -> str:
+    return "MHA" if kv == heads else ("MQA" if kv == 1 else f"GQA-{kv}")
+
+
+def kv_bytes(cfg, batch: int, context: int, element: int) -> int:
+    """What a full cache of `context` positions holds: keys and values of every layer."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element * batch * context
+
+
+def decode_step(model, cache, token, position):
+    from gqakit.hf.compat import cache_kwargs
+
+    logits = model(token, **cache_kwargs(model, cache), position_ids=position, use_cache=True).logits
+    return logits[:, -1:].argmax(-1)
+
+
+def one_cell(model, batch: int, context: int, args, device, dtype, probe: bool) -> dict:
+    """Decode (and prefill) figures of one (batch, context) cell."""
+    import torch
+
+    reset_peak(device)
+    cache = filled_cache(model, context, None, dtype, seed=0, batch=batch)
+    token = torch.randint(model.config.vocab_size, (batch, 1), device=device)
+    steps = iter(range(10**9))
+
+    def step():
+        nonlocal token
+        position = torch.full((batch, 1), context + next(steps), device=device)
+        with torch.no_grad():
+            token = decode_step(model, cache, token, position)
+
+    times = timed(step, device, warmup=2, repeats=args.decode)
+    row = {"tokens_per_s": batch / statistics.median(times), "step_ms": 1e3 * statistics.median(times),
+           "kv_bytes_per_token": cache_bytes(cache.layers) / (batch * cache.layers[0].keys.shape[-2]),
+           "peak_gib": None}
+    if probe:
+        row["decode_kernel"] = classify_kernels(kernels_of(step, device))
+    peak = peak_bytes(device)
+    row["peak_gib"] = None if peak is None else peak / 2**30
+    del cache
+    release(device)
+    if batch * context <= args.ttft_tokens:
+        prompt = torch.randint(model.config.vocab_size, (batch, context), device=device)
+
+        def prefill():
+            with torch.no_grad():
+                model(prompt, use_cache=True).logits[:, -1].argmax(-1)
+
+        row["ttft_ms"] = 1e3 * statistics.median(timed(prefill, device, warmup=1, repeats=2))
+        if probe:
+            row["prefill_kernel"] = classify_kernels(kernels_of(prefill, device))
+        release(device)
+    return row
+
+
+def fits(model, batch: int, context: int, dtype, device) -> bool:
+    import torch
+
+    cache = None
+    try:
+        cache = filled_cache(model, context, None, dtype, seed=0, batch=batch)
+        token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        with torch.no_grad():
+            decode_step(model, cache, token, torch.full((batch, 1), context, device=device))
+        sync(device)
+        return True
+    except Exception as e:  # noqa: BLE001 - out of memory is the answer; anything else is re-raised
+        if not is_oom(e):
+            raise
+        return False
+    finally:
+        del cache
+        release(device)
+
+
+def largest_batch(model, context: int, cap: int, dtype, device, budget: Budget) -> int | None:
+    """The largest batch (up to `cap`) whose cache and one decode step fit: doubling, then 3 bisection steps."""
+    good, bad = 0, None
+    batch = 1
+    while batch <= cap and not budget.over():
+        if not fits(model, batch, context, dtype, device):
+            bad = batch
+            break
+        good, batch = batch, batch * 2
+    for _ in range(3):
+        if bad is None or bad - good <= 1 or budget.over():
+            break
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(model, mid, context, dtype, device) else (good, mid)
+    return good or None
+
+
+def run_variant(name: str, model, args, device, dtype, budget: Budget) -> dict:
+    cfg = model.config
+    element = dtype.itemsize
+    cells, fit = {}, {}
+    contexts = [int(x) for x in args.contexts.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    for context in contexts:
+        for batch in batches:
+            key = f"{batch}x{context}"
+            free = free_bytes(device)
+            need = kv_bytes(cfg, batch, context, element)
+            if free is not None and need > args.memory_fraction * free:
+                cells[key] = {"skipped": f"cache {need / 2**30:.1f} GiB > {args.memory_fraction:g} of free "
+                                         f"{free / 2**30:.1f} GiB"}
+                continue
+            if budget.over():
+                cells[key] = {"skipped": "time budget"}
+                continue
+            try:
+                cells[key] = one_cell(model, batch, context, args, device, dtype, probe=batch == batches[0])
+            except Exception as e:  # noqa: BLE001
+                if not is_oom(e):
+                    raise
+                release(device)
+                cells[key] = {"skipped": "out of memory"}
+            log(f"{name} B={batch} T={context}: {cells[key]}")
+    for context in (int(x) for x in args.fit_contexts.split(",")):
+        fit[str(context)] = largest_batch(model, context, args.fit_cap, dtype, device, budget)
+        log(f"{name} largest batch at T={context}: {fit[str(context)]}")
+    return {"kv_heads": cfg.num_key_value_heads, "cells": cells, "largest_batch": fit}
+
+
+def table(results: dict, args) -> list[str]:
+    rows = ["| variant | batch | context | decode tok/s | step ms | TTFT ms | peak GiB | KV bytes/token | "
+            "decode kernel | prefill kernel |", "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for name, res in results["variants"].items():
+        for key, c in res["cells"].items():
+            batch, context = key.split("x")
+            if "skipped" in c:
+                rows.append(f"| {name} | {batch} | {context} | {c['skipped']} |  |  |  |  |  |  |")
+                continue
+            rows.append(f"| {name} | {batch} | {context} | {c['tokens_per_s']:,.0f} | {c['step_ms']:.2f} | "
+                        f"{fmt(c.get('ttft_ms'), '.1f')} | {fmt(c['peak_gib'], '.2f')} | "
+                        f"{c['kv_bytes_per_token']:,.0f} | {c.get('decode_kernel', '')} | "
+                        f"{c.get('prefill_kernel', '')} |")
+    for name, _ in MLA_VARIANTS or [("MLA", None)]:
+        if name not in results["variants"]:
+            rows.append(f"| {name} | - | - | not built yet (MLA_VARIANTS in benchmarks/gpu/decode.py) |"
+                        "  |  |  |  |  |  |")
+    rows += ["", "| variant | " + " | ".join(f"largest batch at T={c}" for c in args.fit_contexts.split(",")) + " |",
+             "|---|" + "---|" * len(args.fit_contexts.split(","))]
+    for name, res in results["variants"].items():
+        rows.append(f"| {name} | " + " | ".join(str(res["largest_batch"].get(c) or "-")
+                                                for c in args.fit_contexts.split(",")) + " |")
+    return rows
+
+
+def main(argv=None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    device = pick_device(args.dry_run)
+    dtype = getattr(torch, args.dtype)
+    shape = SHAPES[args.shape]
+    kv_list = [int(x) for x in args.kv_heads.split(",")] if args.kv_heads else list(shape["kv"])
+    variants = [(label(kv, shape["num_attention_heads"]), lambda kv=kv: build(
+        shape, kv, dtype, max(int(c) for c in args.contexts.split(",")) + 64, device)) for kv in kv_list]
+    variants += [(name, lambda make=make: make(shape, dtype, None, device)) for name, make in MLA_VARIANTS]
+    results = {"versions": versions(device), "shape": args.shape, "dtype": args.dtype, "variants": {}}
+    total = Budget(args.budget_s)
+    for i, (name, make) in enumerate(variants):
+        share = Budget(max(total.left(), 0) / (len(variants) - i))  # an equal share of what is left
+        log(f"building {name}")
+        model = make()
+        results["variants"][name] = run_variant(name, model, args, device, dtype, share)
+        del model
+        release(device)
+    print(f"## Decode on {results['versions'].get('gpu', 'cpu')}: {args.shape} shape, {args.dtype}, sdpa\n")
+    print(f"torch {torch.__version__}; median of {args.decode} synchronised single-token steps after 2 warm-up; "
+          f"tokens/s = batch / step; TTFT = one prefill of batch x context tokens and its argmax.\n")
+    print("\n".join(table(results, args)))
+    checks = [name for name, res in results["variants"].items()
+              if not any("tokens_per_s" in c for c in res["cells"].values())]
+    results["failed_checks"] = [f"{name}: no cell ran" for name in checks]
+    write_json(args.json, results)
+    return 1 if checks else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
