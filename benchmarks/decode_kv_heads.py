@@ -1,17 +1,21 @@
-"""Decode speed with a filled KV cache: MHA vs GQA vs MQA, and with attention sinks.
+"""Decode speed with a filled KV cache: MHA vs GQA vs MQA vs MLA, and with attention sinks.
 
 For each number of K/V heads (default: the model's heads, a GQA count, 1) and each context length (default 1k,
 4k, 16k tokens), the cache is filled directly with random keys and values of that length (the contents do not
 change the cost of attending to them, and a 16k-token prefill of a 135M model would take minutes on a CPU), then
 `--decode` single-token steps are timed (median and p90), each feeding the previous step's argmax through the
 model's own forward (sdpa). The same runs with gqakit's SinkCache (StreamingLLM: S sinks + W recent positions):
-its cache never holds more than S + W positions, whatever the context. All configurations run side by side in
-one process, in an interleaved order, so ratios are comparable.
+its cache never holds more than S + W positions, whatever the context. `mla` in --kv-heads adds latent attention
+as `convert-gqa --to mla` writes it (transformers' stock DeepseekV3 holding an MQA exactly: a latent of head_dim + 1
+and one shared RoPE key per token), whose cache is as small as MQA's but whose stock forward re-expands the whole
+latent through kv_b_proj into every head's keys and values at every step (no weight absorption); sinks are refused
+for it (they would re-rotate the latent). All configurations run side by side in one process, in an interleaved
+order, so ratios are comparable.
 
 The model is a random model of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads of 64, intermediate 1536,
 vocab 49,152; `--shape embedded` for the embedded model's 8 x 256 shape): speed depends on shapes, not weights.
 
-    python benchmarks/decode_kv_heads.py                                  # SmolLM2 shape, 9/3/1 K/V heads
+    python benchmarks/decode_kv_heads.py                                  # SmolLM2 shape, 9/3/1 K/V heads, MLA
     python benchmarks/decode_kv_heads.py --contexts 256,1024 --decode 4   # seconds
 
 Progress goes to stderr; stdout is only the markdown report. A benchmark, never a test.
@@ -28,11 +32,11 @@ from _measure import cache_bytes, command_line, logger, median_p90
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    head_dim=64, vocab_size=49152, kv=(9, 3, 1)),
+                    head_dim=64, vocab_size=49152, kv=(9, 3, 1, "mla")),
     "embedded": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
-                     head_dim=32, vocab_size=4096, kv=(8, 2, 1)),
+                     head_dim=32, vocab_size=4096, kv=(8, 2, 1, "mla")),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
-                 vocab_size=256, kv=(4, 2, 1)),  # dry runs
+                 vocab_size=256, kv=(4, 2, 1, "mla")),  # dry runs
     # Llama-3.2-1B's shape (its GQA-8 is the second K/V count): benchmarks/gpu/decode.py's default
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      head_dim=64, vocab_size=128256, kv=(32, 8, 4, 1)),
@@ -42,13 +46,19 @@ SHAPES = {
 log = logger("decode_kv_heads")
 
 
-def build(shape: dict, kv_heads: int, dtype: torch.dtype, max_positions: int, device="cpu"):
-    """A random Llama of `shape` with `kv_heads` K/V heads, its weights made directly on `device`."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def build(shape: dict, kv_heads: int | str, dtype: torch.dtype, max_positions: int, device="cpu"):
+    """A random Llama of `shape` with `kv_heads` K/V heads (or "mla": the stock DeepseekV3 that `convert-gqa --to
+    mla` writes from its MQA), its weights made directly on `device`."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig
+
+    from gqakit.hf.architectures.latent import latent_config, mqa_shape
 
     fields = {k: v for k, v in shape.items() if k != "kv"}
-    cfg = LlamaConfig(**fields, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                      tie_word_embeddings=True)
+    cfg = LlamaConfig(**fields, num_key_value_heads=1 if kv_heads == "mla" else kv_heads,
+                      max_position_embeddings=max_positions, tie_word_embeddings=True)
+    if kv_heads == "mla":
+        latent = mqa_shape(shape["num_attention_heads"], shape["head_dim"])
+        cfg = DeepseekV3Config(**latent_config(cfg.to_dict(), latent, shape["num_hidden_layers"]))
     torch.manual_seed(0)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype).eval()
@@ -66,9 +76,13 @@ def filled_cache(model, context: int, sinks: tuple[int, int] | None, dtype: torc
     cache = DynamicCache() if sinks is None else SinkCache(*sinks, rope=model)
     g = torch.Generator(device).manual_seed(seed)
     shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
+    if getattr(cfg, "kv_lora_rank", None):  # latent attention caches (latent, shared RoPE key), one "head" each
+        shape, second = (batch, 1, context, cfg.kv_lora_rank), (batch, 1, context, cfg.qk_rope_head_dim)
+    else:
+        second = shape
     for layer in range(cfg.num_hidden_layers):
         cache.update(torch.randn(shape, generator=g, device=device, dtype=dtype),
-                     torch.randn(shape, generator=g, device=device, dtype=dtype), layer)
+                     torch.randn(second, generator=g, device=device, dtype=dtype), layer)
     return cache
 
 
@@ -91,7 +105,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
-    p.add_argument("--kv-heads", default=None, help="comma list (default: the shape's heads, a GQA count, 1)")
+    p.add_argument("--kv-heads", default=None,
+                   help="comma list of K/V head counts and `mla` (default: the shape's heads, a GQA count, 1, mla)")
     p.add_argument("--contexts", default="1024,4096,16384", help="tokens already in the cache (comma list)")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=1020)
@@ -105,7 +120,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     shape = SHAPES[args.shape]
-    kv_list = [int(x) for x in args.kv_heads.split(",")] if args.kv_heads else list(shape["kv"])
+    kv_list = ([x if x == "mla" else int(x) for x in args.kv_heads.split(",")] if args.kv_heads
+               else list(shape["kv"]))
     contexts = sorted(int(x) for x in args.contexts.split(","))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -115,8 +131,8 @@ def main(argv=None) -> int:
     for context in contexts:  # interleaved: every configuration at one context before the next context
         for kv, model in models.items():
             for sinks in (None, (args.sinks, args.window)):
-                if sinks is not None and context <= sum(sinks):
-                    continue  # the sink cache holds everything: the same as the plain cache
+                if sinks is not None and (context <= sum(sinks) or kv == "mla"):
+                    continue  # the sink cache holds everything (the same as the plain cache), or is refused (MLA)
                 cache = filled_cache(model, context, sinks, dtype, args.seed)
                 median, p90 = median_p90(time_decode(model, cache, context, args.decode, args.seed))
                 results[kv, sinks is not None, context] = {
@@ -144,8 +160,9 @@ def main(argv=None) -> int:
                 if r is None:
                     continue
                 base = results[kv_list[0], sink, context]
-                name = "MHA" if kv == heads else ("MQA" if kv == 1 else f"GQA-{kv}")
-                print(f"| {kv} ({name}) | {'sinks' if sink else 'full'} | {context:,} | {1 / r['median']:.1f} "
+                name = "MLA" if kv == "mla" else "MHA" if kv == heads else ("MQA" if kv == 1 else f"GQA-{kv}")
+                label = "latent + RoPE key (MLA)" if kv == "mla" else f"{kv} ({name})"
+                print(f"| {label} | {'sinks' if sink else 'full'} | {context:,} | {1 / r['median']:.1f} "
                       f"({1 / r['p90']:.1f}) | {base['median'] / r['median']:.2f}x | {r['bytes'] / 2**20:.1f} | "
                       f"{r['held']:,} |")
     return 0

@@ -11,7 +11,8 @@ head_dim <= 256). Then, per K/V count, the largest batch whose cache of --fit-co
 step fits (doubling, then bisecting, catching out-of-memory). A cell whose cache alone would exceed
 --memory-fraction of the free memory is not tried; every K/V count gets an equal share of --budget-s.
 
-MLA (DeepSeek's latent cache) is a row still to be added: see MLA_VARIANTS.
+MLA is the stock DeepseekV3 that `convert-gqa --to mla` writes (a latent of head_dim + 1 and one shared RoPE key
+per token: MQA's cache, re-expanded through kv_b_proj into every head at each step): see MLA_VARIANTS.
 
     python benchmarks/gpu/decode.py --json decode.json          # on the GPU (~2 min)
     python benchmarks/gpu/decode.py --dry-run                   # CPU, tiny shape, seconds
@@ -31,8 +32,8 @@ from decode_kv_heads import SHAPES, build, filled_cache
 
 log = logger("gpu/decode")
 # Further rows beside the K/V-head variants: (label, builder(shape, dtype, max_positions, device) -> model).
-# MLA goes here once a latent-attention model can be built from the shape (docs: DeepseekV3 re-hosting).
-MLA_VARIANTS: list[tuple[str, object]] = []
+MLA_VARIANTS: list[tuple[str, object]] = [
+    ("MLA", lambda shape, dtype, positions, device: build(shape, "mla", dtype, positions, device))]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -214,10 +215,12 @@ def main(argv=None) -> int:
     device = pick_device(args.dry_run)
     dtype = getattr(torch, args.dtype)
     shape = SHAPES[args.shape]
-    kv_list = [int(x) for x in args.kv_heads.split(",")] if args.kv_heads else list(shape["kv"])
-    variants = [(label(kv, shape["num_attention_heads"]), lambda kv=kv: build(
-        shape, kv, dtype, max(int(c) for c in args.contexts.split(",")) + 64, device)) for kv in kv_list]
-    variants += [(name, lambda make=make: make(shape, dtype, None, device)) for name, make in MLA_VARIANTS]
+    kv_list = [int(x) for x in args.kv_heads.split(",")] if args.kv_heads else [
+        kv for kv in shape["kv"] if kv != "mla"]
+    positions = max(int(c) for c in args.contexts.split(",")) + 64
+    variants = [(label(kv, shape["num_attention_heads"]), lambda kv=kv: build(shape, kv, dtype, positions, device))
+                for kv in kv_list]
+    variants += [(name, lambda make=make: make(shape, dtype, positions, device)) for name, make in MLA_VARIANTS]
     results = {"versions": versions(device), "shape": args.shape, "dtype": args.dtype, "variants": {}}
     total = Budget(args.budget_s)
     for i, (name, make) in enumerate(variants):
