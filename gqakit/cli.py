@@ -52,8 +52,10 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
         _report(describe_plan(plan))
         _report(f"dry run: nothing written (would write {result['output_dir']})")
     else:
-        _report(f"wrote {result['output_dir']}: {plan.num_key_value_heads} -> {plan.groups} K/V heads "
-              f"({plan.method}); {kv_summary(plan)}")
+        what = (f"{plan.num_key_value_heads} K/V heads -> a fitted latent (MLA)" if plan.latent_fit else
+                f"{plan.num_key_value_heads} -> {plan.groups} K/V heads ({plan.method})"
+                + (", as latent attention (MLA)" if plan.latent else ""))
+        _report(f"wrote {result['output_dir']}: {what}; {kv_summary(plan)}")
         warning = against_mean(plan, result["errors"], result["calibration"] is not None)
         if warning:
             _say(f"{command.split(' ', 1)[0]}: warning: {warning}")  # the command begins with its program

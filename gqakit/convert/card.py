@@ -35,7 +35,8 @@ def describe_plan(plan: Plan) -> str:
     lines = [
         f"{plan.architecture} ({plan.spec.family}): {plan.num_layers} layers, {plan.num_attention_heads} "
         f"attention heads, head_dim {plan.head_dim}",
-        f"K/V heads: {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}, method {plan.method})",
+        f"K/V heads: {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}, method {plan.method})" if not
+        plan.latent_fit else f"K/V heads: {plan.num_key_value_heads} -> a fitted latent (no merge method)",
         *([encoder_line(plan)] if plan.spec.encoder_kv else []),
         *([latent_line(plan)] if plan.latent else []),
         *([f"re-hosted: {plan.rehosted.describe()}"] if plan.rehosted else []),
@@ -65,10 +66,14 @@ def describe_plan(plan: Plan) -> str:
 def latent_line(plan: Plan) -> str:
     """--to mla: what the output's attention is and where it runs."""
     shape = plan.latent
+    held = (f"fitted to the {plan.num_key_value_heads} K/V heads from the weights alone (--kv-rank {shape.rank} "
+            f"--rope-dim {shape.rope_dim}: the highest {shape.rope_dim // 2} RoPE frequencies shared, {shape.nope_dim} "
+            "dims per head read from the latent without rotation)" if plan.latent_fit
+            else "the MQA's value and key, exactly")
     return (f"latent attention (--to mla): transformers' stock {ARCHITECTURE}, caching per token and layer a latent "
-            f"of {shape.latent} values and a shared RoPE key of {shape.rope_dim} (the MQA's value and key, exactly); "
-            "kv_a_proj_with_mqa carries a bias, so the checkpoint runs in transformers but not in vLLM/SGLang's "
-            "DeepSeek classes (which build that projection without one)")
+            f"of {shape.latent} values and a shared RoPE key of {shape.rope_dim} ({held}); kv_a_proj_with_mqa "
+            "carries a bias, so the checkpoint runs in transformers but not in vLLM/SGLang's DeepSeek classes "
+            "(which build that projection without one)")
 
 
 def encoder_line(plan: Plan) -> str:
@@ -83,6 +88,11 @@ def own_class_note(plan: Plan) -> str:
 
 
 def exactness_note(plan: Plan) -> str:
+    if plan.latent_fit:
+        return ("the latent is a fit, not the same function: the shared RoPE key keeps each frequency's principal "
+                "part across the K/V heads, the other dims are read without rotation, and the latent is a rank "
+                f"{plan.latent.rank} approximation of the heads' position-free keys and values; measure it with "
+                "gqakit eval ppl, and train it (gqakit uptrain) before use.")
     if methods.get(plan.method).reinitialises:
         return "K/V projections are re-initialised at random: the model needs uptraining before use."
     return ("this family normalises keys after the projection (per head, or across heads for OLMo2), so a pooled "
@@ -207,13 +217,14 @@ Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if comm
                   f"{ARCHITECTURE} (stock, from {plan.architecture})" if plan.latent else plan.architecture}{
 f" (re-hosted: {plan.rehosted.describe()})" if plan.rehosted else ""} |
 | attention heads | {plan.num_attention_heads} |
-| K/V heads | {plan.num_key_value_heads} -> {plan.groups} ({plan.mode}) |
+| K/V heads | {plan.num_key_value_heads} -> {"a fitted latent" if plan.latent_fit else f"{plan.groups} ({plan.mode})"} |
 {encoder_row}{f"| attention | {latent_line(plan).partition(': ')[2]} |{chr(10)}" if plan.latent else ""}| method | {plan.method}{f" (seed {cfg.seed})" if methods.get(plan.method).seeded else ""} |
 | head_dim | {plan.head_dim} |
 | KV-cache bytes per token (at the stored dtype of k_proj; `gqakit eval` counts its compute dtype) | {before:,} -> {after:,} |
 | dtype | {cfg.dtype} |
 {_method_rows(cfg, plan, calibration)}
-Query head h uses K/V head h // {plan.num_attention_heads // plan.groups} (contiguous groups, as `repeat_kv` expects).
+{"Every query head reads the shared latent and RoPE key." if plan.latent else
+  f"Query head h uses K/V head h // {plan.num_attention_heads // plan.groups} (contiguous groups, as `repeat_kv` expects)."}
 {"" if plan.exact else chr(10) + "**Note:** " + exactness_note(plan) + chr(10)}{
 chr(10) + "**Runtime:** " + plan.spec.runtime_note + chr(10) if plan.spec.runtime_note else ""}{
 chr(10) + "**Loading:** " + own_class_note(plan) + chr(10) if plan.own_class else ""}

@@ -105,6 +105,14 @@ class ConvertConfig:
                      help="what the output's attention is: gqa, grouped K/V heads in the family's own class; mla, "
                           "latent attention in transformers' stock DeepseekV3 class (with --groups 1: the MQA it "
                           "computes exactly, one latent and one shared RoPE key per token; Llama-like models)")
+    kv_rank: int | None = option(None, default_text="none: the MQA held exactly",
+                                 help="--to mla: fit a latent of this rank (plus one bias value) to the source's K/V "
+                                      "heads, from the weights alone; the cache holds kv_rank + 1 + rope_dim values "
+                                      "per token and layer (default with --rope-dim D: 2 x head_dim - D)")
+    rope_dim: int | None = option(None, default_text="head_dim with --kv-rank",
+                                  help="--to mla: dims of the one RoPE key shared by every head (the highest "
+                                       "frequencies); the rest of each head's key is read from the latent without "
+                                       "rotation")
     pool_encoder: bool = option(False, help="encoder-decoders (T5): group the encoder's self-attention K/V heads "
                                             "too (default: only the decoder's self- and cross-attention, as in the "
                                             "GQA paper)")
@@ -140,6 +148,12 @@ def check_options(cfg: ConvertConfig) -> None:
     """Refuse an unknown dtype, options the chosen method would ignore, and a fit without its calibration data."""
     if cfg.to not in TARGETS:
         raise GqakitError(f"unknown {opt('to', repr(cfg.to))}; choose {' or '.join(TARGETS)}")
+    latent = [name for name in ("kv_rank", "rope_dim") if getattr(cfg, name) is not None]
+    if latent and cfg.to != "mla":
+        raise GqakitError(f"{opt(latent[0])} shapes latent attention; add {opt('to', 'mla')} or drop it")
+    if latent and cfg.method != "mean":
+        raise GqakitError(f"{opt(latent[0])} fits the latent to the source's K/V heads from the weights alone, "
+                          f"merging none; drop {opt('method', cfg.method)}")
     if cfg.dtype not in dtypes.WITH_AUTO:
         raise GqakitError(f"unknown {opt('dtype', repr(cfg.dtype))}; choose auto, float32, bfloat16 or float16")
     if cfg.grouping is not None and cfg.grouping not in methods.GROUPINGS:

@@ -15,7 +15,7 @@ import torch
 from gqakit.common.errors import GqakitError, opt
 from gqakit.hf.architectures import ArchSpec, KNorm, find_family, supported_architectures
 from gqakit.hf.checkpoint import DTYPE_NAMES, DTYPES, DerivedTensor, TensorInfo, assign_shards, shard_names
-from gqakit.hf.architectures.latent import LatentShape, host_refusal, mqa_shape
+from gqakit.hf.architectures.latent import LatentShape, fitted_shape, host_refusal, mqa_shape, shape_refusal
 from gqakit.hf.architectures.refused import refusal
 from gqakit.hf.architectures.rehost import Rehosted, find_rehost, rehost, rehosted_architectures
 from gqakit.hf.fields import ModelFields, architecture_of, positive_int, read_fields
@@ -65,6 +65,7 @@ class Plan:
     encoder_layers: int | None = None
     # --to mla: each layer's latent attention, written as transformers' DeepseekV3 (None: grouped K/V heads)
     latent: LatentShape | None = None
+    latent_fit: bool = False  # the latent is fitted to the source's K/V heads (--kv-rank / --rope-dim), not an MQA
 
     @functools.cached_property
     def shards(self) -> list[list[int]]:
@@ -100,6 +101,8 @@ class Plan:
     @property
     def exact(self) -> bool:
         """Does the output compute exactly the mean of each group's keys (or the same function)?"""
+        if self.latent_fit:
+            return False
         if methods.get(self.method).reinitialises:
             return False
         if self.mode != "pool":
@@ -360,20 +363,23 @@ def encoder_layers(spec: ArchSpec, arch: str, config: dict, tensors: dict[str, T
     return layers
 
 
-def check_latent(spec: ArchSpec, arch: str, config: dict, groups: int) -> None:
+def check_latent(spec: ArchSpec, arch: str, config: dict, groups: int, shape: LatentShape | None = None,
+                 kv_heads: int = 1) -> None:
     """--to mla: refuse, in one line, a model whose layers the stock DeepseekV3 class cannot compute, or a G it
     cannot hold."""
     if (why := host_refusal(spec.family, config)) is not None:
         raise GqakitError(f"{opt('to', 'mla')} cannot convert {arch}: it {why}; drop {opt('to', 'mla')} to write "
                           "grouped K/V heads")
     if groups != 1:
-        raise GqakitError(f"{opt('to', 'mla')} holds one key and one value per token in the latent (MQA's); use "
+        raise GqakitError(f"{opt('to', 'mla')} holds one latent and one shared RoPE key per token; use "
                           f"{opt('groups', 1)}, not {groups}")
+    if shape is not None and (why := shape_refusal(shape, kv_heads, config)) is not None:
+        raise GqakitError(why)
 
 
 def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method: str = "mean",
               dtype: str | None = None, max_shard_bytes: int = 5 * 10**9, pool_encoder: bool = False,
-              to: str = "gqa") -> Plan:
+              to: str = "gqa", kv_rank: int | None = None, rope_dim: int | None = None) -> Plan:
     """Decide every output tensor's name, dtype, shape and recipe. Raises GqakitError on bad input.
 
     A re-hosted family (GPT-NeoX, GPT-J, GPT-2, OPT) is planned on its target class: `plan.rehosted` then holds the
@@ -394,10 +400,10 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
                           f"grouping in between; use {opt('groups', 1)} (MQA) or {opt('groups', heads)}")
     if layerwise:
         check_alignable(spec, arch, config, groups, kv_heads, head_dim, method)
-    latent = None
+    latent, latent_fit = None, kv_rank is not None or rope_dim is not None
     if to == "mla":
-        check_latent(spec, arch, config, groups)
-        latent = mqa_shape(heads, head_dim)
+        latent = fitted_shape(heads, kv_heads, head_dim, kv_rank, rope_dim) if latent_fit else mqa_shape(heads, head_dim)
+        check_latent(spec, arch, config, groups, latent if latent_fit else None, kv_heads)
     check_layers(spec, tensors, layers)
     encoder = encoder_layers(spec, arch, config, tensors, kv_heads, heads) if pool_encoder else None
     out_dtype = None if dtype in (None, "auto") else DTYPE_NAMES[getattr(torch, dtype)]
@@ -438,7 +444,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         max_shard_bytes=max_shard_bytes, source_kv_itemsize=DTYPES[kv_probe.dtype].itemsize,
         target_kv_itemsize=DTYPES[target(kv_probe)].itemsize, initializer_range=fields.initializer_range,
         rehosted=rehosted, qkv_layout=qkv_layouts(spec, heads, kv_heads, groups), encoder_layers=encoder,
-        latent=latent,
+        latent=latent, latent_fit=latent_fit,
     )
 
 

@@ -98,7 +98,7 @@ def test_models_the_stock_class_cannot_host_are_refused_in_one_line(tmp_path, fa
 def test_a_grouping_the_latent_cannot_hold_is_refused(tmp_path):
     src = make_tiny_llama(tmp_path / "src")
     run_refused(tmp_path, "convert-gqa", "--groups", "2", "--to", "mla", str(src), "-o", str(tmp_path / "o"),
-                needles=("--to mla holds one key and one value", "use --groups 1"))
+                needles=("--to mla holds one latent and one shared RoPE key", "use --groups 1"))
 
 
 def test_generate_and_eval_run_on_the_mla_output_and_refuse_key_re_rotation(tmp_path):
@@ -122,3 +122,64 @@ def test_generate_and_eval_run_on_the_mla_output_and_refuse_key_re_rotation(tmp_
                 needles=("--policy sinks re-rotates", "--policy dense"))
     run_refused(tmp_path, "gqakit", "generate", str(tmp_path / "austen-mla"), "--prompt", "It is", "--window", "8",
                 needles=("--attention sinks re-rotates", "--attention default"))
+
+
+def test_a_fitted_latent_holds_an_mqa_and_rank_one_rope_keys_exactly(tmp_path):
+    from gqakit.convert.latent.fit import fit_latent
+    from gqakit.hf.architectures.latent import LatentShape
+
+    src = make_tiny_llama(tmp_path / "mqa", heads=4, kv_heads=1, head_dim=16)
+    convert(src, tmp_path / "fit", "--to", "mla", "--kv-rank", "16")  # rope_dim defaults to head_dim
+    before = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    after = load_exact(tmp_path / "fit")
+    torch.testing.assert_close(logits(after), logits(before), atol=1e-4, rtol=0)
+    card = (tmp_path / "fit" / "README.md").read_text()
+    assert "a fitted latent" in card and "the latent is a fit, not the same function" in card
+    # two K/V heads whose keys are complex multiples of one another per RoPE pair (a rotation and a scale that RoPE
+    # commutes with): one shared RoPE key holds both, and a latent of full rank holds both values
+    g, d, n, heads = 2, 8, 32, 4
+    gen = torch.Generator().manual_seed(1)
+    f64 = dict(generator=gen, dtype=torch.float64)
+    k0 = torch.randn(d, n, **f64)
+    alpha = torch.complex(torch.randn(d // 2, 1, **f64), torch.randn(d // 2, 1, **f64))
+    z = alpha * torch.complex(k0[:d // 2], k0[d // 2:])
+    k = torch.cat([k0, z.real, z.imag])
+    q, v, o = torch.randn(heads * d, n, **f64), torch.randn(g * d, n, **f64), torch.randn(n, heads * d, **f64)
+    shape = LatentShape(heads=heads, rank=g * d, rope_dim=d, nope_dim=0, v_dim=d)
+    errors: dict = {}
+    made = fit_latent(q, k, v, o, shape, torch.float64, errors=errors)
+    assert errors["k"] < 1e-12 and errors["v"] < 1e-12
+    x = torch.randn(5, n, generator=gen, dtype=torch.float64)
+    for h in range(heads):  # every head's rotation-free logits and values: q_h . k_g and v_g from the latent
+        m = h // 2
+        latent = x @ made["kv_a_proj_with_mqa.weight"][:g * d].T  # the bias coordinate and RoPE key excluded
+        value = latent @ made["kv_b_proj.weight"].reshape(heads, d, -1)[h, :, :g * d].T
+        torch.testing.assert_close(value, x @ v[m * d:(m + 1) * d].T)
+        rope = x @ made["kv_a_proj_with_mqa.weight"][g * d + 1:].T
+        q_new = x @ made["q_proj.weight"].reshape(heads, d, n)[h].T
+        torch.testing.assert_close((q_new * rope).sum(-1), (x @ q[h * d:(h + 1) * d].T
+                                                           * (x @ k[m * d:(m + 1) * d].T)).sum(-1))
+
+
+def test_a_partial_rope_key_keeps_the_highest_frequencies_of_the_source(tmp_path):
+    src = make_tiny_llama(tmp_path / "src", heads=4, kv_heads=2, head_dim=16)
+    convert(src, tmp_path / "fit", "--to", "mla", "--rope-dim", "8")  # kv-rank: 2 x 16 - 8 = 24, MQA's budget
+    config = json.loads((tmp_path / "fit" / "config.json").read_text())
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"]) == (25, 8, 8)
+    before = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    after = load_exact(tmp_path / "fit")
+    source_freqs = before.model.rotary_emb.inv_freq
+    torch.testing.assert_close(after.model.rotary_emb.inv_freq, source_freqs[:4], rtol=1e-6, atol=0)
+    assert torch.isfinite(logits(after)).all()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--to", "mla", "--rope-dim", "7"), "--rope-dim 7 must be an even number"),
+    (("--to", "mla", "--kv-rank", "0"), "--kv-rank 0 must be from 1 to"),
+    (("--kv-rank", "8"), "add --to mla"),
+    (("--to", "mla", "--kv-rank", "8", "--method", "aligned"), "drop --method aligned"),
+])
+def test_latent_shapes_that_do_not_fit_are_refused_in_one_line(tmp_path, args, needle):
+    src = make_tiny_llama(tmp_path / "src", heads=4, kv_heads=2, head_dim=8)
+    run_refused(tmp_path, "convert-gqa", "--groups", "1", *args, str(src), "-o", str(tmp_path / "o"),
+                needles=(needle,))

@@ -15,6 +15,7 @@ from gqakit.common.errors import GqakitError
 from gqakit.convert import methods
 from gqakit.convert.calibration.stored import StoredMoment, load_layer
 from gqakit.convert.latent.construct import embed_mqa
+from gqakit.convert.latent.fit import fit_latent
 from gqakit.convert.methods.layer import merge_layer
 from gqakit.convert.methods.merge_ahead import MergeAhead, merge_workers
 from gqakit.convert.methods.pooling import merge_norms, random_heads, regroup, relative_error
@@ -116,7 +117,14 @@ def merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], error
 
 def latent_layer(plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, dict[str, float]], how: LayerMerge,
                  layer: int, sources: tuple[str, ...], std: float = 0.02, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Layer `layer` merged to MQA by the plan's method, then written as latent attention (`convert/latent`)."""
+    """Layer `layer` merged to MQA by the plan's method, then written as latent attention (`convert/latent`); or,
+    with `plan.latent_fit`, its latent fitted to the source's K/V heads."""
+    if plan.latent_fit:
+        parts = {attention_key(plan, layer, name): load_tensor(tensors[name], name) for name in sources}
+        dtype = DTYPES[next(op.dtype for op in plan.ops if op.kind == "latent" and op.layer == layer)]
+        made = fit_latent(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, dtype,
+                          parts.get("k_b"), parts.get("v_b"), errors=errors.setdefault(layer, {}))
+        return {ATTENTION.format(i=layer) + name: t for name, t in made.items()}
     if methods.get(plan.method).layerwise:
         merged = whole_layer(plan, tensors, errors, how, layer, sources)
     else:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from gqakit.common.errors import opt
+
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
 HOSTS = ("llama", "mistral")  # families (ArchSpec.family) whose decoder layer DeepseekV3's computes with dense MLPs
@@ -65,6 +67,31 @@ def is_latent(config) -> bool:
     return bool(rank)
 
 
+def fitted_shape(heads: int, kv_heads: int, head_dim: int, rank: int | None, rope_dim: int | None) -> LatentShape:
+    """--kv-rank / --rope-dim: the latent fitted to the source's K/V heads; the one not given makes the cache hold
+    MQA's 2 x head_dim + 1 values per token (a rope_dim of head_dim, or a rank of 2 x head_dim - rope_dim)."""
+    rope_dim = head_dim if rope_dim is None else rope_dim
+    rank = 2 * head_dim - rope_dim if rank is None else rank
+    return LatentShape(heads=heads, rank=rank, rope_dim=rope_dim, nope_dim=head_dim - rope_dim, v_dim=head_dim)
+
+
+def shape_refusal(shape: LatentShape, kv_heads: int, config: dict) -> str | None:
+    """Why the source cannot take this latent (a sentence naming the option and the values that fit), or None."""
+    d = shape.v_dim
+    if shape.rope_dim < 2 or shape.rope_dim > d or shape.rope_dim % 2:
+        return f"{opt('rope_dim', shape.rope_dim)} must be an even number of dims from 2 to the head_dim {d}"
+    most = kv_heads * (shape.nope_dim + d)
+    if not 1 <= shape.rank <= most:
+        return (f"{opt('kv_rank', shape.rank)} must be from 1 to {most} (the {kv_heads} K/V heads' position-free key "
+                f"and value dims the latent holds)")
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type"))
+    if shape.rope_dim < d and kind not in (None, "default", "linear"):
+        return (f"{opt('rope_dim', shape.rope_dim)} keeps the highest RoPE frequencies by a new rope_theta, which {kind} "
+                f"scaling does not allow; use {opt('rope_dim', d)}")
+    return None
+
+
 def mqa_shape(heads: int, head_dim: int) -> LatentShape:
     """The latent that holds an MQA layer exactly: its value as the latent, its key as the shared RoPE key."""
     return LatentShape(heads=heads, rank=head_dim, rope_dim=head_dim, nope_dim=0, v_dim=head_dim)
@@ -103,6 +130,8 @@ def latent_config(config: dict, shape: LatentShape, layers: int) -> dict:
     if "rope_theta" in config:
         rope.setdefault("rope_theta", config["rope_theta"])
     rope.setdefault("rope_type", rope.pop("type", "default"))
+    if shape.rope_dim < shape.v_dim:  # the stock class's D/2 frequencies are the source's D/2 highest
+        rope["rope_theta"] = rope.get("rope_theta", 10000.0) ** (shape.rope_dim / shape.v_dim)
     new.update(
         architectures=[ARCHITECTURE], model_type=MODEL_TYPE, num_hidden_layers=layers,
         num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
