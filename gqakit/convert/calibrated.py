@@ -17,19 +17,14 @@ from gqakit.convert import methods
 from gqakit.convert.calibration.data import CalibrationData, load_calibration, sample_calibration
 from gqakit.convert.calibration.runner import LayerInputs, calibrate
 from gqakit.convert.calibration.stored import layer_path, load_layer
-from gqakit.convert.layer_share import Share, barrier, check_share, meeting_folder, read_errors, write_errors
+from gqakit.convert.layer_share import Share, barrier, meeting_folder, read_errors, write_errors
 from gqakit.convert.methods.engine import LayerMerge, merge_checkpoint_layer, transferred_path
 from gqakit.convert.methods.transfer import transfer_merged_layer
 from gqakit.convert.options import ConvertConfig, TransferOptions, calibration_tokens, transfer_options
 from gqakit.convert.output import new_config
 from gqakit.convert.plan import Plan
-from gqakit.hf.checkpoint import TensorInfo, load_tensor
-
-
-def check_launch(cfg: ConvertConfig, plan: Plan, share: Share) -> None:
-    """Refuse a launch of several processes that this conversion cannot share out (`layer_share.check_share`)."""
-    transfer = methods.get(plan.method).transfer
-    check_share(share, transfer, transfer_options(cfg).inputs if transfer else "", cfg.dry_run)
+from gqakit.hf.checkpoint import load_tensor
+from gqakit.hf.headers import TensorInfo
 
 
 def open_calibration(cfg: ConvertConfig, model_dir: Path, config: dict, share: Share = Share()

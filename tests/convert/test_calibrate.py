@@ -33,8 +33,7 @@ from gqakit.convert.calibration.moments import (STATS, attention_terms, logit_er
                                                 sum_moments)
 from gqakit.convert.calibration.runner import LayerwiseModel, calibrate
 from gqakit.convert.calibration.stored import layer_path, load_layer, save_layer
-from gqakit.hf.checkpoint import read_header
-from gqakit.hf.checkpoint import scan_checkpoint
+from gqakit.hf.headers import read_header, scan_checkpoint
 from gqakit.convert.calibration.streamed import StreamedLinear
 from families import make_model
 from tiny_models import checkpoint_logits, make_disguised_llama, make_tiny_llama
