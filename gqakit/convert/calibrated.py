@@ -9,8 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
+from gqakit.common.devices import check_device
 from gqakit.common.errors import GqakitError, opt
 from gqakit.convert.memory import release_freed_memory
 from gqakit.convert import methods
@@ -35,12 +34,7 @@ def open_calibration(cfg: ConvertConfig, model_dir: Path, config: dict, share: S
     method = methods.get(cfg.method)
     if cfg.calibration is None and (method.calibration != "required" or cfg.dry_run):
         return None
-    device = cfg.calibration_device
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, ValueError, AssertionError) as e:  # a torch built without CUDA asserts
-        raise GqakitError(f"{opt('calibration_device', repr(device))} is not usable here ({str(e).splitlines()[0]}); "
-                          "use cpu or an available cuda device") from None
+    device = check_device(cfg.calibration_device, "calibration_device")
     if cfg.calibration is not None:
         return load_calibration(cfg.calibration, model_dir, config, calibration_tokens(cfg), cfg.calibration_window,
                                 cfg.text_column)

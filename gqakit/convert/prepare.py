@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gqakit.common.devices import check_device
 from gqakit.convert import methods
 from gqakit.convert.layer_share import Share, check_share, launched_share
 from gqakit.convert.options import ConvertConfig, check_options, transfer_options
@@ -28,6 +29,8 @@ def prepare(cfg: ConvertConfig, share: Share = Share()):
     check_family(config)  # a refused family is named before anything else is looked at
     out = output_path(model_dir, cfg.output_dir, cfg.groups)
     check_options(cfg)
+    if uses_calibration(cfg):  # before any header is read
+        check_device(cfg.calibration_device, "calibration_device")
     max_shard = max_shard_bytes(cfg.max_shard_size)
     tensors: dict[str, TensorInfo] = scan_checkpoint(model_dir)
     plan = make_plan(config, tensors, cfg.groups, cfg.method, cfg.dtype, max_shard, cfg.pool_encoder)
