@@ -33,7 +33,7 @@ from safetensors import safe_open
 
 from _measure import (PRESETS, Shape, converter_command, entries_bytes, llama_config, llama_entries, logger,
                       neox_config, neox_entries, pattern, run_child, write_checkpoint)
-from gqakit.hf.checkpoint import INDEX, SINGLE
+from gqakit.hf.headers import INDEX, SINGLE
 from gqakit.convert.output import max_shard_bytes
 from gqakit.common.errors import GqakitError
 

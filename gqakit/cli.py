@@ -37,14 +37,21 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_convert(args: argparse.Namespace, command: str) -> None:
-    from gqakit.convert import ConvertConfig, convert
     from gqakit.convert.card import against_mean, describe_plan, kv_summary
-    from gqakit.convert.memory import return_freed_memory_eagerly
+    from gqakit.convert.options import ConvertConfig
 
     cfg = from_args(ConvertConfig, args, given=typed(ConvertConfig, args))  # refused where the method ignores it
-    if cfg.method in methods.LAYERWISE:  # the layer merges and calibration allocate many large temporaries
-        return_freed_memory_eagerly()
-    result = convert(cfg, command=command)
+    if cfg.dry_run:  # the checks and the plan alone: no torch
+        from gqakit.convert.prepare import planned
+
+        result = planned(cfg)[0]
+    else:
+        from gqakit.convert import convert
+        from gqakit.convert.memory import return_freed_memory_eagerly
+
+        if cfg.method in methods.LAYERWISE:  # the layer merges and calibration allocate many large temporaries
+            return_freed_memory_eagerly()
+        result = convert(cfg, command=command)
     plan = result["plan"]
     if int(os.environ.get("RANK", "0") or 0):
         return  # under torchrun rank 0 writes the output and reports it

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from gqakit.cli import convert_main
-from gqakit.hf.checkpoint import read_header
+from gqakit.hf.headers import read_header
 from cli_contract import console_script
 from tiny_models import make_tiny_llama
 

@@ -9,27 +9,21 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
+from gqakit.common.devices import check_device
 from gqakit.common.errors import GqakitError, opt
 from gqakit.convert.memory import release_freed_memory
 from gqakit.convert import methods
 from gqakit.convert.calibration.data import CalibrationData, load_calibration, sample_calibration
 from gqakit.convert.calibration.runner import LayerInputs, calibrate
 from gqakit.convert.calibration.stored import layer_path, load_layer
-from gqakit.convert.layer_share import Share, barrier, check_share, meeting_folder, read_errors, write_errors
+from gqakit.convert.layer_share import Share, barrier, meeting_folder, read_errors, write_errors
 from gqakit.convert.methods.engine import LayerMerge, merge_checkpoint_layer, transferred_path
 from gqakit.convert.methods.transfer import transfer_merged_layer
 from gqakit.convert.options import ConvertConfig, TransferOptions, calibration_tokens, transfer_options
 from gqakit.convert.output import new_config
 from gqakit.convert.plan import Plan
-from gqakit.hf.checkpoint import TensorInfo, load_tensor
-
-
-def check_launch(cfg: ConvertConfig, plan: Plan, share: Share) -> None:
-    """Refuse a launch of several processes that this conversion cannot share out (`layer_share.check_share`)."""
-    transfer = methods.get(plan.method).transfer
-    check_share(share, transfer, transfer_options(cfg).inputs if transfer else "", cfg.dry_run)
+from gqakit.hf.checkpoint import load_tensor
+from gqakit.hf.headers import TensorInfo
 
 
 def open_calibration(cfg: ConvertConfig, model_dir: Path, config: dict, share: Share = Share()
@@ -40,12 +34,7 @@ def open_calibration(cfg: ConvertConfig, model_dir: Path, config: dict, share: S
     method = methods.get(cfg.method)
     if cfg.calibration is None and (method.calibration != "required" or cfg.dry_run):
         return None
-    device = cfg.calibration_device
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, ValueError, AssertionError) as e:  # a torch built without CUDA asserts
-        raise GqakitError(f"{opt('calibration_device', repr(device))} is not usable here ({str(e).splitlines()[0]}); "
-                          "use cpu or an available cuda device") from None
+    device = check_device(cfg.calibration_device, "calibration_device")
     if cfg.calibration is not None:
         return load_calibration(cfg.calibration, model_dir, config, calibration_tokens(cfg), cfg.calibration_window,
                                 cfg.text_column)

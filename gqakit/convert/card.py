@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gqakit import __version__
 from gqakit.hf.architectures.latent import ARCHITECTURE
-from gqakit.hf.checkpoint import DTYPES
+from gqakit.hf.headers import ITEMSIZES
 from gqakit.convert import methods
 from gqakit.convert.plan import Plan, total_bytes
 from gqakit.convert.layer_share import launched_share
@@ -50,7 +50,7 @@ def describe_plan(plan: Plan) -> str:
     regrouped = sum(op.kind not in ("copy", "cast") for op in plan.ops)
     if regrouped > len(shown):
         lines.append(f"  ... and {regrouped - len(shown)} more")
-    sizes = [sum(math.prod(plan.ops[i].shape) * DTYPES[plan.ops[i].dtype].itemsize for i in s) for s in plan.shards]
+    sizes = [sum(math.prod(plan.ops[i].shape) * ITEMSIZES[plan.ops[i].dtype] for i in s) for s in plan.shards]
     lines.append(f"output: {_gb(total_bytes(plan))} in {len(sizes)} shard(s), at most {_gb(plan.max_shard_bytes)} each")
     for name, size in zip(plan.shard_files, sizes):
         lines.append(f"  {name}: {_gb(size)}")

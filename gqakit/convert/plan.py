@@ -10,18 +10,15 @@ import functools
 import math
 import re
 
-import torch
-
 from gqakit.common.errors import GqakitError, opt
 from gqakit.hf.architectures import ArchSpec, KNorm, find_family, supported_architectures
-from gqakit.hf.checkpoint import DTYPE_NAMES, DTYPES, DerivedTensor, TensorInfo, assign_shards, shard_names
 from gqakit.hf.architectures.latent import LatentShape, fitted_shape, host_refusal, mqa_shape, shape_refusal
+from gqakit.hf.headers import CODES, ITEMSIZES, DerivedTensor, TensorInfo, assign_shards, shard_names
 from gqakit.hf.architectures.refused import refusal
 from gqakit.hf.architectures.rehost import Rehosted, find_rehost, rehost, rehosted_architectures
 from gqakit.hf.fields import ModelFields, architecture_of, positive_int, read_fields
 from gqakit.convert import methods
 from gqakit.convert.latent.ops import latent_tensors
-from gqakit.convert.methods.pooling import valid_groups
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
@@ -108,6 +105,11 @@ class Plan:
         if self.mode != "pool":
             return True
         return not self.spec.pooling_exact_for_identical_heads_only
+
+
+def valid_groups(num_heads: int) -> list[int]:
+    """Every G that divides `num_heads` (the valid K/V head counts)."""
+    return [g for g in range(1, num_heads + 1) if num_heads % g == 0]
 
 
 def check_groups(groups: int, heads: int, kv_heads: int) -> None:
@@ -406,7 +408,7 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         check_latent(spec, arch, config, groups, latent if latent_fit else None, kv_heads)
     check_layers(spec, tensors, layers)
     encoder = encoder_layers(spec, arch, config, tensors, kv_heads, heads) if pool_encoder else None
-    out_dtype = None if dtype in (None, "auto") else DTYPE_NAMES[getattr(torch, dtype)]
+    out_dtype = None if dtype in (None, "auto") else CODES[dtype]
 
     def target(info: TensorInfo) -> str:
         return out_dtype if out_dtype and info.dtype in FLOAT_DTYPES else info.dtype
@@ -441,8 +443,8 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
     return Plan(
         spec=spec, architecture=arch, num_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, groups=groups, head_dim=head_dim, method=method, ops=tuple(ops),
-        max_shard_bytes=max_shard_bytes, source_kv_itemsize=DTYPES[kv_probe.dtype].itemsize,
-        target_kv_itemsize=DTYPES[target(kv_probe)].itemsize, initializer_range=fields.initializer_range,
+        max_shard_bytes=max_shard_bytes, source_kv_itemsize=ITEMSIZES[kv_probe.dtype],
+        target_kv_itemsize=ITEMSIZES[target(kv_probe)], initializer_range=fields.initializer_range,
         rehosted=rehosted, qkv_layout=qkv_layouts(spec, heads, kv_heads, groups), encoder_layers=encoder,
         latent=latent, latent_fit=latent_fit,
     )
@@ -457,4 +459,4 @@ def qkv_layouts(spec: ArchSpec, heads: int, kv_heads: int, groups: int) -> tuple
 
 
 def total_bytes(plan: Plan) -> int:
-    return sum(math.prod(o.shape) * DTYPES[o.dtype].itemsize for o in plan.ops)
+    return sum(math.prod(o.shape) * ITEMSIZES[o.dtype] for o in plan.ops)

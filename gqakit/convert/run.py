@@ -1,7 +1,8 @@
 """Carry out a conversion: validate, plan, stream tensors through the merge method, publish atomically.
 
-The driver only: the options and their checks are `options.py`, the plan `plan.py`, where and what is written
-`output.py`, the calibration pass `calibrated.py`, each output tensor `methods/engine.py`, the card `card.py`."""
+The driver only: the options and their checks are `options.py`, what is checked and planned before any weight is
+read `prepare.py`, the plan `plan.py`, where and what is written `output.py`, the calibration pass
+`calibrated.py`, each output tensor `methods/engine.py`, the card `card.py`."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,46 +17,27 @@ from tqdm.auto import tqdm
 
 from gqakit.common.atomic import atomic_output
 from gqakit.common.errors import GqakitError
-from gqakit.convert.calibrated import calibrate_layers, check_launch, open_calibration, transfer_share
+from gqakit.convert.calibrated import calibrate_layers, transfer_share
 from gqakit.convert.calibration.data import CalibrationData
 from gqakit.convert.card import write_card
-from gqakit.convert.layer_share import Share, finish, launched_share, start
+from gqakit.convert.layer_share import Share, finish, start
 from gqakit.convert.methods.engine import LayerMerge, compute, merges_ahead
-from gqakit.convert.options import ConvertConfig, check_options
-from gqakit.convert.output import check_output, max_shard_bytes, output_path, written_config
-from gqakit.convert.plan import Plan, check_family, make_plan
-from gqakit.hf.checkpoint import ShardWriter, TensorInfo, scan_checkpoint
-from gqakit.hf.folder import copy_side_files, read_config
+from gqakit.convert.options import ConvertConfig
+from gqakit.convert.output import written_config
+from gqakit.convert.plan import Plan
+from gqakit.convert.prepare import planned
+from gqakit.hf.checkpoint import ShardWriter
+from gqakit.hf.folder import copy_side_files
+from gqakit.hf.headers import TensorInfo
 
 LOOKAHEAD = 2  # regrouped tensors computed ahead of the writer
 
 
-def prepare(cfg: ConvertConfig) -> tuple[Plan, dict, dict[str, TensorInfo], Path, CalibrationData | None]:
-    """Validate everything a conversion needs and plan it, before any output is written."""
-    model_dir = Path(cfg.model_dir)
-    config = read_config(model_dir)
-    check_family(config)  # a refused family is named before anything else is looked at
-    out = output_path(model_dir, cfg.output_dir, cfg.groups, cfg.to)
-    check_options(cfg)
-    max_shard = max_shard_bytes(cfg.max_shard_size)
-    tensors = scan_checkpoint(model_dir)
-    plan = make_plan(config, tensors, cfg.groups, cfg.method, cfg.dtype, max_shard, cfg.pool_encoder, cfg.to,
-                     cfg.kv_rank, cfg.rope_dim)
-    if plan.rehosted is not None:  # from here on the checkpoint is the target class's
-        config, tensors = plan.rehosted.config, plan.rehosted.tensors
-    if not cfg.dry_run:
-        check_output(model_dir, out, cfg.force)
-    calibration = open_calibration(cfg, model_dir, config, launched_share())
-    return plan, config, tensors, out, calibration
-
-
 def convert(cfg: ConvertConfig, command: str = "") -> dict:
     """Run a conversion end to end; returns a summary (also what the card records). Under torchrun, attention
-    transfer's layers are split over the processes (`layer_share.py`); rank 0 writes the output."""
-    share = launched_share()
-    plan, config, tensors, out, calibration = prepare(cfg)
-    check_launch(cfg, plan, share)
-    summary = {"plan": plan, "output_dir": out, "errors": {}, "calibration": calibration}
+    transfer's layers are split over the processes (`layer_share.py`); rank 0 writes the output. A --dry-run
+    returns after the plan (`prepare.planned`, which loads no torch)."""
+    summary, (plan, config, tensors, out, calibration), share = planned(cfg)
     if cfg.dry_run:
         return summary
     start(share)

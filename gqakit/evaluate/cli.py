@@ -13,32 +13,39 @@ from __future__ import annotations
 
 import argparse
 
+from gqakit.common.devices import check_device
 from gqakit.common.options import add_arguments, from_args
 from gqakit.evaluate.options import NiahConfig, PasskeyConfig, PplConfig, StreamConfig
+
+
+def _device_checked(cfg):
+    """`cfg` once its --device exists here (`common.devices.check_device`): before any model or text is read."""
+    check_device(cfg.device, "device", auto=True)
+    return cfg
 
 
 def _run_ppl(args: argparse.Namespace, command: str) -> None:
     from gqakit.evaluate.perplexity import run_ppl
 
-    run_ppl(from_args(PplConfig, args), command=command)
+    run_ppl(_device_checked(from_args(PplConfig, args)), command=command)
 
 
 def _run_stream(args: argparse.Namespace, command: str) -> None:
     from gqakit.evaluate.stream import run_stream
 
-    run_stream(from_args(StreamConfig, args), command=command)
+    run_stream(_device_checked(from_args(StreamConfig, args)), command=command)
 
 
 def _run_passkey(args: argparse.Namespace, command: str) -> None:
     from gqakit.evaluate.passkey import run_passkey
 
-    run_passkey(from_args(PasskeyConfig, args), command=command)
+    run_passkey(_device_checked(from_args(PasskeyConfig, args)), command=command)
 
 
 def _run_niah(args: argparse.Namespace, command: str) -> None:
     from gqakit.evaluate.niah import run_niah
 
-    run_niah(from_args(NiahConfig, args), command=command)
+    run_niah(_device_checked(from_args(NiahConfig, args)), command=command)
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:

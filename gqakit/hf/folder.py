@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from gqakit.common.errors import GqakitError
-from gqakit.hf.checkpoint import INDEX, SINGLE, TensorInfo, scan_checkpoint
+from gqakit.hf.headers import INDEX, SINGLE, TensorInfo, scan_checkpoint
 
 PRETRAINING_RECORD = "pretraining.json"  # what the model was trained on: the GQA paper's uptraining budget
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

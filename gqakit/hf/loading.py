@@ -19,16 +19,12 @@ from gqakit.common.errors import GqakitError, opt
 
 
 def resolve_device(device: str = "auto") -> torch.device:
-    """'auto' is CUDA when available, else CPU; anything else is checked by torch."""
+    """'auto' is CUDA when available, else CPU; anything else must exist here (`common.devices.check_device`)."""
+    from gqakit.common.devices import check_device
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise GqakitError(f"unknown {opt('device', repr(device))}; use auto, cpu, cuda or cuda:N") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise GqakitError(f"{opt('device', device)}: no CUDA device is available here; use {opt('device', 'cpu')}")
-    return resolved
+    return torch.device(check_device(device, "device"))
 
 
 def is_local(path: str) -> bool:

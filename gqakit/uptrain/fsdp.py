@@ -132,7 +132,8 @@ def _local_rows(param) -> tuple[int, int]:
 def materialise(model, path: str, device: torch.device) -> None:
     """Give a sharded meta model local storage on `device` and fill every rank's rows from the
     checkpoint's safetensors files (non-persistent buffers keep their computed values)."""
-    from gqakit.hf.checkpoint import DTYPES, load_tensor, scan_checkpoint
+    from gqakit.hf.checkpoint import DTYPES, load_tensor
+    from gqakit.hf.headers import scan_checkpoint
 
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)

@@ -1,8 +1,8 @@
 """Per-rank memory of an uptraining run, before any work: `gqakit uptrain RECIPE --plan` prints it and
 `check_fits` refuses (one line: the numbers and the fix) a run that would not fit.
 
-Parameters are counted exactly: the model (and the teacher) is built from its config.json on the meta
-device (shapes, no storage); tied weights count once. The rest is arithmetic. N parameters, N_t the
+Parameters are counted exactly (`model_count.py`): from the safetensors headers, or by building the model (and
+the teacher) from its config.json on the meta device (shapes, no storage); tied weights count once. The rest is arithmetic. N parameters, N_t the
 trainable ones under `trainable`, W processes, L decoder layers, h hidden size, a / g query / K/V heads
 of size d, I the MLP width, V the vocabulary, n = batch_size * ceil(seq_len / context_parallel) tokens
 per rank per micro-step; c bytes of the compute dtype (2 with bf16/fp16, else 4), s bytes of the
@@ -73,20 +73,16 @@ MemTracker: the total is at or above it, by at most 20%.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
-import json
 import math
 import os
 import re
 from pathlib import Path
 
-import torch
-
 from gqakit.common.errors import GqakitError
 from gqakit.common.sizes import parse_size
 from gqakit.uptrain.config import MIXED_PRECISION, SHARDING, TRAINABLE, UptrainConfig
+from gqakit.uptrain.model_count import ModelCount, count_model
 from gqakit.uptrain.sharding import strategy
 
 GB = 10**9
@@ -106,99 +102,6 @@ def _gb(nbytes: int) -> str:
 
 def _processes(n: int) -> str:
     return f"{n} process" + ("es" if n != 1 else "")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelCount:
-    """A model's parameters as the plan needs them, counted on the meta device (tied weights once)."""
-
-    path: str
-    architecture: str
-    total: int
-    rows: tuple[tuple[int, int], ...]  # per tensor: (dim-0 rows, elements per row)
-    trains: dict  # trainable mode -> per tensor, does it train (None: the mode does not apply)
-    trainable: dict  # trainable mode -> parameters (None: the mode does not apply)
-    root: int  # parameters outside the decoder layers: embeddings, final norm, head
-    layer: int  # parameters of the largest decoder layer
-    layer_trainable: dict  # trainable mode -> trainable parameters of the largest decoder layer
-    linear: int  # Linear weights (autocast copies them)
-    linear_trainable: dict
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-
-    def shard(self, world: int, trainable: str | None = None) -> int:
-        """Elements on the busiest rank when every tensor's dim 0 is split `world` ways (FSDP2);
-        all tensors, or those `trainable` trains."""
-        keep = self.trains[trainable] if trainable else None
-        return sum(math.ceil(r / world) * e for i, (r, e) in enumerate(self.rows) if keep is None or keep[i])
-
-
-def count_model(path: str | Path) -> ModelCount:
-    """Count the parameters of the checkpoint folder's model from its config.json alone."""
-    from gqakit.hf.folder import model_folder
-
-    config = model_folder(path).config  # one-line errors for a missing folder or config.json
-    if config.get("is_encoder_decoder"):
-        arch = (config.get("architectures") or ["?"])[0]
-        raise GqakitError(f"the memory plan models decoder-only transformers, and {path} is an encoder-decoder "
-                          f"({arch}); drop --plan (encoder-decoder runs are not checked against device memory)")
-    return _count(str(Path(path).resolve()), json.dumps(config, sort_keys=True))
-
-
-@functools.lru_cache(maxsize=8)
-def _count(path: str, config_json: str) -> ModelCount:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from gqakit.uptrain.modeling import select_trainable
-
-    try:
-        config = AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))  # from_config mutates its config
-    except Exception as e:  # noqa: BLE001 - any failure of transformers here is the config's
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise GqakitError(f"cannot build the model of {path}/config.json on the meta device ({why}); "
-                          "check config.json") from None
-    try:
-        from gqakit.uptrain.fsdp import decoder_layers  # the units sharding=fsdp wraps
-
-        layers = decoder_layers(model)
-    except (ImportError, GqakitError):
-        layers = []
-    params = [p for _, p in model.named_parameters()]  # tied weights once
-    linear = list({id(m.weight): m.weight for m in model.modules()
-                   if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}.values())
-    trains, trainable, layer_trainable, linear_trainable = {}, {}, {}, {}
-    for mode in TRAINABLE:
-        try:
-            trainable[mode] = select_trainable(model, mode)[0]
-        except GqakitError:
-            trains[mode] = trainable[mode] = layer_trainable[mode] = linear_trainable[mode] = None
-            continue
-        trains[mode] = tuple(p.requires_grad for p in params)
-        layer_trainable[mode] = max((sum(p.numel() for p in m.parameters() if p.requires_grad) for m in layers),
-                                    default=0)
-        linear_trainable[mode] = sum(w.numel() for w in linear if w.requires_grad)
-    total = sum(p.numel() for p in params)
-    h, a = config.hidden_size, config.num_attention_heads
-    return ModelCount(
-        path=path, architecture=(getattr(config, "architectures", None) or [type(model).__name__])[0], total=total,
-        rows=tuple((p.shape[0] if p.dim() else 1, math.prod(p.shape[1:])) for p in params),
-        trains=trains, trainable=trainable,
-        root=total - sum(p.numel() for m in layers for p in m.parameters()),
-        layer=max((sum(p.numel() for p in m.parameters()) for m in layers), default=0),
-        layer_trainable=layer_trainable, linear=sum(w.numel() for w in linear), linear_trainable=linear_trainable,
-        layers=config.num_hidden_layers, hidden=h, heads=a,
-        kv_heads=getattr(config, "num_key_value_heads", None) or a,
-        head_dim=getattr(config, "head_dim", None) or h // a,
-        intermediate=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h,
-        vocab=config.vocab_size,
-    )
 
 
 def _dtypes(cfg: UptrainConfig) -> tuple[int, int, bool]:
@@ -459,13 +362,22 @@ def plan_memory(cfg: UptrainConfig, world: int, device_memory: int | None = None
     return plan
 
 
+def _may_have_gpus() -> bool:
+    """Whether this machine shows an NVIDIA or AMD GPU driver: only then is torch loaded to ask it (a plan on a
+    machine without one stays torch-free)."""
+    return Path("/proc/driver/nvidia/gpus").is_dir() or Path("/dev/kfd").exists() or Path("/dev/nvidiactl").exists()
+
+
 def detect_device_memory() -> tuple[int | None, str]:
     """(bytes, where from) of this process's device: the GPU's total memory, or on CPU the machine's
     MemAvailable shared by its LOCAL_WORLD_SIZE processes; (None, ...) when unknown."""
-    if torch.cuda.is_available():
-        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-        props = torch.cuda.get_device_properties(index)
-        return props.total_memory, f"cuda:{index} ({props.name})"
+    if _may_have_gpus():
+        import torch
+
+        if torch.cuda.is_available():
+            index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            props = torch.cuda.get_device_properties(index)
+            return props.total_memory, f"cuda:{index} ({props.name})"
     try:
         found = re.search(r"^MemAvailable:\s+(\d+)\s+kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
     except OSError:

@@ -7,6 +7,7 @@ import math
 import torch
 
 from gqakit.common.errors import GqakitError
+from gqakit.uptrain.trainable import trains
 
 
 def load_lm(path: str):
@@ -21,13 +22,6 @@ def load_lm(path: str):
     return auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32)
 
 
-def _family(model):
-    from gqakit.hf.architectures.rehost import attention_layout
-
-    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
-    return arch, attention_layout(arch)
-
-
 def _layers(model) -> tuple[int, int]:
     """(decoder layers, encoder layers: 0 for a decoder-only model)."""
     from gqakit.hf.loading import cached_layers, is_encoder_decoder
@@ -36,64 +30,12 @@ def _layers(model) -> tuple[int, int]:
     return cached_layers(config), (config.num_layers if is_encoder_decoder(config) else 0)
 
 
-def _sites(spec, model) -> list[tuple[str, str, int]]:
-    """(k template, v template, layers) of every attention with K/V projections: the family's own, its other
-    sites (T5's cross-attention) and an encoder's self-attention."""
-    decoder, encoder = _layers(model)
-    sites = [(spec.k_proj, spec.v_proj, decoder), *((k, v, decoder) for _, k, v in spec.kv_sites)]
-    return sites + ([(*spec.encoder_kv, encoder)] if encoder else [])
-
-
-def _kv_names(model) -> list[str]:
-    """Parameter-name prefixes of the K/V projections (and key norms) per the architecture table: every grouped
-    attention's (an encoder-decoder's encoder only where its K/V heads are grouped)."""
-    from gqakit.hf.architectures import KNorm
-
-    arch, spec = _family(model)
-    if spec is None:
-        raise GqakitError(f"trainable=kv does not know where {arch} keeps its K/V projections; "
-                          "use trainable=attention or trainable=all")
-    if spec.fused:
-        raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} fuses them in "
-                          f"{spec.qkv_proj.format(i='N')}; use trainable=attention")
-    sites = _sites(spec, model)
-    if spec.encoder_kv is not None and getattr(model.config, "encoder_num_key_value_heads", None) in (
-            None, model.config.num_heads):  # stock T5 has no such field: all heads
-        sites = sites[:-1]  # an MHA encoder is not what was converted
-    prefixes = [t.format(i=i) + "." for k, v, layers in sites for i in range(layers) for t in (k, v)]
-    for i in range(_layers(model)[0]):
-        if spec.k_norm in (KNorm.SPANS_HEADS, KNorm.SHARED_PER_HEAD) and spec.k_norm_weight:
-            prefixes.append(spec.k_norm_weight.format(i=i))
-        elif spec.k_norm is KNorm.ONE_PER_HEAD and spec.k_norm_weight:
-            prefixes.append(spec.k_norm_weight.format(i=i, h=0).rsplit(".", 2)[0] + ".")
-    return prefixes
-
-
-def _attention_names(model) -> list[str]:
-    """Per layer, the prefix of each attention module (the parent of o_proj in the architecture table: `self_attn`,
-    GPTBigCode's `attn`, Falcon's `self_attention`; T5's decoder self- and cross-attention and its encoder's
-    self-attention); [] for a family outside the tables."""
-    arch, spec = _family(model)
-    if spec is None:
-        return []
-    if spec.fused or spec.encoder_kv is None:
-        return [spec.o_proj.format(i=i).rsplit(".", 1)[0] + "." for i in range(_layers(model)[0])]
-    return [k.format(i=i).rsplit(".", 1)[0] + "." for k, _, layers in _sites(spec, model) for i in range(layers)]
-
-
 def select_trainable(model, which: str) -> tuple[int, int]:
     """Freeze all but `which` ('all', 'attention' or 'kv'); returns (trainable, total) parameter counts."""
-    if which == "kv":
-        prefixes = tuple(_kv_names(model))
-        train = lambda name: name.startswith(prefixes)  # noqa: E731
-    elif which == "attention":
-        prefixes = tuple(_attention_names(model))
-        if prefixes:
-            train = lambda name: name.startswith(prefixes)  # noqa: E731
-        else:
-            train = lambda name: ".self_attn." in name  # noqa: E731
-    else:
-        train = lambda name: True  # noqa: E731
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    grouped = getattr(model.config, "encoder_num_key_value_heads", None) not in (  # stock T5 has no such field
+        None, getattr(model.config, "num_heads", None))
+    train = trains(which, arch, *_layers(model), encoder_grouped=grouped)  # by name: `trainable.py`
     trainable = total = 0
     for name, p in model.named_parameters():
         p.requires_grad_(train(name))

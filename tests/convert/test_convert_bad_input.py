@@ -6,6 +6,7 @@ import pytest
 
 from gqakit.cli import convert_main
 from gqakit.hf import checkpoint as ckpt
+from gqakit.hf import headers
 from gqakit.convert import run as run_mod
 from tiny_models import make_tiny_llama
 
@@ -103,10 +104,10 @@ def test_garbage_file(src, tmp_path, capsys):
 
 def test_index_naming_missing_shard(src, tmp_path, capsys):
     (src / "model.safetensors").rename(src / "model-00001-of-00002.safetensors")
-    tensors, _ = ckpt.read_header(src / "model-00001-of-00002.safetensors")
+    tensors, _ = headers.read_header(src / "model-00001-of-00002.safetensors")
     weight_map = {name: "model-00001-of-00002.safetensors" for name in tensors}
     weight_map["lm_head.weight"] = "model-00002-of-00002.safetensors"
-    (src / ckpt.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (src / headers.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     fails(capsys, ["--groups", "2", str(src), "-o", str(tmp_path / "out")],
           "model-00002-of-00002.safetensors", "missing")
 

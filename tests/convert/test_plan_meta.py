@@ -4,7 +4,7 @@ import math
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from gqakit.hf.checkpoint import TensorInfo
+from gqakit.hf.headers import TensorInfo
 from gqakit.convert.plan import make_plan, total_bytes
 
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from gqakit.convert.methods.pooling import (expand_heads, pool_heads, random_heads, regroup, relative_error,
-                                    valid_groups)
+from gqakit.convert.methods.pooling import expand_heads, pool_heads, random_heads, regroup, relative_error
+from gqakit.convert.plan import valid_groups
 
 H, D, IN = 8, 4, 6
 

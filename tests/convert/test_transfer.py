@@ -29,7 +29,8 @@ from gqakit.convert.methods.transfer import (attend, attention_implementation, b
                                              transfer_layer)
 from gqakit.convert.options import TransferOptions
 from gqakit.hf.architectures import find_family
-from gqakit.hf.checkpoint import load_tensor, scan_checkpoint
+from gqakit.hf.checkpoint import load_tensor
+from gqakit.hf.headers import scan_checkpoint
 from tiny_models import make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]

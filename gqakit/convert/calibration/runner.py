@@ -34,7 +34,8 @@ from torch import nn
 
 from gqakit.common.errors import GqakitError, opt
 from gqakit.hf.architectures import ArchSpec
-from gqakit.hf.checkpoint import TensorInfo, load_tensor
+from gqakit.hf.checkpoint import load_tensor
+from gqakit.hf.headers import TensorInfo
 from gqakit.hf.fields import config_object
 from gqakit.convert.calibration.moments import STATS, SUMS, attention_terms, sum_moments
 from gqakit.convert.calibration.stored import LayerFile, layer_path

@@ -13,7 +13,7 @@ import torch
 from gqakit.common.errors import GqakitError
 from gqakit.convert.calibration.moments import F64, STATS
 from gqakit.convert.calibration.streamed import BLOCK_BYTES, RowReader, row_blocks, write_from
-from gqakit.hf.checkpoint import read_header
+from gqakit.hf.headers import read_header
 
 MASK = "heldout.allowed"  # the one boolean tensor of a layer file (stored as U8)
 

@@ -14,7 +14,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from gqakit.common.errors import GqakitError
-from gqakit.hf.checkpoint import DTYPES, DerivedTensor, TensorInfo, read_into
+from gqakit.hf.checkpoint import DTYPES, read_into
+from gqakit.hf.headers import DerivedTensor, TensorInfo
 
 BLOCK_BYTES = 16 << 20  # fp32 bytes of one block of a streamed weight (1,024 rows at hidden size 4,096)
 

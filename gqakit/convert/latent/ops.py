@@ -8,7 +8,7 @@ from collections.abc import Callable
 from gqakit.common.errors import GqakitError, opt
 from gqakit.hf.architectures import ArchSpec
 from gqakit.hf.architectures.latent import ATTENTION, LatentShape
-from gqakit.hf.checkpoint import TensorInfo
+from gqakit.hf.headers import TensorInfo
 
 
 def latent_tensors(spec: ArchSpec, tensors: dict[str, TensorInfo], i: int, heads: int, kv_heads: int, head_dim: int,

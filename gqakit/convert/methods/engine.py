@@ -21,7 +21,8 @@ from gqakit.convert.methods.merge_ahead import MergeAhead, merge_workers
 from gqakit.convert.methods.pooling import merge_norms, random_heads, regroup, relative_error
 from gqakit.convert.plan import Plan, TensorOp
 from gqakit.hf.architectures.latent import ATTENTION
-from gqakit.hf.checkpoint import DTYPES, TensorInfo, load_tensor
+from gqakit.hf.checkpoint import DTYPES, load_tensor
+from gqakit.hf.headers import TensorInfo
 
 
 def tensor_seed(seed: int, name: str) -> int:

@@ -9,11 +9,6 @@ from __future__ import annotations
 import torch
 
 
-def valid_groups(num_heads: int) -> list[int]:
-    """Every G that divides `num_heads` (the valid K/V head counts)."""
-    return [g for g in range(1, num_heads + 1) if num_heads % g == 0]
-
-
 def _exact_accumulator(dtype: torch.dtype) -> torch.dtype:
     """n identical values sum exactly (then divide back exactly) with 2 + log2(n) spare mantissa bits."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else torch.float64

@@ -15,7 +15,7 @@ from __future__ import annotations
 from gqakit.hf.architectures import ArchSpec, find_family
 from gqakit.hf.architectures.rehost import bigcode, gptj, neox, t5
 from gqakit.hf.architectures.rehost.base import Rehost, Rehosted
-from gqakit.hf.checkpoint import TensorInfo
+from gqakit.hf.headers import TensorInfo
 
 REHOSTS: dict[str, Rehost] = {arch: entry for entry in (*neox.REHOSTS, *gptj.REHOSTS, *bigcode.REHOSTS, *t5.REHOSTS)
                                for arch in entry.architectures}

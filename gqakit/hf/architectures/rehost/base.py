@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures.spec import ArchSpec
-from gqakit.hf.checkpoint import TensorInfo
+from gqakit.hf.headers import TensorInfo
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,17 +14,22 @@ Exact: transposes, reorders, a slice and renames.
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures.spec import ArchSpec
 from gqakit.hf.architectures.rehost.base import Rehost, head_dim_of, source_config, token_ids, unused_check
 from gqakit.hf.architectures.rehost.tensors import Source, base_prefix, constant, derived
-from gqakit.hf.checkpoint import TensorInfo
+from gqakit.hf.headers import TensorInfo
+
+if TYPE_CHECKING:  # torch only in annotations: the module imports without it
+    import torch
 
 
 def per_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
     """Rows (H*d, ...) of q, k and v -> GPTBigCode's MHA c_attn rows, per head [q_h, k_h, v_h]: (3*H*d, ...)."""
+    import torch
+
     d = q.shape[0] // heads
     return torch.stack([t.reshape(heads, d, *t.shape[1:]) for t in (q, k, v)], dim=1).reshape(3 * q.shape[0],
                                                                                             *q.shape[1:])

@@ -8,19 +8,16 @@ Exact (a permutation and renames).
 """
 from __future__ import annotations
 
-import torch
-
 from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures.spec import ArchSpec
 from gqakit.hf.architectures.rehost.base import Rehost, head_dim_of, source_config, token_ids, unused_check
 from gqakit.hf.architectures.rehost.tensors import Source, constant, derived
-from gqakit.hf.checkpoint import TensorInfo
+from gqakit.hf.headers import TensorInfo
 
 
-def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+def rotary_order(head_dim: int, rotary_dim: int) -> list[int]:
     """Row order of one head that turns interleaved rotary pairs into halves: [0, 2, .., 1, 3, .., rest]."""
-    return torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
-                      torch.arange(rotary_dim, head_dim)])
+    return [*range(0, rotary_dim, 2), *range(1, rotary_dim, 2), *range(rotary_dim, head_dim)]
 
 
 def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:

@@ -14,7 +14,7 @@ from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures.spec import ArchSpec
 from gqakit.hf.architectures.rehost.base import Rehost, head_dim_of, source_config, token_ids, unused_check
 from gqakit.hf.architectures.rehost.tensors import Source, constant, derived, fold_norm
-from gqakit.hf.checkpoint import TensorInfo
+from gqakit.hf.headers import TensorInfo
 
 
 # old checkpoints store the causal mask and rotary tables as buffers: the target class rebuilds them

@@ -10,7 +10,7 @@ Exact: mT5 is T5's code with other defaults, which the config carries.
 from __future__ import annotations
 
 from gqakit.hf.architectures.rehost.base import Rehost, source_config
-from gqakit.hf.checkpoint import TensorInfo
+from gqakit.hf.headers import TensorInfo
 from gqakit.hf.fields import positive_int
 
 

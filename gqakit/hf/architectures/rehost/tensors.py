@@ -1,14 +1,17 @@
-"""Building blocks of the re-host mappings: take stored tensors by name, derive new ones lazily."""
+"""Building blocks of the re-host mappings: take stored tensors by name, derive new ones lazily. A mapping is built
+without torch (a plan reads no tensor); torch is imported when a derived tensor is made."""
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-
-import torch
+from typing import TYPE_CHECKING
 
 from gqakit.common.errors import GqakitError
-from gqakit.hf.checkpoint import DTYPES, DerivedTensor, TensorInfo, load_tensor
+from gqakit.hf.headers import DerivedTensor, TensorInfo
+
+if TYPE_CHECKING:  # torch only in annotations: the module imports without it
+    import torch
 
 
 class Source:
@@ -44,6 +47,8 @@ class Source:
         return lambda: self._load(info, name)
 
     def _load(self, info: TensorInfo, name: str) -> torch.Tensor:
+        from gqakit.hf.checkpoint import load_tensor
+
         with self._lock:
             if name in self._recent:
                 self._recent.move_to_end(name)
@@ -57,14 +62,21 @@ class Source:
 
 def derived(like: TensorInfo, shape: tuple[int, ...], make: Callable[[], torch.Tensor]) -> DerivedTensor:
     """A tensor of `like`'s dtype and the given shape, computed by make() (in float32, cast here)."""
-    dtype = DTYPES[like.dtype]
+    def cast() -> torch.Tensor:
+        from gqakit.hf.checkpoint import DTYPES
+
+        return make().to(DTYPES[like.dtype]).contiguous()
     return DerivedTensor(file=like.file, dtype=like.dtype, shape=tuple(shape), start=like.start, end=like.end,
-                         make=lambda: make().to(dtype).contiguous())
+                         make=cast)
 
 
 def constant(like: TensorInfo, shape: tuple[int, ...], value: float) -> DerivedTensor:
     """A tensor of `like`'s dtype filled with value (a norm's unit scale, a bias the source does not have)."""
-    return derived(like, shape, lambda: torch.full(shape, float(value)))
+    def fill() -> torch.Tensor:
+        import torch
+
+        return torch.full(shape, float(value))
+    return derived(like, shape, fill)
 
 
 def fold_norm(weight: Callable, bias: Callable | None, gamma: Callable, beta: Callable):

@@ -1,0 +1,62 @@
+"""Everything a conversion checks and plans before it reads a weight: the options, the family, the output folder,
+the plan and the launch. Torch-free, so `convert-gqa --dry-run` prints the plan without loading torch; the
+calibration data (which needs torch and the tokenizer) is opened only when the run will use it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from gqakit.common.devices import check_device
+from gqakit.convert import methods
+from gqakit.convert.layer_share import Share, check_share, launched_share
+from gqakit.convert.options import ConvertConfig, check_options, transfer_options
+from gqakit.convert.output import check_output, max_shard_bytes, output_path
+from gqakit.convert.plan import Plan, check_family, make_plan
+from gqakit.hf.folder import read_config
+from gqakit.hf.headers import TensorInfo, scan_checkpoint
+
+
+def uses_calibration(cfg: ConvertConfig) -> bool:
+    """Whether the run opens calibration windows: --calibration given, or a method that requires them (its own
+    samples), except on a --dry-run, which reads no weights."""
+    return cfg.calibration is not None or (methods.get(cfg.method).calibration == "required" and not cfg.dry_run)
+
+
+def prepare(cfg: ConvertConfig, share: Share = Share()):
+    """Validate everything a conversion needs and plan it, before any output is written: (plan, config, tensors,
+    output folder, calibration data or None)."""
+    model_dir = Path(cfg.model_dir)
+    config = read_config(model_dir)
+    check_family(config)  # a refused family is named before anything else is looked at
+    out = output_path(model_dir, cfg.output_dir, cfg.groups, cfg.to)
+    check_options(cfg)
+    if uses_calibration(cfg):  # before any header is read
+        check_device(cfg.calibration_device, "calibration_device")
+    max_shard = max_shard_bytes(cfg.max_shard_size)
+    tensors: dict[str, TensorInfo] = scan_checkpoint(model_dir)
+    plan = make_plan(config, tensors, cfg.groups, cfg.method, cfg.dtype, max_shard, cfg.pool_encoder, cfg.to,
+                     cfg.kv_rank, cfg.rope_dim)
+    if plan.rehosted is not None:  # from here on the checkpoint is the target class's
+        config, tensors = plan.rehosted.config, plan.rehosted.tensors
+    if not cfg.dry_run:
+        check_output(model_dir, out, cfg.force)
+    calibration = None
+    if uses_calibration(cfg):
+        from gqakit.convert.calibrated import open_calibration
+
+        calibration = open_calibration(cfg, model_dir, config, share)
+    return plan, config, tensors, out, calibration
+
+
+def check_launch(cfg: ConvertConfig, plan: Plan, share: Share) -> None:
+    """Refuse a launch of several processes that this conversion cannot share out (`layer_share.check_share`)."""
+    transfer = methods.get(plan.method).transfer
+    check_share(share, transfer, transfer_options(cfg).inputs if transfer else "", cfg.dry_run)
+
+
+def planned(cfg: ConvertConfig) -> tuple[dict, tuple, Share]:
+    """The checks and the plan of a run: (its summary, what `prepare` returned, the launch's share)."""
+    share = launched_share()
+    prepared = prepare(cfg, share)
+    plan, _, _, out, calibration = prepared
+    check_launch(cfg, plan, share)
+    return {"plan": plan, "output_dir": out, "errors": {}, "calibration": calibration}, prepared, share
