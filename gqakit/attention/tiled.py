@@ -40,15 +40,17 @@ from torch.autograd.function import once_differentiable
 
 from gqakit.attention import patterns
 from gqakit.attention.masks import MaskSpec, dense_allowed
-from gqakit.common.cpu_split import deal, run_split, split_count
+from gqakit.common.cpu_split import deal, first_arg_on_one_thread, one_thread_here, run_split, split_count
 
 _NEG_INF = float("-inf")
 # Keys one fused segment may span (see _Tiles.steps): the largest score tile is block_q * r x SPAN_K.
 SPAN_K = 2048
-# Calls with fewer scores run their query blocks on this thread, each op on torch's threads: below this the
-# threads' hand-offs cost more than the per-op waits they save (benchmarks/attention_cpu.py, quiet: 8 heads at
-# T = 1,024, 4.2M scores, 1.30x sdpa on this thread against 1.59x dealt over 2; at T = 4,096, 67M, 1.48x vs 1.38x).
-SPLIT_MIN_SCORES = 16_000_000
+# Every call runs its ops on one thread each (`cpu_split.one_thread_here`): an op on torch's threads waits for all
+# of them, and beside any other process one descheduled thread stalls it (issue 33: 28x sdpa at T = 1,024 with the
+# ops of a call on 2 threads). Calls with at least this many scores deal their query blocks over one-thread workers;
+# smaller ones (about a millisecond of work) run on the calling thread, where a worker's ~30 us hand-off (more when
+# it has to be woken on a busy machine) would be felt. A single query block (decode) always runs here.
+SPLIT_MIN_SCORES = 262_144
 
 
 def _fuse(blocks: list[tuple[int, int, bool]], span_k: int | None) -> list[tuple[int, int, bool]]:
@@ -115,7 +117,8 @@ class _Tiles:
 
     def parts(self, count: int, rows: int) -> list[list[int]]:
         """The query blocks (indices of `steps`) dealt into at most `count` parts of about equal work; one part
-        when the call computes fewer than SPLIT_MIN_SCORES scores (`rows`: score rows per query position)."""
+        when the call computes fewer than SPLIT_MIN_SCORES scores (`rows`: score rows per query position). The
+        parts run on one-thread workers (`run_split`), one part on the calling thread, itself at one thread."""
         costs = [(q1 - q0) * sum(k1 - k0 for k0, k1, _ in blocks) for q0, q1, blocks in self.steps]
         if sum(costs) * rows < SPLIT_MIN_SCORES:
             count = 1
@@ -255,7 +258,8 @@ class _TiledAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, s_aux = ctx.saved_tensors
-        dq, dk, dv, ds_aux = _backward(q, k, v, out, lse, dout, dlse, ctx.scale, ctx.tiles, s_aux)
+        with one_thread_here(q.device):
+            dq, dk, dv, ds_aux = _backward(q, k, v, out, lse, dout, dlse, ctx.scale, ctx.tiles, s_aux)
         return dq, dk, dv, ds_aux, None, None
 
 
@@ -312,6 +316,7 @@ def _backward(q, k, v, out, lse, dout, dlse, scale: float, tiles: _Tiles, s_aux=
 Spec = MaskSpec | Sequence[MaskSpec]  # one pattern for every head, or one per query head
 
 
+@first_arg_on_one_thread
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                     spec: Spec = MaskSpec(), q_offset: int = 0, kv_offset: int = 0,
                     key_padding: torch.Tensor | None = None, extra_mask: Callable | None = None,
@@ -376,6 +381,7 @@ def _run(q, k, v, rows, q_offset, kv_offset, key_padding, *, scale, block_q, blo
     return _TiledAttention.apply(q, k, v, s_aux, scale, tiles)
 
 
+@first_arg_on_one_thread
 def tiled_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                              lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None, *,
                              scale: float, spec: Spec = MaskSpec(), q_offset: int = 0, kv_offset: int = 0,
