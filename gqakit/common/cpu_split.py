@@ -29,7 +29,7 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
-_local = threading.local()  # .worker: this thread is one of the pool's; .held: the caller's threads, see one_thread_here
+_local = threading.local()  # .worker: a pool thread; .held: the caller's thread count inside one_thread_here
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 _lock = threading.Lock()

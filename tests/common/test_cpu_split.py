@@ -9,6 +9,9 @@
 * the small-call path (every op on the calling thread, at one thread) gives the same output and dQ bits as the
   same call dealt over 2 threads, and dK / dV within 1e-6; the kernel's own ops never run on more than one
   thread, forward or backward, and the caller's thread setting is back afterwards;
+* a decode step over a large cache deals its keys over the workers (contiguous runs of about equal keys), and
+  the shares merged by log-sum-exp equal the reference (output, lse, gradients; with sinks, a window, padding)
+  and the one-thread run within 1e-6, with the same bits on every call;
 * torch's thread setting is the caller's afterwards, also for threads started later; an error in a part is
   raised in the caller; grad mode is the caller's; a pool thread does not split again; inside
   `one_thread_here` ops run on one thread while `split_count` still says the caller's count.
@@ -181,6 +184,55 @@ def test_thread_setting_grad_mode_errors_and_nesting():
             cpu_split.run_split(failing, [[0], [1]])
         assert torch.get_num_threads() == 2
     assert cpu_split.split_count(torch.device("meta")) == 1
+
+
+def test_decode_key_runs_are_contiguous_and_balanced():
+    q, k = torch.zeros(1, 8, 1, 64), torch.zeros(1, 8, 16384, 64)
+    tiles = tiled._make_tiles(q, k, k, MaskSpec(), 16383, 0, None, None, 128, 128)
+    runs = tiles.key_runs(2, 8 * 128 * 4)  # 64 MiB of K/V: dealt
+    assert [(run[0][0], run[-1][1]) for run in runs] == [(0, 8192), (8192, 16384)]
+    assert all(k1 - k0 <= tiled.SPAN_K for run in runs for k0, k1, _ in run)  # fused as `steps` are
+    assert len(tiles.key_runs(3, 8 * 128 * 4)) == 3
+    assert tiles.key_runs(1, 8 * 128 * 4) is None and tiles.key_runs(2, 8 * 128) is None  # one worker; 16 MiB
+    q = torch.zeros(1, 8, 256, 64)  # two query blocks: dealt by query block
+    assert tiled._make_tiles(q, k, k, MaskSpec(), 16128, 0, None, None, 128, 128).key_runs(2, 10**9) is None
+
+
+@pytest.mark.parametrize("case", ["plain", "sinks", "window and padding"])
+def test_decode_keys_dealt_equal_the_reference_and_one_thread(case, monkeypatch):
+    monkeypatch.setattr(tiled, "SPLIT_MIN_KV_BYTES", 0)  # a small cache, dealt all the same
+    gen = torch.Generator().manual_seed(3)
+    B, H, G, N, d = 2, 4, 2, 300, 16
+    q = torch.randn(B, H, 1, d, generator=gen).requires_grad_()
+    k = torch.randn(B, G, N, d, generator=gen).requires_grad_()
+    v = torch.randn(B, G, N, d, generator=gen).requires_grad_()
+    s_aux = torch.randn(H, generator=gen).requires_grad_() if case == "sinks" else None
+    spec = MaskSpec(window=100) if case == "window and padding" else MaskSpec()
+    padding = torch.ones(B, N, dtype=torch.bool)
+    if case == "window and padding":
+        padding[0, 210:240] = False
+    allowed = spec.mask(torch.arange(N - 1, N), torch.arange(N))[None, None] & padding[:, None, None, :]
+    ref, ref_lse = eager_reference(q, k, v, 0.125, allowed, s_aux=s_aux)
+    inputs = (q, k, v) if s_aux is None else (q, k, v, s_aux)
+    ref_grads = torch.autograd.grad(ref.pow(2).sum() + ref_lse.sum(), inputs)
+
+    def call():
+        out, lse = tiled_attention(q, k, v, scale=0.125, spec=spec, q_offset=N - 1, key_padding=padding, s_aux=s_aux,
+                                   block_q=32, block_k=32, return_lse=True)
+        grads = torch.autograd.grad(out.pow(2).sum() + lse.sum(), inputs)
+        return [out.detach(), lse.detach(), *grads]
+
+    with threads(1):
+        one = call()
+    for n in (2, 3):
+        with threads(n):
+            tiles = tiled._make_tiles(q, k, v, spec, N - 1, 0, padding, None, 32, 32)
+            assert len(tiles.key_runs(n, 1)) == n
+            got, again = call(), call()
+        for x, x_ref, x_one, x_again in zip(got, [ref.detach(), ref_lse.detach(), *ref_grads], one, again):
+            torch.testing.assert_close(x, x_ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(x, x_one, atol=1e-6, rtol=1e-6)
+            assert torch.equal(x, x_again)
 
 
 def test_one_thread_here_keeps_the_callers_count_for_the_deal():
