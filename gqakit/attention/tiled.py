@@ -48,8 +48,9 @@ SPAN_K = 2048
 # Every call runs its ops on one thread each (`cpu_split.one_thread_here`): an op on torch's threads waits for all
 # of them, and beside any other process one descheduled thread stalls it (issue 33: 28x sdpa at T = 1,024 with the
 # ops of a call on 2 threads). Calls with at least this many scores deal their query blocks over one-thread workers;
-# smaller ones (about a millisecond of work) run on the calling thread, where a worker's ~30 us hand-off (more when
-# it has to be woken on a busy machine) would be felt. A single query block (decode) always runs here.
+# smaller ones (a millisecond or two of work) run on the calling thread, where a worker's ~30 us hand-off (more
+# when it has to be woken on a busy machine) would be felt. A single query block runs there too, unless its keys
+# are dealt (SPLIT_MIN_KV_BYTES).
 SPLIT_MIN_SCORES = 262_144
 # A call of one query block (a decode step) reading at least this many bytes of K/V deals its keys over the
 # workers instead, the shares merged by log-sum-exp. A step is memory-bound (a score costs a read of its key and

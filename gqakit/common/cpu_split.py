@@ -9,7 +9,7 @@ blocks' ops single-threaded (torch releases the GIL inside an op), so the thread
 as sdpa's do, and a descheduled thread delays only its own share. The caller's own ops (set-up, a small
 call's blocks, the sums at the end) run on one thread too (`one_thread_here`): left on torch's threads, a
 small call's hundreds of ops each waited for every thread, and beside even a `nice -n 19` busy loop it ran
-28-40x sdpa (issue 33).
+28-41x sdpa (issue 33).
 
 The deal is fixed by the blocks' costs (largest first onto the least-loaded thread), never by timing, so a
 result depends on the number of threads and the call's size only: the same inputs give the same bits on every
