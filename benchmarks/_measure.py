@@ -105,6 +105,26 @@ def co_running(settle: float = 2.0):
         co.wait()
 
 
+BACKGROUND_JOB = "while True: pass"
+
+
+@contextlib.contextmanager
+def background_jobs(count: int = 2, niceness: int = 19, settle: float = 1.0):
+    """Inside this block `count` busy loops run at `nice -n niceness`, each in its own session, as low-priority jobs
+    of other users do: with the kernel's autogroups on (Linux's default for desktops and many servers), nice orders
+    processes within one session only, so such a job still takes its share of a core. Stopped when the block ends."""
+    jobs = [subprocess.Popen(["nice", "-n", str(niceness), sys.executable, "-c", BACKGROUND_JOB],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            for _ in range(count)]
+    try:
+        time.sleep(settle)
+        yield
+    finally:
+        for job in jobs:
+            job.kill()
+            job.wait()
+
+
 # ---------------------------------------------------------------------------------------------------
 # Memory
 

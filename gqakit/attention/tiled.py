@@ -40,15 +40,24 @@ from torch.autograd.function import once_differentiable
 
 from gqakit.attention import patterns
 from gqakit.attention.masks import MaskSpec, dense_allowed
-from gqakit.common.cpu_split import deal, run_split, split_count
+from gqakit.common.cpu_split import deal, first_arg_on_one_thread, one_thread_here, run_split, split_count
 
 _NEG_INF = float("-inf")
 # Keys one fused segment may span (see _Tiles.steps): the largest score tile is block_q * r x SPAN_K.
 SPAN_K = 2048
-# Calls with fewer scores run their query blocks on this thread, each op on torch's threads: below this the
-# threads' hand-offs cost more than the per-op waits they save (benchmarks/attention_cpu.py, quiet: 8 heads at
-# T = 1,024, 4.2M scores, 1.30x sdpa on this thread against 1.59x dealt over 2; at T = 4,096, 67M, 1.48x vs 1.38x).
-SPLIT_MIN_SCORES = 16_000_000
+# Every call runs its ops on one thread each (`cpu_split.one_thread_here`): an op on torch's threads waits for all
+# of them, and beside any other process one descheduled thread stalls it (issue 33: 28x sdpa at T = 1,024 with the
+# ops of a call on 2 threads). Calls with at least this many scores deal their query blocks over one-thread workers;
+# smaller ones (a millisecond or two of work) run on the calling thread, where a worker's ~30 us hand-off (more
+# when it has to be woken on a busy machine) would be felt. A single query block runs there too, unless its keys
+# are dealt (SPLIT_MIN_KV_BYTES).
+SPLIT_MIN_SCORES = 262_144
+# A call of one query block (a decode step) reading at least this many bytes of K/V deals its keys over the
+# workers instead, the shares merged by log-sum-exp. A step is memory-bound (a score costs a read of its key and
+# value rows), so the threshold is in bytes: 64 MiB is a 16k-token fp32 cache of 8 heads of 64, a ~15 ms step on
+# one thread. Beside other work, waking a worker can cost a scheduler slice (ms): at 32 MiB (batch 8, 1k cache)
+# the split took 16.5 ms against 2.6 ms on the caller, at 64-128 MiB 15 / 68 ms against 18 / 104 ms.
+SPLIT_MIN_KV_BYTES = 64 << 20
 
 
 def _fuse(blocks: list[tuple[int, int, bool]], span_k: int | None) -> list[tuple[int, int, bool]]:
@@ -112,14 +121,35 @@ class _Tiles:
         # of at most `span_k` keys, so a causal query block is two matmuls (its full run, its diagonal), not one
         # per key block: on CPU each op is a parallel region, and under load many small ones stall.
         self.steps = [(q0, q1, _fuse(blocks, span_k)) for q0, q1, blocks in self.plan]
+        self.span_k = span_k
 
     def parts(self, count: int, rows: int) -> list[list[int]]:
         """The query blocks (indices of `steps`) dealt into at most `count` parts of about equal work; one part
-        when the call computes fewer than SPLIT_MIN_SCORES scores (`rows`: score rows per query position)."""
+        when the call computes fewer than SPLIT_MIN_SCORES scores (`rows`: score rows per query position). The
+        parts run on one-thread workers (`run_split`), one part on the calling thread, itself at one thread."""
         costs = [(q1 - q0) * sum(k1 - k0 for k0, k1, _ in blocks) for q0, q1, blocks in self.steps]
         if sum(costs) * rows < SPLIT_MIN_SCORES:
             count = 1
         return deal(costs, min(count, max(1, sum(c > 0 for c in costs))))
+
+    def key_runs(self, count: int, key_bytes: int) -> list[list[tuple[int, int, bool]]] | None:
+        """For a call of one query block (a decode step): its visited key blocks dealt into at most `count`
+        contiguous runs of about equal keys, each fused as in `steps`, for the forward to merge by log-sum-exp.
+        None (the call runs by query blocks) with more query blocks, one worker, or under SPLIT_MIN_KV_BYTES of
+        K/V read (`key_bytes` per key)."""
+        if count < 2 or len(self.plan) != 1:
+            return None
+        blocks = self.plan[0][2]
+        keys = sum(k1 - k0 for k0, k1, _ in blocks)
+        n = min(count, len(blocks))
+        if n < 2 or keys * key_bytes < SPLIT_MIN_KV_BYTES:
+            return None
+        runs: list[list[tuple[int, int, bool]]] = [[] for _ in range(n)]
+        done = 0
+        for block in blocks:
+            runs[done * n // keys].append(block)  # the run its first key falls in
+            done += block[1] - block[0]
+        return [_fuse(run, self.span_k) for run in runs if run]
 
     def _dense_live(self, Tq: int, Tk: int, block_q: int, block_k: int) -> list[list[bool]]:
         """[query block][key block] -> does the dense mask allow any entry there (one host sync)."""
@@ -181,6 +211,21 @@ class _Tiles:
         return s
 
 
+_State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # online softmax: row max, row sum, unnormalised output
+
+
+def _merge(states: list[_State]) -> _State:
+    """One online-softmax state from states over disjoint keys, summed in list order (the same bits each call)."""
+    m = functools.reduce(torch.maximum, [state[0] for state in states])
+    m_safe = m.masked_fill(m == _NEG_INF, 0.0)  # rows no state has a key for stay l = 0
+    l, acc = torch.zeros_like(m), torch.zeros_like(states[0][2])
+    for m_i, l_i, acc_i in states:
+        w = (m_i - m_safe).exp_()  # (B*G, n)
+        l.add_(l_i * w)
+        acc.add_(acc_i * w[:, :, None])
+    return m, l, acc
+
+
 def _fold_q(x: torch.Tensor, groups: int) -> torch.Tensor:
     """(B, H, T, ...) -> (B*G, T*r, ...): each group's r query heads become rows of one matrix."""
     B, H, T = x.shape[:3]
@@ -216,33 +261,52 @@ class _TiledAttention(torch.autograd.Function):
         sink = _sink_rows(s_aux, B, G, Tq) if s_aux is not None else None  # (B*G, Tq*r)
         out = qf.new_zeros(B * G, Tq * r, dv)  # rows no block visits stay 0, lse -inf (or the sink)
         lse = sink.clone() if sink is not None else qf.new_full(qf.shape[:2], _NEG_INF)  # (B*G, Tq*r)
+
+        def start(rows: slice, with_sink: bool = True) -> _State:
+            """(running row max, running row sum of exp(s - max), running unnormalised output) before any key; the
+            sink is the first "key": max s_aux, sum exp(s_aux - s_aux) = 1, value 0."""
+            n = rows.stop - rows.start
+            if sink is None or not with_sink:
+                return qf.new_full((B * G, n), _NEG_INF), qf.new_zeros(B * G, n), qf.new_zeros(B * G, n, dv)
+            return sink[:, rows].clone(), qf.new_ones(B * G, n), qf.new_zeros(B * G, n, dv)
+
+        def attend(q0: int, q1: int, blocks: list[tuple[int, int, bool]], state: _State) -> _State:
+            """The online softmax of query block (q0, q1) over `blocks` of keys, from `state`."""
+            m, l, acc = state
+            qb = qf[:, q0 * r:q1 * r]  # (B*G, n, d), n = (q1 - q0) * r
+            for k0, k1, needs_mask in blocks:
+                s, _ = tiles.scores(qb, kf[:, k0:k1])  # (B*G, n, bk)
+                if needs_mask:
+                    tiles.apply_(s, r, q0, q1, k0, k1)
+                m_new = torch.maximum(m, s.amax(dim=2))
+                # A row with no allowed key yet keeps m = -inf; shift it by 0 so exp gives 0, not NaN.
+                m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0) if needs_mask else m_new
+                p = s.sub_(m_safe[:, :, None]).exp_()  # (B*G, n, bk), in place of s
+                alpha = (m - m_safe).exp_()  # rescales what was accumulated under the old max
+                l.mul_(alpha).add_(p.sum(dim=2))
+                acc.mul_(alpha[:, :, None]).baddbmm_(p, vf[:, k0:k1])
+                m = m_new
+            return m, l, acc
+
+        def finish(rows: slice, state: _State) -> None:
+            m, l, acc = state
+            live = l > 0
+            out[:, rows] = acc / torch.where(live, l, 1.0)[:, :, None]
+            lse[:, rows] = torch.where(live, m + l.log(), _NEG_INF)
+
         def run(part: list[int]) -> None:  # query blocks of tiles.steps: disjoint rows of out and lse
             for q0, q1, blocks in (tiles.steps[i] for i in part):
-                rows = slice(q0 * r, q1 * r)
-                qb = qf[:, rows]  # (B*G, n, d), n = (q1 - q0) * r
-                if sink is None:
-                    m = qb.new_full(qb.shape[:2], _NEG_INF)  # running row max
-                    l = qb.new_zeros(qb.shape[:2])  # running row sum of exp(s - m)
-                else:  # the sink is the first "key": max s_aux, sum exp(s_aux - s_aux) = 1, value 0
-                    m, l = sink[:, rows].clone(), qb.new_ones(qb.shape[:2])
-                acc = qb.new_zeros(*qb.shape[:2], dv)  # running unnormalised output
-                for k0, k1, needs_mask in blocks:
-                    s, _ = tiles.scores(qb, kf[:, k0:k1])  # (B*G, n, bk)
-                    if needs_mask:
-                        tiles.apply_(s, r, q0, q1, k0, k1)
-                    m_new = torch.maximum(m, s.amax(dim=2))
-                    # A row with no allowed key yet keeps m = -inf; shift it by 0 so exp gives 0, not NaN.
-                    m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0) if needs_mask else m_new
-                    p = s.sub_(m_safe[:, :, None]).exp_()  # (B*G, n, bk), in place of s
-                    alpha = (m - m_safe).exp_()  # rescales what was accumulated under the old max
-                    l.mul_(alpha).add_(p.sum(dim=2))
-                    acc.mul_(alpha[:, :, None]).baddbmm_(p, vf[:, k0:k1])
-                    m = m_new
-                live = l > 0
-                out[:, rows] = acc / torch.where(live, l, 1.0)[:, :, None]
-                lse[:, rows] = torch.where(live, m + l.log(), _NEG_INF)
+                finish(slice(q0 * r, q1 * r), attend(q0, q1, blocks, start(slice(q0 * r, q1 * r))))
 
-        run_split(run, tiles.parts(split_count(q.device), B * H))
+        workers = split_count(q.device)
+        runs = tiles.key_runs(workers, B * G * (d + dv) * 4)
+        if runs is None:
+            run_split(run, tiles.parts(workers, B * H))
+        else:  # one query block (a decode step) over many keys: its keys dealt out, the shares merged in order
+            q0, q1, _ = tiles.steps[0]
+            rows = slice(q0 * r, q1 * r)
+            shares = run_split(lambda blocks: attend(q0, q1, blocks, start(rows, with_sink=False)), runs)
+            finish(rows, _merge([start(rows)] + shares))
         out32 = _unfold_q(out, B, H, Tq)  # (B, H, Tq, dv) fp32
         lse_q = _unfold_q(lse, B, H, Tq)  # (B, H, Tq)
         # The backward's D = rowsum(dO * O) cancels when one key dominates; O rounded to bf16 would cost
@@ -255,7 +319,8 @@ class _TiledAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, s_aux = ctx.saved_tensors
-        dq, dk, dv, ds_aux = _backward(q, k, v, out, lse, dout, dlse, ctx.scale, ctx.tiles, s_aux)
+        with one_thread_here(q.device):
+            dq, dk, dv, ds_aux = _backward(q, k, v, out, lse, dout, dlse, ctx.scale, ctx.tiles, s_aux)
         return dq, dk, dv, ds_aux, None, None
 
 
@@ -312,6 +377,7 @@ def _backward(q, k, v, out, lse, dout, dlse, scale: float, tiles: _Tiles, s_aux=
 Spec = MaskSpec | Sequence[MaskSpec]  # one pattern for every head, or one per query head
 
 
+@first_arg_on_one_thread
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                     spec: Spec = MaskSpec(), q_offset: int = 0, kv_offset: int = 0,
                     key_padding: torch.Tensor | None = None, extra_mask: Callable | None = None,
@@ -376,6 +442,7 @@ def _run(q, k, v, rows, q_offset, kv_offset, key_padding, *, scale, block_q, blo
     return _TiledAttention.apply(q, k, v, s_aux, scale, tiles)
 
 
+@first_arg_on_one_thread
 def tiled_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                              lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None, *,
                              scale: float, spec: Spec = MaskSpec(), q_offset: int = 0, kv_offset: int = 0,

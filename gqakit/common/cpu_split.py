@@ -6,14 +6,20 @@ one descheduled thread stalls every op, and the kernel slows far more than torch
 waits once per call (issue 22: 3.7x sdpa beside one co-running process at T = 4,096). Here the kernel's
 query blocks are dealt out to as many Python threads as torch has intra-op threads; each thread runs its
 blocks' ops single-threaded (torch releases the GIL inside an op), so the threads meet once per call,
-as sdpa's do, and a descheduled thread delays only its own share.
+as sdpa's do, and a descheduled thread delays only its own share. The caller's own ops (set-up, a small
+call's blocks, the sums at the end) run on one thread too (`one_thread_here`): left on torch's threads, a
+small call's hundreds of ops each waited for every thread, and beside even a `nice -n 19` busy loop it ran
+28-41x sdpa (issue 33).
 
 The deal is fixed by the blocks' costs (largest first onto the least-loaded thread), never by timing, so a
-result depends on the number of threads only: the same inputs give the same bits on every call.
+result depends on the number of threads and the call's size only: the same inputs give the same bits on every
+call, and every op runs single-threaded whichever path a call takes.
 `one_threaded_pool` serves the conversion's layer merges the same way (`convert/methods/merge_ahead.py`).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -23,7 +29,7 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
-_local = threading.local()  # .worker: this thread is one of the pool's
+_local = threading.local()  # .worker: a pool thread; .held: the caller's thread count inside one_thread_here
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 _lock = threading.Lock()
@@ -70,7 +76,37 @@ def split_count(device: torch.device) -> int:
     torch.compile (traced code must not start threads), inside a pool thread (no nesting), or with one thread."""
     if device.type != "cpu" or getattr(_local, "worker", False) or torch.compiler.is_compiling():
         return 1
-    return max(1, torch.get_num_threads())
+    held = getattr(_local, "held", None)
+    return max(1, held if held is not None else torch.get_num_threads())
+
+
+@contextlib.contextmanager
+def one_thread_here(device: torch.device):
+    """The block's torch ops on this thread alone (no op waits for other threads), torch's thread setting put back
+    at the end; `split_count` inside still says the caller's count, so `run_split` deals work over that many
+    one-thread workers. Nested blocks, pool threads, other devices and traced code are left as they are."""
+    if (device.type != "cpu" or getattr(_local, "worker", False) or getattr(_local, "held", None) is not None
+            or torch.compiler.is_compiling() or torch.get_num_threads() == 1):
+        yield
+        return
+    threads = torch.get_num_threads()
+    _local.held = threads
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        _local.held = None
+        restore_threads(threads)
+
+
+def first_arg_on_one_thread(fn: Callable[..., T]) -> Callable[..., T]:
+    """fn inside `one_thread_here` on the device of its first argument (a tensor)."""
+    @functools.wraps(fn)
+    def call(first: torch.Tensor, *args, **kwargs) -> T:
+        with one_thread_here(first.device):
+            return fn(first, *args, **kwargs)
+
+    return call
 
 
 def deal(costs: Sequence[float], parts: int) -> list[list[int]]:
