@@ -63,6 +63,9 @@ def test_the_cache_holds_the_latent_and_one_rope_key_as_counted(tmp_path):
         model(IDS[:1], past_key_values=cache, use_cache=True)
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert held / IDS.shape[1] == kv_bytes_per_token(model.config, torch.float32) == 3 * (17 + 16) * 4
+    # the bias coordinate sits at about 1 in the cache (not at B): an update of its kv_b_proj column in training, or a
+    # quantized cache's scale, is then no larger than for any other latent value
+    torch.testing.assert_close(cache.layers[0].keys[..., 16], torch.ones(1, 1, IDS.shape[1]), atol=1e-3, rtol=0)
     card = (tmp_path / "mla" / "README.md").read_text()
     assert "DeepseekV3ForCausalLM (stock, from LlamaForCausalLM)" in card and "a latent of 17 values" in card
     assert "not in vLLM/SGLang" in card  # the bias coordinate: transformers-only, and the card says so

@@ -14,6 +14,18 @@ import torch
 from gqakit.hf.architectures.latent import BIAS_SCALE, KV_A, KV_A_BIAS, KV_B, KV_NORM, O, O_BIAS, Q, LatentShape
 
 
+def latent_norm(rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """(kv_a_layernorm's weight, the scale it realises on the latent at `dtype`). The norm divides the latent [c, B]
+    by its RMS, about B / sqrt(r + 1); the weight B / sqrt(r + 1) undoes that on c, and 1 / sqrt(r + 1) on the bias
+    coordinate leaves it at about 1 in the cache: a value of order B there would make any update of its kv_b_proj
+    column B times too large in training, and dominate a quantized cache's scales."""
+    weight = torch.full((rank + 1,), BIAS_SCALE / math.sqrt(rank + 1), dtype=torch.float32)
+    weight[rank] = 1 / math.sqrt(rank + 1)
+    weight = weight.to(dtype)
+    bias = torch.tensor(BIAS_SCALE).to(dtype).double().item()
+    return weight, weight[0].double().item() * math.sqrt(rank + 1) / bias
+
+
 def embed_mqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, shape: LatentShape,
               dtype: torch.dtype, k_bias: torch.Tensor | None = None, v_bias: torch.Tensor | None = None
               ) -> dict[str, torch.Tensor]:
@@ -32,8 +44,7 @@ def embed_mqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
         bias[:r] = v_bias.to(f32)
     if k_bias is not None:
         bias[r + 1:] = k_bias.to(f32)
-    weight = torch.full((r + 1,), BIAS_SCALE / math.sqrt(r + 1), dtype=f32).to(dtype)
-    realised = weight[0].double().item() * math.sqrt(r + 1) / torch.tensor(BIAS_SCALE).to(dtype).double().item()
+    weight, realised = latent_norm(r, dtype)
     expand = torch.zeros(shape.heads * d, r + 1, dtype=f32)
     expand[:, :r] = torch.eye(d, dtype=f32).repeat(shape.heads, 1)
     return {Q: q.to(dtype), KV_A: a.to(dtype), KV_A_BIAS: bias.to(dtype), KV_NORM: weight, KV_B: expand.to(dtype),

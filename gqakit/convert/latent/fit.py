@@ -17,10 +17,10 @@ of kv_b_proj.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
+from gqakit.convert.latent.construct import latent_norm
 from gqakit.hf.architectures.latent import BIAS_SCALE, KV_A, KV_A_BIAS, KV_B, KV_NORM, O, O_BIAS, Q, LatentShape
 
 F64 = torch.float64
@@ -106,9 +106,7 @@ def fit_latent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
     if errors is not None:
         errors.update(_held_errors(kg, vg, rope_rows, u, up @ down, N, d))
 
-    f32 = torch.float32
-    norm_weight = torch.full((r + 1,), BIAS_SCALE / math.sqrt(r + 1), dtype=f32).to(dtype)
-    realised = norm_weight[0].double().item() * math.sqrt(r + 1) / torch.tensor(BIAS_SCALE).to(dtype).double().item()
+    norm_weight, realised = latent_norm(r, dtype)
     a_rows = torch.cat([down, torch.zeros(1, n, dtype=F64), rope_rows])
     a_bias = torch.cat([latent_bias, torch.tensor([BIAS_SCALE], dtype=F64), rope_bias])
     up_k, up_v = up[:groups * N].reshape(groups, N, r), up[groups * N:].reshape(groups, d, r)
