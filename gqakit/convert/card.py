@@ -150,7 +150,8 @@ def _method_rows(cfg, plan: Plan, calibration) -> str:
         rows += [f"| calibration data | `{calibration.path}` (sha256 {calibration.file_sha256}) |" if calibration.path
                  else f"| calibration data | the model's own samples: each window a new document drawn at temperature "
                       f"{calibration.sampled['temperature']:g}, top-p {calibration.sampled['top_p']:g}, seed "
-                      f"{calibration.sampled['seed']} (data-free; `gqakit sample`'s sampler) |",
+                      f"{calibration.sampled['seed']}, {calibration.sampled.get('dtype', 'float32')} (data-free; "
+                      "`gqakit sample`'s sampler) |",
                  f"| calibration tokens | {calibration.tokens:,}: {fit} windows of {calibration.window} fitted, "
                  f"{calibration.heldout} held out (token ids sha256 {calibration.sha256}) |"]
     return "\n".join(rows) + "\n"

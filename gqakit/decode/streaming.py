@@ -21,11 +21,8 @@ from gqakit.decode.cache import SinkCache
 from gqakit.hf.compat import cache_kwargs
 
 
-def sample_next(logits: torch.Tensor, do_sample: bool = False, temperature: float = 1.0,
-                top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token ids (B,) from logits (B, V): argmax, or a temperature / nucleus (top-p) sample."""
-    if not do_sample:
-        return logits.argmax(dim=-1)
+def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    """Probabilities (B, V) fp32 of a temperature / nucleus (top-p) sample from logits (B, V)."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -33,6 +30,15 @@ def sample_next(logits: torch.Tensor, do_sample: bool = False, temperature: floa
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return probs
+
+
+def sample_next(logits: torch.Tensor, do_sample: bool = False, temperature: float = 1.0,
+                top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids (B,) from logits (B, V): argmax, or a temperature / nucleus (top-p) sample."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    probs = sampling_probs(logits, temperature, top_p)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 

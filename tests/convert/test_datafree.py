@@ -11,6 +11,7 @@ from cli_contract import run_cli, snapshot
 from gqakit.common.errors import GqakitError
 from gqakit.convert.calibrated import open_calibration
 from gqakit.convert.calibration.data import sample_calibration
+from gqakit.convert.calibration.sample import sampling_dtype
 from gqakit.convert.layer_share import Share
 from gqakit.convert.options import ConvertConfig
 from tiny_models import make_tiny_llama
@@ -54,8 +55,8 @@ def test_sampled_windows_are_documents_of_the_model(src):
     again = sample_calibration(src, config, tokens=200, window=32, seed=3, device="cpu", progress=False)
     assert data.windows.shape == (6, 32) and data.heldout == 1  # 200 // 32 whole windows, one in eight held out
     assert bool((data.windows[:, 0] == 1).all())  # each window starts a document at the config's BOS
-    assert int(data.windows.max()) < 64 and data.path is None and data.sampled == {"seed": 3, "temperature": 1.0,
-                                                                                   "top_p": 1.0}
+    assert int(data.windows.max()) < 64 and data.path is None
+    assert data.sampled == {"seed": 3, "temperature": 1.0, "top_p": 1.0, "dtype": sampling_dtype("auto", "cpu")}
     assert torch.equal(data.windows, again.windows) and data.sha256 == again.sha256
 
 

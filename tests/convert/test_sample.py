@@ -16,7 +16,8 @@ import torch
 
 from cli_contract import run_cli, run_refused
 from gqakit.convert.calibration import sample as sampling
-from gqakit.convert.calibration.sample import SampleConfig, sample, sample_ids, start_token
+from gqakit.convert.calibration.sample import SampleConfig, sample, sample_ids, sampling_dtype, start_token
+from gqakit.decode.sampling import reference_tokens
 from gqakit.hf.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,19 +76,22 @@ def test_deterministic_for_a_seed(tmp_path):
     assert draw("c.jsonl", 4) != first
 
 
-def test_temperature_and_top_p_reach_the_sampler(monkeypatch):
-    seen = {}
+def test_temperature_and_top_p_reach_the_sampler():
+    """The settings asked are the ones sampled with: the fast sampler equals the slow reference (a full forward
+    per step) drawn with them, and differs from one drawn at the defaults."""
     model, tok = load_model(str(EMBEDDED))
-    real = model.generate
+    start = start_token(tok)
+    ids = sample_ids(model, start, count=2, length=12, temperature=0.7, top_p=0.9, seed=0)
+    assert torch.equal(ids, reference_tokens(model, start, 2, 12, temperature=0.7, top_p=0.9, seed=0))
+    assert not torch.equal(ids, reference_tokens(model, start, 2, 12, seed=0))
 
-    def spy(*args, generation_config=None, **kwargs):
-        seen.update(top_k=generation_config.top_k, top_p=generation_config.top_p,
-                    temperature=generation_config.temperature, do_sample=generation_config.do_sample)
-        return real(*args, generation_config=generation_config, **kwargs)
 
-    monkeypatch.setattr(model, "generate", spy)
-    sample_ids(model, start_token(tok), count=1, length=4, temperature=0.7, top_p=0.9, seed=0)
-    assert seen == {"top_k": 0, "top_p": 0.9, "temperature": 0.7, "do_sample": True}
+def test_dtype_auto_is_bf16_where_the_hardware_has_bf16_units():
+    from gqakit.common.precision import bf16_units
+
+    assert sampling_dtype("auto", "cpu") == ("bfloat16" if bf16_units("cpu") else "float32")
+    assert sampling_dtype("float32", "cpu") == "float32"
+    assert SampleConfig(model="m", output="s.jsonl").dtype == "auto"
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -16,7 +16,6 @@ import torch
 from gqakit.common.errors import GqakitError, opt, renamed
 
 DEFAULT_WINDOW = 512
-SAMPLE_BATCH = 16  # samples drawn at once by data-free calibration (gqakit sample's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +25,7 @@ class CalibrationData:
     heldout: int
     sha256: str  # of the token ids used (int64, little-endian), which pins text, tokenizer and cut
     file_sha256: str | None  # of the calibration file's bytes (a folder: of its files' bytes in name order)
-    sampled: dict | None = None  # how the model's own samples were drawn: seed, temperature, top_p
+    sampled: dict | None = None  # how the model's own samples were drawn: seed, temperature, top_p, dtype
 
     @property
     def window(self) -> int:
@@ -107,27 +106,30 @@ def load_calibration(path: str, model_dir: Path, config: dict, tokens: int, wind
 def sample_calibration(model_dir: Path, config: dict, tokens: int, window: int | None, seed: int, device: str,
                        progress: bool = True) -> CalibrationData:
     """Data-free calibration: tokens // window windows of the model's own text, each a new document (its start
-    token, then window - 1 tokens drawn at temperature 1 from the full distribution: `gqakit sample`'s sampler),
-    deterministic for a seed on one machine. The model is loaded whole, on `device`, for the sampling."""
+    token, then window - 1 tokens drawn at temperature 1 from the full distribution: `gqakit sample`'s sampler,
+    in its `--dtype auto`), deterministic for a seed on one machine. The model is loaded whole, on `device`, for
+    the sampling."""
     from tqdm.auto import tqdm
 
-    from gqakit.convert.calibration.sample import sampled_batches, start_token
+    from gqakit.convert.calibration.sample import BATCH, progress_step, sampled_batches, sampling_dtype, start_token
     from gqakit.hf.loading import load_model
 
     window = calibration_window(config, tokens, window)
-    model, _ = load_model(str(model_dir), device=device, with_tokenizer=False)  # ids in, ids out: no text
+    dtype = sampling_dtype("auto", device)
+    model, _ = load_model(str(model_dir), dtype=dtype, device=device, with_tokenizer=False)  # ids in, ids out
     start, count = start_token(model.config), tokens // window
     rows = []
     with tqdm(total=count * window, desc="sample", unit="tok", unit_scale=True, disable=not progress) as bar:
-        for ids in sampled_batches(model, start, count, window - 1, 1.0, 1.0, seed, SAMPLE_BATCH):
+        bar.update(count)  # the start tokens
+        for ids in sampled_batches(model, start, count, window - 1, 1.0, 1.0, seed, BATCH,
+                                   on_step=progress_step(bar)):
             rows.append(torch.cat([torch.full((ids.shape[0], 1), start, dtype=ids.dtype), ids.cpu()], dim=1))
-            bar.update(rows[-1].numel())
     del model
     windows = torch.cat(rows)
     return CalibrationData(
         path=None, windows=windows, heldout=heldout_count(windows.shape[0]),
         sha256=hashlib.sha256(windows.to(torch.int64).numpy().tobytes()).hexdigest(), file_sha256=None,
-        sampled={"seed": seed, "temperature": 1.0, "top_p": 1.0})
+        sampled={"seed": seed, "temperature": 1.0, "top_p": 1.0, "dtype": dtype})
 
 
 def make_windows(ids: torch.Tensor, window: int, tokens: int) -> torch.Tensor:

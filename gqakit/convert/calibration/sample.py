@@ -11,7 +11,12 @@ as data-free distillation does (LLM-QAT, arXiv 2305.17888, samples its own train
 The output is one JSON-lines file, one `{"text": ...}` row per sample, that `convert-gqa --calibration` (and
 `gqakit eval`'s `--dataset`) reads as documents; it is written under the hidden working name of
 `common.atomic.sibling` and renamed into place, so an interrupted run leaves nothing behind (and what a killed
-one left, the next run removes, as for the other commands' outputs). Sampling is deterministic for a seed on one machine (each batch reseeds).
+one left, the next run removes, as for the other commands' outputs).
+
+The sampler is `gqakit.decode.sampling`: a hand-written loop over a static KV cache, the rows dealt over one-threaded
+Python threads, in bf16 where the hardware has bf16 units (`--dtype auto`). Each row draws from its own generator,
+seeded by the seed and the row's index, so a sample does not depend on --batch-size (up to the last bits of the
+logits, which batching may change); deterministic for a seed on one machine.
 """
 from __future__ import annotations
 
@@ -23,9 +28,13 @@ import time
 from pathlib import Path
 
 from gqakit.common.atomic import remove_stale_leftovers, sibling
-from gqakit.common.dtypes import NAMES as DTYPES
+from gqakit.common.dtypes import NAMES
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.options import FieldError, check_fields, flags, option
+
+
+DTYPES = ("auto", *NAMES)  # --dtype; auto: bfloat16 where the device has bf16 units
+BATCH = 64  # samples drawn at once: gqakit sample's --batch-size and data-free calibration's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +46,13 @@ class SampleConfig:
                          help="the JSON-lines file to write, one {\"text\": ...} row per sample")
     tokens: int = option(65_536, at_least=1, help="tokens to sample in all, rounded up to whole samples")
     length: int = option(512, at_least=1, help="tokens per sample, a calibration window")
-    batch_size: int = option(16, at_least=1, help="samples drawn at once")
+    batch_size: int = option(BATCH, at_least=1, help="samples drawn at once (dealt over torch's threads)")
     temperature: float = option(1.0, above=0.0, help="softmax temperature; 1.0: the model's distribution")
     top_p: float = option(1.0, above=0.0, at_most=1.0,
                           help="nucleus probability mass kept, in (0, 1]; 1.0 = every token")
     seed: int = option(0, at_least=0, help="seed of the sampler")
-    dtype: str = option("float32", choices=DTYPES, help="compute dtype")
+    dtype: str = option("auto", choices=DTYPES, help="compute dtype; auto: bfloat16 where the device has bf16 units "
+                                                      "(avx512_bf16, amx_bf16, a recent GPU), else float32")
     force: bool = option(False, help="replace an existing -o file")
     progress: bool = option(True, flag="-q/--quiet", invert=True, help="no progress bar")
 
@@ -70,36 +80,57 @@ def start_token(tokenizer) -> int:
                       "pass calibration text with convert-gqa --calibration instead")
 
 
-def sample_ids(model, start: int, count: int, length: int, temperature: float, top_p: float, seed: int):
-    """(count, length) token ids: each row `length` tokens sampled after the token `start` with torch's generator
-    seeded by `seed`. The end-of-text token is held back until `length` tokens (transformers' min_new_tokens), so
-    no row stops early."""
-    import torch
-    from transformers import GenerationConfig
+def sampling_dtype(dtype: str, device) -> str:
+    """--dtype as run: `auto` is bfloat16 where `device` has bf16 units (a check of the hardware, never a timing:
+    one machine always resolves it alike; bf16 samples 2x faster there, `benchmarks/sampling_speed.py`), else
+    float32."""
+    if dtype != "auto":
+        return dtype
+    from gqakit.common.precision import bf16_units
 
-    prompt = torch.full((count, 1), start, dtype=torch.long, device=model.device)
-    config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                              max_new_tokens=length, min_new_tokens=length, pad_token_id=start, use_cache=True)
-    torch.manual_seed(seed)
-    with torch.inference_mode():
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config)
-    return out[:, 1:]
+    return "bfloat16" if bf16_units(str(device)) else "float32"
+
+
+def sample_ids(model, start: int, count: int, length: int, temperature: float, top_p: float, seed: int,
+               first_row: int = 0, on_step=None):
+    """(count, length) token ids: each row `length` tokens sampled after the token `start`, row i from a generator
+    seeded by `seed` and `first_row + i` (`gqakit.decode.sampling.sample_tokens`). The end-of-text token is held
+    back until `length` tokens (as transformers' min_new_tokens holds it), so no row stops early. `on_step(rows)`
+    after each decoding step, for a progress bar."""
+    from gqakit.decode.sampling import sample_tokens
+
+    return sample_tokens(model, start, count, length, temperature=temperature, top_p=top_p, seed=seed,
+                         first_row=first_row, on_step=on_step)
 
 
 def sampled_batches(model, start: int, samples: int, length: int, temperature: float, top_p: float, seed: int,
-                    batch_size: int):
-    """`samples` rows of `length` sampled tokens (`sample_ids`), `batch_size` at a time, each batch reseeded from
-    `seed`, so a row depends on the seed and its batch alone: yields (count, length) id tensors."""
-    for b, first in enumerate(range(0, samples, batch_size)):
+                    batch_size: int, on_step=None):
+    """`samples` rows of `length` sampled tokens (`sample_ids`), `batch_size` at a time; a row depends on the seed
+    and its index alone: yields (count, length) id tensors."""
+    for first in range(0, samples, batch_size):
         count = min(batch_size, samples - first)
-        yield sample_ids(model, start, count, length, temperature, top_p, seed * 1_000_003 + b)
+        yield sample_ids(model, start, count, length, temperature, top_p, seed, first_row=first, on_step=on_step)
+
+
+def progress_step(bar):
+    """`on_step` for a tqdm bar updated from several threads: each decoding step's tokens, under a lock, so the bar
+    shows tokens/s as they are drawn."""
+    import threading
+
+    lock = threading.Lock()
+
+    def on_step(tokens: int) -> None:
+        with lock:
+            bar.update(tokens)
+
+    return on_step
 
 
 def sample(cfg: SampleConfig) -> dict:
     """Write cfg.tokens (rounded up to whole samples) of the model's own text to cfg.output; returns a summary."""
     from tqdm.auto import tqdm
 
-    from gqakit.hf.loading import load_model
+    from gqakit.hf.loading import load_model, resolve_device
 
     out = Path(cfg.output)
     if out.is_dir():
@@ -108,7 +139,7 @@ def sample(cfg: SampleConfig) -> dict:
         raise GqakitError(f"{out} already exists; pass {opt('force')} to replace it or choose another -o")
     if not out.parent.exists():
         raise GqakitError(f"the folder of -o {out} does not exist; create it first")
-    model, tokenizer = load_model(cfg.model, dtype=cfg.dtype)
+    model, tokenizer = load_model(cfg.model, dtype=sampling_dtype(cfg.dtype, resolve_device()))
     start = start_token(tokenizer)
     samples = math.ceil(cfg.tokens / cfg.length)
     remove_stale_leftovers(out)
@@ -118,10 +149,9 @@ def sample(cfg: SampleConfig) -> dict:
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
             for ids in sampled_batches(model, start, samples, cfg.length, cfg.temperature, cfg.top_p, cfg.seed,
-                                       cfg.batch_size):
+                                       cfg.batch_size, on_step=progress_step(bar)):
                 for row in ids.tolist():
                     fh.write(json.dumps({"text": tokenizer.decode(row, skip_special_tokens=True)}) + "\n")
-                bar.update(ids.numel())
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
