@@ -202,7 +202,7 @@ def describe(model) -> dict:
         "architecture": (getattr(cfg, "architectures", None) or [type(model).__name__])[0],
         "layers": cached_layers(cfg),
         "heads": cfg.num_attention_heads,
-        "kv_heads": kv_heads(cfg),
+        "kv_heads": "latent" if getattr(cfg, "kv_lora_rank", None) else kv_heads(cfg),  # MLA: a latent, no heads
         "head_dim": head_dim(cfg),
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
         "dtype": str(model_dtype(model)).removeprefix("torch."),
