@@ -15,6 +15,7 @@ import torch
 
 from gqakit.common.dtypes import NAMES as DTYPES
 from gqakit.common.errors import GqakitError, opt
+from gqakit.hf.architectures.latent import is_latent
 
 
 
@@ -170,7 +171,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype | str) -> int:
 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    if getattr(config, "kv_lora_rank", None):  # latent attention (DeepSeek V2/V3): the latent and the RoPE key
+    if is_latent(config):  # latent attention (DeepSeek V2/V3): the latent and the RoPE key
         return cached_layers(config) * (config.kv_lora_rank + config.qk_rope_head_dim) * itemsize
     spec = find_family((getattr(config, "architectures", None) or [""])[0])
     heads = config.num_attention_heads if spec is not None and spec.cache_holds_every_head else kv_heads(config)
@@ -202,7 +203,7 @@ def describe(model) -> dict:
         "architecture": (getattr(cfg, "architectures", None) or [type(model).__name__])[0],
         "layers": cached_layers(cfg),
         "heads": cfg.num_attention_heads,
-        "kv_heads": "latent" if getattr(cfg, "kv_lora_rank", None) else kv_heads(cfg),  # MLA: a latent, no heads
+        "kv_heads": "latent" if is_latent(cfg) else kv_heads(cfg),  # MLA: a latent, no heads
         "head_dim": head_dim(cfg),
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
         "dtype": str(model_dtype(model)).removeprefix("torch."),

@@ -3,20 +3,20 @@
 RoPE part (the D/2 highest-frequency pairs, which DeepseekV3 rotates with one key shared by every head): per pair j
 the G heads' keys are complex numbers z_m = k_m[j] + i k_m[j + d/2], and RoPE multiplies each by the same e^{i t w_j},
 so any complex mixing across heads commutes with it (TransMLA's RoRoPE, with complex weights: a rotation and a scale
-per head). The shared key is the principal component k' = u^H z of their covariance C = W S W^H (top eigenvector
-u; S the input metric, the identity from the weights alone), each head's key is taken as u_m k', and query head h
+per head). The shared key is the principal component k' = u^H z of their covariance C = W W^H (top eigenvector
+u), each head's key is taken as u_m k', and query head h
 of group m reads k' through conj(u_m) q_h, exactly where the keys are rank one per pair.
 
 Position-free part: the other d - D dims of each head (its lowest frequencies, which turn least over a context) are
 the per-head `nope` keys, read without rotation. Latent: one rank-R factorisation of every group's nope keys and
 values, Y = [K_nope; V] ~ B A, weighted where the errors land: nope keys by what their query heads read
-(sum_h Wq_h S Wq_h^T), values by what o_proj makes of them (sum_h O_h^T O_h), each block scaled to unit energy; the
-best such factorisation is an SVD of L Y S^1/2 (B = L^-1 U_R, A = U_R^T L Y). kv_b_proj expands the latent per head;
+(sum_h Wq_h Wq_h^T), values by what o_proj makes of them (sum_h O_h^T O_h), each block scaled to unit energy; the
+best such factorisation is an SVD of L Y (B = L^-1 U_R, A = U_R^T L Y). All from the weights alone: a calibrated
+fit would weight the inputs by their covariance S (Y S^1/2, W S W^H), which the calibration pass already collects. kv_b_proj expands the latent per head;
 the latent's RMSNorm is cancelled as for the exact form (`hf.architectures.latent`), its realised scale divided out
 of kv_b_proj.
 """
 from __future__ import annotations
-
 
 import torch
 
@@ -31,12 +31,6 @@ def _sqrt_psd(m: torch.Tensor) -> torch.Tensor:
     return (vectors * values.clamp(min=0).sqrt()) @ vectors.T
 
 
-def _inv_sqrt_psd(m: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
-    values, vectors = torch.linalg.eigh((m + m.T) / 2)
-    floor = ridge * values.abs().max().clamp(min=1e-30)
-    return (vectors / values.clamp(min=floor).sqrt()) @ vectors.T
-
-
 def rope_pairs(head_dim: int, rope_dim: int) -> tuple[list[int], list[int]]:
     """(the rotary pairs kept, the dims of the rest) of a rotate-half head: pair j is dims (j, j + d/2); the D/2
     highest frequencies are j < D/2."""
@@ -45,8 +39,8 @@ def rope_pairs(head_dim: int, rope_dim: int) -> tuple[list[int], list[int]]:
     return list(range(keep)), nope
 
 
-def shared_rope_key(k: torch.Tensor, k_bias: torch.Tensor | None, groups: int, head_dim: int, rope_dim: int,
-                    metric: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def shared_rope_key(k: torch.Tensor, k_bias: torch.Tensor | None, groups: int, head_dim: int, rope_dim: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the shared key's rows (D, n), its bias (D,), the complex weights u (G, D/2) with z_m ~ u_m k'). Weighting
     each head's key errors by how much its query heads read the pair measured no better on the embedded model
     (166.3 against 164.5 at --kv-rank 48 --rope-dim 16), so every head weighs alike."""
@@ -59,8 +53,7 @@ def shared_rope_key(k: torch.Tensor, k_bias: torch.Tensor | None, groups: int, h
     for j in range(keep):
         z = torch.complex(per[:, j], per[:, half + j])  # (G, n)
         zb = torch.complex(bias[:, j], bias[:, half + j])
-        weighted = z if metric is None else z @ metric.to(torch.complex128)
-        cov = weighted @ z.conj().T + torch.outer(zb, zb.conj())  # (G, G) Hermitian
+        cov = z @ z.conj().T + torch.outer(zb, zb.conj())  # (G, G) Hermitian
         u = torch.linalg.eigh(cov)[1][:, -1]  # the top eigenvector
         shared, shared_bias = u.conj() @ z, u.conj() @ zb
         rows[j], rows[keep + j] = shared.real, shared.imag
@@ -71,9 +64,9 @@ def shared_rope_key(k: torch.Tensor, k_bias: torch.Tensor | None, groups: int, h
 
 def fit_latent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, shape: LatentShape,
                dtype: torch.dtype, k_bias: torch.Tensor | None = None, v_bias: torch.Tensor | None = None,
-               metric: torch.Tensor | None = None, errors: dict | None = None) -> dict[str, torch.Tensor]:
+               errors: dict | None = None) -> dict[str, torch.Tensor]:
     """The target's attention tensors (names under `latent.ATTENTION`) fitted to a layer's q (H*d, n), k and v
-    (G*d, n), o (n, H*d) and optional k/v biases; `metric` the input metric S (n, n), None for the weights alone.
+    (G*d, n), o (n, H*d) and optional k/v biases, from the weights alone.
     `errors` gets the relative errors ||W - W'|| / ||W|| of the keys and values the latent layer holds (the keys'
     rotary part as u_m k', their position-free part and the values from the latent), as the card reports them."""
     heads, d, D, N, r = shape.heads, shape.v_dim, shape.rope_dim, shape.nope_dim, shape.rank
@@ -82,7 +75,7 @@ def fit_latent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
     half, keep = d // 2, D // 2
     kept, nope = rope_pairs(d, D)
     qh = q.to(F64).reshape(heads, d, n)
-    rope_rows, rope_bias, u = shared_rope_key(k, k_bias, groups, d, D, metric)
+    rope_rows, rope_bias, u = shared_rope_key(k, k_bias, groups, d, D)
 
     new_q = torch.zeros(heads, N + D, n, dtype=F64)
     for h in range(heads):
@@ -97,10 +90,8 @@ def fit_latent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
     kb = (k_bias.to(F64) if k_bias is not None else torch.zeros(groups * d, dtype=F64)).reshape(groups, d)
     vb = v_bias.to(F64) if v_bias is not None else torch.zeros(groups * d, dtype=F64)
     y_bias = torch.cat([kb[:, nope].reshape(-1), vb])
-    root = _sqrt_psd(metric.to(F64)) if metric is not None else None
-    weight = _output_weights(qh[:, nope], o.to(F64).reshape(n, heads, d), groups, metric, y, root)
-    z = weight @ y if root is None else weight @ y @ root
-    basis = torch.linalg.svd(z, full_matrices=False)[0][:, :r]  # U_R (G(N + d), R)
+    weight = _output_weights(qh[:, nope], o.to(F64).reshape(n, heads, d), groups, y)
+    basis = torch.linalg.svd(weight @ y, full_matrices=False)[0][:, :r]  # U_R (G(N + d), R)
     down, up = basis.T @ weight @ y, torch.linalg.solve(weight, basis)  # A (R, n), B = L^-1 U_R
     latent_bias = basis.T @ weight @ y_bias
     if errors is not None:
@@ -135,10 +126,9 @@ def _held_errors(kg: torch.Tensor, vg: torch.Tensor, rope_rows: torch.Tensor, u:
     return {"k": float((kg - rebuilt).norm() / kg.norm()), "v": float((vg - held_v).norm() / vg.norm())}
 
 
-def _output_weights(q_nope: torch.Tensor, o: torch.Tensor, groups: int, metric: torch.Tensor | None,
-                    y: torch.Tensor, root: torch.Tensor | None) -> torch.Tensor:
+def _output_weights(q_nope: torch.Tensor, o: torch.Tensor, groups: int, y: torch.Tensor) -> torch.Tensor:
     """L (G(N + d), G(N + d)), block-diagonal: per group, the square root of what its query heads read of the nope
-    keys (sum_h Wq_h S Wq_h^T) and of what o_proj makes of its values (sum_h O_h^T O_h); the key blocks together and
+    keys (sum_h Wq_h Wq_h^T) and of what o_proj makes of its values (sum_h O_h^T O_h); the key blocks together and
     the value blocks together scaled to unit energy on Y."""
     heads, N, n = q_nope.shape
     d = o.shape[-1]
@@ -148,7 +138,7 @@ def _output_weights(q_nope: torch.Tensor, o: torch.Tensor, groups: int, metric: 
         for m in range(groups):
             members = range(m * per_group, (m + 1) * per_group)
             if kind == "k":
-                read = sum((q_nope[h] if metric is None else q_nope[h] @ metric) @ q_nope[h].T for h in members)
+                read = sum(q_nope[h] @ q_nope[h].T for h in members)
             else:
                 read = sum(o[:, h].T @ o[:, h] for h in members)
             ridge = 1e-6 * read.diagonal().mean() if read.numel() else 0.0  # directions nothing reads stay finite
@@ -156,8 +146,7 @@ def _output_weights(q_nope: torch.Tensor, o: torch.Tensor, groups: int, metric: 
     weight = torch.block_diag(*blocks) if blocks else torch.zeros(0, 0, dtype=F64)
     split = groups * N
     for part in (slice(0, split), slice(split, weight.shape[0])):
-        block = weight[part, part] @ y[part]
-        energy = (block if root is None else block @ root).norm()
+        energy = (weight[part, part] @ y[part]).norm()
         if energy > 0:
             weight[part, part] /= energy
     return weight

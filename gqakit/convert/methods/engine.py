@@ -106,7 +106,8 @@ def merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], error
     tensors). The first of them makes the whole layer; the others wait in `layers` until written."""
     if op.layer not in layers:
         if op.kind == "latent":
-            layers[op.layer] = latent_layer(plan, tensors, errors, how, op.layer, op.sources, std, seed)
+            layers[op.layer] = latent_layer(plan, tensors, errors, how, op.layer, op.sources, DTYPES[op.dtype],
+                                            std, seed)
         else:
             layers[op.layer] = whole_layer(plan, tensors, errors, how, op.layer, op.sources)
     held = layers[op.layer]
@@ -117,32 +118,26 @@ def merged_layer(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], error
 
 
 def latent_layer(plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, dict[str, float]], how: LayerMerge,
-                 layer: int, sources: tuple[str, ...], std: float = 0.02, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Layer `layer` merged to MQA by the plan's method, then written as latent attention (`convert/latent`); or,
-    with `plan.latent_fit`, its latent fitted to the source's K/V heads."""
+                 layer: int, sources: tuple[str, ...], dtype: torch.dtype, std: float = 0.02, seed: int = 0
+                 ) -> dict[str, torch.Tensor]:
+    """Layer `layer` merged to MQA by the plan's method, then written as latent attention (`convert/latent`) at
+    `dtype`; or, with `plan.latent_fit`, its latent fitted to the source's K/V heads."""
+    names = {attention_key(plan, layer, name): name for name in sources}  # "q_w", "k_b", ... -> checkpoint name
+    layerwise = methods.get(plan.method).layerwise and not plan.latent_fit
+    merged = whole_layer(plan, tensors, errors, how, layer, sources) if layerwise else {}
+    parts = {key: merged[name] if layerwise else load_tensor(tensors[name], name) for key, name in names.items()}
     if plan.latent_fit:
-        parts = {attention_key(plan, layer, name): load_tensor(tensors[name], name) for name in sources}
-        dtype = DTYPES[next(op.dtype for op in plan.ops if op.kind == "latent" and op.layer == layer)]
         made = fit_latent(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, dtype,
                           parts.get("k_b"), parts.get("v_b"), errors=errors.setdefault(layer, {}))
-        return {ATTENTION.format(i=layer) + name: t for name, t in made.items()}
-    if methods.get(plan.method).layerwise:
-        merged = whole_layer(plan, tensors, errors, how, layer, sources)
     else:
-        merged = {name: load_tensor(tensors[name], name) for name in sources}
-        for name in sources:
-            if attention_key(plan, layer, name)[0] in "kv":
-                new = regroup_rows(merged[name], plan, std, seed, name)
-                role = attention_key(plan, layer, name)
-                if role.endswith("_w"):
-                    errors.setdefault(layer, {})[role[0]] = relative_error(merged[name], new, plan.num_key_value_heads)
-                merged[name] = new
-    parts = {attention_key(plan, layer, name): t for name, t in merged.items()}
-    dtype = DTYPES[next(op.dtype for op in plan.ops if op.kind == "latent" and op.layer == layer)]
-    made = embed_mqa(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, dtype,
-                     parts.get("k_b"), parts.get("v_b"))
-    prefix = ATTENTION.format(i=layer)
-    return {prefix + name: t for name, t in made.items()}
+        for key in [key for key in parts if key[0] in "kv" and not layerwise]:  # head-wise: pooled here
+            new = regroup_rows(parts[key], plan, std, seed, names[key])
+            if key.endswith("_w"):
+                errors.setdefault(layer, {})[key[0]] = relative_error(parts[key], new, plan.num_key_value_heads)
+            parts[key] = new
+        made = embed_mqa(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, dtype,
+                         parts.get("k_b"), parts.get("v_b"))
+    return {ATTENTION.format(i=layer) + name: t for name, t in made.items()}
 
 
 def merge_one_layer(plan: Plan, tensors: dict[str, TensorInfo], how: LayerMerge, layer: int,
