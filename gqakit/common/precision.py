@@ -69,3 +69,12 @@ def bf16_units(device: str = "cpu") -> bool:
 
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def auto_dtype(dtype: str, device) -> str:
+    """A `--dtype`-like option as run: `auto` is bfloat16 where `device` has bf16 units (`bf16_units`: the hardware,
+    never a timing, so one machine always resolves it alike), else float32; any other name is returned as given.
+    Read by convert-gqa's --transfer-dtype, gqakit sample's --dtype and data-free calibration's sampling."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if bf16_units(str(device)) else "float32"

@@ -8,6 +8,7 @@ import dataclasses
 from gqakit.common import dtypes
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.options import option, options_given
+from gqakit.common.precision import auto_dtype
 from gqakit.convert import methods
 
 
@@ -122,18 +123,8 @@ class ConvertConfig:
 
 def transfer_options(cfg: ConvertConfig) -> TransferOptions:
     """The transfer options a `ConvertConfig` asks for, seeded by its --seed, `auto` dtype resolved for its device."""
-    return dataclasses.replace(cfg.transfer, seed=cfg.seed, dtype=training_dtype(cfg.transfer.dtype,
-                                                                                  cfg.calibration_device))
-
-
-def training_dtype(dtype: str, device: str) -> str:
-    """--transfer-dtype as run: `auto` is bfloat16 where `device` has bf16 units (`common.precision.bf16_units`, a
-    check of the hardware, never a timing: one machine always resolves it alike), else float32."""
-    if dtype != "auto":
-        return dtype
-    from gqakit.common.precision import bf16_units
-
-    return "bfloat16" if bf16_units(device) else "float32"
+    return dataclasses.replace(cfg.transfer, seed=cfg.seed, dtype=auto_dtype(cfg.transfer.dtype,
+                                                                              cfg.calibration_device))
 
 
 def calibration_tokens(cfg: ConvertConfig) -> int:

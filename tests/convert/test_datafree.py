@@ -11,7 +11,7 @@ from cli_contract import run_cli, snapshot
 from gqakit.common.errors import GqakitError
 from gqakit.convert.calibrated import open_calibration
 from gqakit.convert.calibration.data import sample_calibration
-from gqakit.convert.calibration.sample import sampling_dtype
+from gqakit.common.precision import auto_dtype
 from gqakit.convert.layer_share import Share
 from gqakit.convert.options import ConvertConfig
 from tiny_models import make_tiny_llama
@@ -56,7 +56,7 @@ def test_sampled_windows_are_documents_of_the_model(src):
     assert data.windows.shape == (6, 32) and data.heldout == 1  # 200 // 32 whole windows, one in eight held out
     assert bool((data.windows[:, 0] == 1).all())  # each window starts a document at the config's BOS
     assert int(data.windows.max()) < 64 and data.path is None
-    assert data.sampled == {"seed": 3, "temperature": 1.0, "top_p": 1.0, "dtype": sampling_dtype("auto", "cpu")}
+    assert data.sampled == {"seed": 3, "temperature": 1.0, "top_p": 1.0, "dtype": auto_dtype("auto", "cpu")}
     assert torch.equal(data.windows, again.windows) and data.sha256 == again.sha256
 
 

@@ -16,7 +16,8 @@ import torch
 
 from cli_contract import run_cli, run_refused
 from gqakit.convert.calibration import sample as sampling
-from gqakit.convert.calibration.sample import SampleConfig, sample, sample_ids, sampling_dtype, start_token
+from gqakit.common.precision import auto_dtype
+from gqakit.convert.calibration.sample import SampleConfig, sample, sample_ids, start_token
 from gqakit.decode.sampling import reference_tokens
 from gqakit.hf.loading import load_model
 
@@ -89,8 +90,8 @@ def test_temperature_and_top_p_reach_the_sampler():
 def test_dtype_auto_is_bf16_where_the_hardware_has_bf16_units():
     from gqakit.common.precision import bf16_units
 
-    assert sampling_dtype("auto", "cpu") == ("bfloat16" if bf16_units("cpu") else "float32")
-    assert sampling_dtype("float32", "cpu") == "float32"
+    assert auto_dtype("auto", "cpu") == ("bfloat16" if bf16_units("cpu") else "float32")
+    assert auto_dtype("float32", "cpu") == "float32"
     assert SampleConfig(model="m", output="s.jsonl").dtype == "auto"
 
 

@@ -405,13 +405,14 @@ def test_auto_dtype_follows_the_hardware_not_a_timing(monkeypatch):
     """--transfer-dtype auto (the default) is bfloat16 exactly where the device has bf16 units: read from the CPU's
     flags, the same on every run of a machine, so a conversion's output never depends on how loaded it was."""
     from gqakit.common import precision
-    from gqakit.convert.options import ConvertConfig, training_dtype, transfer_options
+    from gqakit.common.precision import auto_dtype
+    from gqakit.convert.options import ConvertConfig, transfer_options
 
     assert TransferOptions().dtype == "auto" and TransferOptions().start == "aligned" and TransferOptions().patience == 0
     for flags, want in ((frozenset({"avx2", "avx512_bf16"}), "bfloat16"), (frozenset({"amx_bf16"}), "bfloat16"),
                         (frozenset({"avx2", "avx512f"}), "float32"), (frozenset(), "float32")):
         monkeypatch.setattr(precision, "_cpu_flags", lambda flags=flags: flags)
-        assert training_dtype("auto", "cpu") == want
-        assert training_dtype("float32", "cpu") == "float32" and training_dtype("bfloat16", "cpu") == "bfloat16"
+        assert auto_dtype("auto", "cpu") == want
+        assert auto_dtype("float32", "cpu") == "float32" and auto_dtype("bfloat16", "cpu") == "bfloat16"
         cfg = ConvertConfig(model_dir="m", groups=1, method="transfer")
         assert transfer_options(cfg).dtype == want  # what the run trains in and the card records

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from gqakit.common.errors import GqakitError, opt, renamed
+from gqakit.common.precision import auto_dtype
 
 DEFAULT_WINDOW = 512
 
@@ -111,11 +112,11 @@ def sample_calibration(model_dir: Path, config: dict, tokens: int, window: int |
     the sampling."""
     from tqdm.auto import tqdm
 
-    from gqakit.convert.calibration.sample import BATCH, progress_step, sampled_batches, sampling_dtype, start_token
+    from gqakit.convert.calibration.sample import BATCH, progress_step, sampled_batches, start_token
     from gqakit.hf.loading import load_model
 
     window = calibration_window(config, tokens, window)
-    dtype = sampling_dtype("auto", device)
+    dtype = auto_dtype("auto", device)
     model, _ = load_model(str(model_dir), dtype=dtype, device=device, with_tokenizer=False)  # ids in, ids out
     start, count = start_token(model.config), tokens // window
     rows = []

@@ -31,6 +31,7 @@ from gqakit.common.atomic import remove_stale_leftovers, sibling
 from gqakit.common.dtypes import NAMES
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.options import FieldError, check_fields, flags, option
+from gqakit.common.precision import auto_dtype
 
 
 DTYPES = ("auto", *NAMES)  # --dtype; auto: bfloat16 where the device has bf16 units
@@ -78,17 +79,6 @@ def start_token(tokenizer) -> int:
     what = "tokenizer" if hasattr(tokenizer, "decode") else "model's config"
     raise GqakitError(f"the {what} has neither a BOS nor an EOS token to start a document with; "
                       "pass calibration text with convert-gqa --calibration instead")
-
-
-def sampling_dtype(dtype: str, device) -> str:
-    """--dtype as run: `auto` is bfloat16 where `device` has bf16 units (a check of the hardware, never a timing:
-    one machine always resolves it alike; bf16 samples 2x faster there, `benchmarks/sampling_speed.py`), else
-    float32."""
-    if dtype != "auto":
-        return dtype
-    from gqakit.common.precision import bf16_units
-
-    return "bfloat16" if bf16_units(str(device)) else "float32"
 
 
 def sample_ids(model, start: int, count: int, length: int, temperature: float, top_p: float, seed: int,
@@ -139,7 +129,7 @@ def sample(cfg: SampleConfig) -> dict:
         raise GqakitError(f"{out} already exists; pass {opt('force')} to replace it or choose another -o")
     if not out.parent.exists():
         raise GqakitError(f"the folder of -o {out} does not exist; create it first")
-    model, tokenizer = load_model(cfg.model, dtype=sampling_dtype(cfg.dtype, resolve_device()))
+    model, tokenizer = load_model(cfg.model, dtype=auto_dtype(cfg.dtype, resolve_device()))
     start = start_token(tokenizer)
     samples = math.ceil(cfg.tokens / cfg.length)
     remove_stale_leftovers(out)

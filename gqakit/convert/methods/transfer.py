@@ -42,8 +42,9 @@ import torch
 from torch import nn
 
 from gqakit.common.errors import GqakitError, opt
+from gqakit.common.precision import auto_dtype
 from gqakit.convert.memory import heap_kept
-from gqakit.convert.options import PARAMS, TransferOptions, training_dtype
+from gqakit.convert.options import PARAMS, TransferOptions
 from gqakit.convert.calibration.streamed import WindowStates
 from gqakit.hf.fields import config_object
 
@@ -132,7 +133,7 @@ def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
     stale = steps = 0
     per_step = min(max(1, opts.step_tokens // held_x.shape[-2]), windows)
     device_type = held_x.device.type
-    bf16 = training_dtype(opts.dtype, str(held_x.device)) == "bfloat16"  # `auto` resolved for this device
+    bf16 = auto_dtype(opts.dtype, str(held_x.device)) == "bfloat16"  # `auto` resolved for this device
     bar = tqdm(total=opts.steps, desc=f"transfer layer {layer}", unit="step", leave=False, disable=not progress)
     try:
         for step in range(opts.steps):
