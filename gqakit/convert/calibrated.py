@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from gqakit.common.devices import check_device
 from gqakit.common.errors import GqakitError, opt
 from gqakit.convert.memory import release_freed_memory
@@ -17,11 +19,15 @@ from gqakit.convert.calibration.data import CalibrationData, load_calibration, s
 from gqakit.convert.calibration.runner import LayerInputs, calibrate
 from gqakit.convert.calibration.stored import layer_path, load_layer
 from gqakit.convert.layer_share import Share, barrier, meeting_folder, read_errors, write_errors
-from gqakit.convert.methods.engine import LayerMerge, merge_checkpoint_layer, transferred_path
+from gqakit.convert.latent.construct import embed_mqa
+from gqakit.convert.latent.fit import fit_latent
+from gqakit.convert.latent.student import latent_student, set_norm_from, trained
+from gqakit.convert.methods.engine import LayerMerge, attention_key, merge_checkpoint_layer, transferred_path
 from gqakit.convert.methods.transfer import transfer_merged_layer
 from gqakit.convert.options import ConvertConfig, TransferOptions, calibration_tokens, transfer_options
 from gqakit.convert.output import new_config
 from gqakit.convert.plan import Plan
+from gqakit.hf.architectures.latent import ATTENTION
 from gqakit.hf.checkpoint import load_tensor
 from gqakit.hf.headers import TensorInfo
 
@@ -100,19 +106,53 @@ def transfer_layer_at_hand(inputs: LayerInputs, plan: Plan, config: dict, tensor
     op = next(op for op in plan.ops if op.kind in ("attn", "latent") and op.layer == i)
     heldout = load_layer(how.stats, i, ())[1]
     start_plan = dataclasses.replace(plan, method=opts.start)  # the calibrated merge that training starts from
-    merged, cost = merge_checkpoint_layer(start_plan, tensors, i, op.sources, how, heldout)
+    if plan.latent_trained:  # the latent layer itself is trained, from its fit or the merge embedded bias-free
+        merged, cost = latent_start(plan, start_plan, tensors, i, op.sources, how, heldout)
+    else:
+        merged, cost = merge_checkpoint_layer(start_plan, tensors, i, op.sources, how, heldout)
     prefix = plan.spec.q_proj.format(i=i).rpartition(".")[0] + "."  # "model.layers.3.self_attn."
     original = {name[len(prefix):]: load_tensor(info, name) for name, info in tensors.items()
                 if name.startswith(prefix)}
-    student, cost_transfer = transfer_merged_layer(
-        inputs.attention_class, config, new_config(config, plan, "auto"), i, inputs.attention_kwargs, original,
+    grouped = new_config(config, plan, "auto")
+    student, select = None, None
+    if plan.latent_trained:
+        start = {name[len(ATTENTION.format(i=i)):]: t for name, t in merged.items()}
+
+        def student():
+            module = latent_student(grouped, plan.latent, plan.num_layers, i, start, device)
+            if not plan.latent.bias:  # the norm's weight from the first fitting windows' latents
+                set_norm_from(module, torch.stack([inputs.read(w) for w in range(min(8, inputs.windows))]))
+            return module
+
+        select = trained(opts.params, plan.latent)
+        prefix = ATTENTION.format(i=i)
+    trained_module, cost_transfer = transfer_merged_layer(
+        inputs.attention_class, config, grouped, i, inputs.attention_kwargs, original,
         {name[len(prefix):]: t for name, t in merged.items()}, inputs.windows, inputs.read, heldout["x"],
-        how.stats, opts, device, progress, inputs.read_target, inputs.held_targets)
-    inputs.trained_attention = student  # with --transfer-inputs converted, the next layer's inputs come through it
-    params = dict(student.named_parameters())
+        how.stats, opts, device, progress, inputs.read_target, inputs.held_targets, student, select)
+    inputs.trained_attention = trained_module  # with --transfer-inputs converted, the next layer reads through it
+    params = dict(trained_module.named_parameters())
     save_file({name: params[name[len(prefix):]].detach().cpu().contiguous() for name in merged},
               str(transferred_path(into or how.stats, i)))
     errors.setdefault(i, {}).update({**cost, **cost_transfer})
+
+
+def latent_start(plan: Plan, start_plan: Plan, tensors: dict[str, TensorInfo], i: int, sources: tuple[str, ...],
+                 how: LayerMerge, heldout: dict) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The latent layer that training starts from (float32, the target's names): fitted to the source's K/V heads
+    (--kv-rank / --rope-dim), or else `start_plan`'s calibrated MQA merge held bias-free; and the card's errors."""
+    names = {attention_key(plan, i, name): name for name in sources}  # "q_w", "k_b", ... -> checkpoint name
+    cost: dict[str, float] = {}
+    if plan.latent_fit:
+        parts = {key: load_tensor(tensors[name], name) for key, name in names.items()}
+        made = fit_latent(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, torch.float32,
+                          parts.get("k_b"), parts.get("v_b"), errors=cost)
+    else:
+        merged, cost = merge_checkpoint_layer(start_plan, tensors, i, sources, how, heldout)
+        parts = {key: merged[name] for key, name in names.items()}
+        made = embed_mqa(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, torch.float32,
+                         parts.get("k_b"), parts.get("v_b"))
+    return {ATTENTION.format(i=i) + name: t for name, t in made.items()}, cost
 
 
 def transfer_share(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, TensorInfo],

@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from gqakit import __version__
-from gqakit.hf.architectures.latent import ARCHITECTURE
+from gqakit.hf.architectures.latent import ARCHITECTURE, KV_NORM, LATENT_PARAMS
 from gqakit.hf.headers import ITEMSIZES
 from gqakit.convert import methods
 from gqakit.convert.plan import Plan, total_bytes
@@ -66,14 +66,17 @@ def describe_plan(plan: Plan) -> str:
 def latent_line(plan: Plan) -> str:
     """--to mla: what the output's attention is and where it runs."""
     shape = plan.latent
+    trained = ", then trained per layer by attention transfer" if plan.latent_trained else ""
     held = (f"fitted to the {plan.num_key_value_heads} K/V heads from the weights alone (--kv-rank {shape.rank} "
             f"--rope-dim {shape.rope_dim}: the highest {shape.rope_dim // 2} RoPE frequencies shared, {shape.nope_dim} "
-            "dims per head read from the latent without rotation)" if plan.latent_fit
-            else "the MQA's value and key, exactly")
+            f"dims per head read from the latent without rotation){trained}" if plan.latent_fit
+            else "the MQA's value and key, exactly" if shape.bias
+            else f"the MQA's value and key, the latent's RMSNorm in the function{trained}")
+    servable = ("kv_a_proj_with_mqa carries a bias, so the checkpoint runs in transformers but not in vLLM/SGLang's "
+                "DeepSeek classes (which build that projection without one)" if shape.bias else
+                "bias-free (attention_bias false), as vLLM and SGLang's DeepSeek classes build it")
     return (f"latent attention (--to mla): transformers' stock {ARCHITECTURE}, caching per token and layer a latent "
-            f"of {shape.latent} values and a shared RoPE key of {shape.rope_dim} ({held}); kv_a_proj_with_mqa "
-            "carries a bias, so the checkpoint runs in transformers but not in vLLM/SGLang's DeepSeek classes "
-            "(which build that projection without one)")
+            f"of {shape.latent} values and a shared RoPE key of {shape.rope_dim} ({held}); {servable}")
 
 
 def encoder_line(plan: Plan) -> str:
@@ -88,11 +91,15 @@ def own_class_note(plan: Plan) -> str:
 
 
 def exactness_note(plan: Plan) -> str:
+    then = ("each layer was then trained by attention transfer; measure it with gqakit eval ppl." if
+            plan.latent_trained else "measure it with gqakit eval ppl, and train it (gqakit uptrain) before use.")
     if plan.latent_fit:
         return ("the latent is a fit, not the same function: the shared RoPE key keeps each frequency's principal "
                 "part across the K/V heads, the other dims are read without rotation, and the latent is a rank "
-                f"{plan.latent.rank} approximation of the heads' position-free keys and values; measure it with "
-                "gqakit eval ppl, and train it (gqakit uptrain) before use.")
+                f"{plan.latent.rank} approximation of the heads' position-free keys and values; {then}")
+    if plan.latent is not None and not plan.latent.bias:
+        return ("bias-free, the latent's RMSNorm divides each token's latent by its own RMS, which no weight undoes, "
+                f"so this is not the MQA's function; {then}")
     if methods.get(plan.method).reinitialises:
         return "K/V projections are re-initialised at random: the model needs uptraining before use."
     return ("this family normalises keys after the projection (per head, or across heads for OLMo2), so a pooled "
@@ -100,7 +107,13 @@ def exactness_note(plan: Plan) -> str:
             "exact only for identical heads.")
 
 
-def _error_heading(plan: Plan, calibrated: bool) -> str:
+def _error_heading(plan: Plan, calibrated: bool, trained: bool = False) -> str:
+    if plan.latent_fit:
+        return f"""## Relative error of the keys and values the fitted latent holds
+
+||W - W'||_F / ||W||_F per layer over the {plan.num_key_value_heads} K/V heads' keys (the shared RoPE key's part as
+each head reads it, the rest from the latent) and values (from the latent), as fitted from the weights{
+", before training" if trained else ""}."""
     if methods.get(plan.method).layerwise:
         logits = """ The held-out column is the relative error of every query head's attention logits
 (q.k after RoPE, before scaling) on the held-out calibration windows, which the statistics never saw:
@@ -117,11 +130,19 @@ positions, weights only, biases aside) and the same for values with O_j V_h (0: 
 
 
 _TRANSFER_NOTE = """
-The k_proj, v_proj and logit columns measure the {start} merge that training started from. The last three
+The k_proj and v_proj columns (and the logits', where shown) measure {start}, where training started. The last three
 columns are the relative error of the layer's attention output (o_proj included) against the original's on
 the held-out calibration windows, sqrt(sum ||y' - y||^2 / sum ||y||^2), before and after training, and the
 training steps taken (the same windows stop training early, and the best-scoring weights are kept).
 """
+
+
+def transfer_start(cfg, plan: Plan) -> str:
+    """What attention transfer trained from, as the card names it."""
+    if plan.latent_fit:
+        return "the latent fitted to the weights (--kv-rank / --rope-dim)"
+    start = f"the calibrated `{transfer_options(cfg).start}` merge"
+    return start + (" (held as latent attention without biases)" if plan.latent_trained else "")
 
 
 def _method_rows(cfg, plan: Plan, calibration) -> str:
@@ -130,7 +151,7 @@ def _method_rows(cfg, plan: Plan, calibration) -> str:
         return ""
     rows = [f"| merge | {method.card_note} |",
             f"| grouping | {cfg.grouping or 'similarity'} (K/V heads that share a group; q_proj rows and o_proj columns "
-            "permuted with them, so contiguous `repeat_kv` holds) |"]
+            "permuted with them, so contiguous `repeat_kv` holds) |"] if not plan.latent_fit else []
     if method.transfer:
         opts = transfer_options(cfg)
         stop = (f"stopped after {opts.patience} held-out scores without improvement" if opts.patience
@@ -139,7 +160,9 @@ def _method_rows(cfg, plan: Plan, calibration) -> str:
                   "own inputs)" if opts.inputs == "converted" else "the original model's layer inputs")
         world = launched_share().world
         split = f"; layers split over {world} processes (torchrun)" if world > 1 else ""
-        rows.append(f"| transfer | from the calibrated `{opts.start}` merge, trained {', '.join(PARAMS[opts.params])} "
+        params = LATENT_PARAMS[opts.params] if plan.latent_trained else PARAMS[opts.params]
+        params = (*params, *((KV_NORM,) if plan.latent_trained and not plan.latent.bias else ()))
+        rows.append(f"| transfer | from {transfer_start(cfg, plan)}, trained {', '.join(p.split('.')[0] for p in params)} "
                     f"on {inputs}; at most {opts.steps} steps per layer of about {opts.step_tokens:,} tokens, "
                     f"{opts.dtype}{' autocast' if opts.dtype != 'float32' else ''}, {stop}; the best held-out score's "
                     f"weights kept{split} |")
@@ -187,10 +210,10 @@ def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]],
                calibration=None) -> None:
     before, after = plan.kv_cache_bytes_per_token(False), plan.kv_cache_bytes_per_token(True)
     name = "MLA (from MQA)" if plan.latent else "MQA" if plan.groups == 1 else f"GQA-{plan.groups}"
-    held = calibration is not None
+    held = calibration is not None and any("logits" in e for e in errors.values())  # a fitted latent has none
     compared = held and any("logits_mean" in e for e in errors.values())
     trained = any("transfer_before" in e for e in errors.values())
-    start = transfer_options(cfg).start if trained else ""
+    start = transfer_start(cfg, plan) if trained else ""
     # other K/V sites of a layer (T5: "cross k", "encoder v", ...), in the table's order
     sites = [f"{site} {role}" for site, *_ in (*plan.spec.kv_sites, ("encoder",)) for role in "kv"
              if any(f"{site} {role}" in e for e in errors.values())]
@@ -229,12 +252,12 @@ f" (re-hosted: {plan.rehosted.describe()})" if plan.rehosted else ""} |
 {"" if plan.exact else chr(10) + "**Note:** " + exactness_note(plan) + chr(10)}{
 chr(10) + "**Runtime:** " + plan.spec.runtime_note + chr(10) if plan.spec.runtime_note else ""}{
 chr(10) + "**Loading:** " + own_class_note(plan) + chr(10) if plan.own_class else ""}
-{_error_heading(plan, held)}
+{_error_heading(plan, held, calibration is not None)}
 
 {_TRANSFER_NOTE.format(start=start) if trained else ""}
 | layer | k_proj | v_proj |{"".join(f" {site} |" for site in sites)}{" held-out logits |" if held else ""}{
 " held-out logits, mean-pooled |" if compared else ""}{
-f" held-out attention output, {start} start | after transfer | steps |" if trained else ""}
+" held-out attention output at the start | after transfer | steps |" if trained else ""}
 |---|---|---|{"---|" * len(sites)}{"---|" if held else ""}{"---|" if compared else ""}{
 "---|---|---|" if trained else ""}
 {rows}

@@ -114,6 +114,9 @@ class ConvertConfig:
                                   help="--to mla: dims of the one RoPE key shared by every head (the highest "
                                        "frequencies); the rest of each head's key is read from the latent without "
                                        "rotation")
+    bias_free: bool = option(False, help="--to mla with --method transfer: no biases, as vLLM and SGLang build "
+                                         "DeepSeek's projections (servable there); the latent's RMSNorm is then part "
+                                         "of the function, and each layer is trained with it in the loop")
     pool_encoder: bool = option(False, help="encoder-decoders (T5): group the encoder's self-attention K/V heads "
                                             "too (default: only the decoder's self- and cross-attention, as in the "
                                             "GQA paper)")
@@ -142,9 +145,18 @@ def check_options(cfg: ConvertConfig) -> None:
     latent = [name for name in ("kv_rank", "rope_dim") if getattr(cfg, name) is not None]
     if latent and cfg.to != "mla":
         raise GqakitError(f"{opt(latent[0])} shapes latent attention; add {opt('to', 'mla')} or drop it")
-    if latent and cfg.method != "mean":
+    if latent and cfg.method not in ("mean", "transfer"):
         raise GqakitError(f"{opt(latent[0])} fits the latent to the source's K/V heads from the weights alone, "
-                          f"merging none; drop {opt('method', cfg.method)}")
+                          f"merging none; drop {opt('method', cfg.method)} (or train the fit: "
+                          f"{opt('method', 'transfer')})")
+    if latent and "transfer.start" in options_given(cfg, cfg.given):
+        raise GqakitError(f"{opt(latent[0])} trains from the latent fitted to the weights, not from a merge; drop "
+                          f"{opt('transfer.start')}")
+    if cfg.bias_free and cfg.to != "mla":
+        raise GqakitError(f"{opt('bias_free')} shapes latent attention; add {opt('to', 'mla')} or drop it")
+    if cfg.bias_free and not methods.get(cfg.method).transfer:
+        raise GqakitError(f"{opt('bias_free')} leaves the latent's RMSNorm in the function, which only training "
+                          f"fits; add {opt('method', 'transfer')}, or drop {opt('bias_free')} (transformers-only)")
     if cfg.dtype not in dtypes.WITH_AUTO:
         raise GqakitError(f"unknown {opt('dtype', repr(cfg.dtype))}; choose auto, float32, bfloat16 or float16")
     if cfg.grouping is not None and cfg.grouping not in methods.GROUPINGS:

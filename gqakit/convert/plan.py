@@ -96,9 +96,16 @@ class Plan:
         return None
 
     @property
+    def latent_trained(self) -> bool:
+        """--to mla with a transfer method where the latent layer itself is trained (a fitted latent, or a bias-free
+        one), rather than an MQA trained and then held exactly."""
+        return (self.latent is not None and methods.get(self.method).transfer
+                and (self.latent_fit or not self.latent.bias))
+
+    @property
     def exact(self) -> bool:
         """Does the output compute exactly the mean of each group's keys (or the same function)?"""
-        if self.latent_fit:
+        if self.latent_fit or (self.latent is not None and not self.latent.bias):
             return False
         if methods.get(self.method).reinitialises:
             return False
@@ -381,7 +388,8 @@ def check_latent(spec: ArchSpec, arch: str, config: dict, groups: int, shape: La
 
 def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method: str = "mean",
               dtype: str | None = None, max_shard_bytes: int = 5 * 10**9, pool_encoder: bool = False,
-              to: str = "gqa", kv_rank: int | None = None, rope_dim: int | None = None) -> Plan:
+              to: str = "gqa", kv_rank: int | None = None, rope_dim: int | None = None,
+              bias_free: bool = False) -> Plan:
     """Decide every output tensor's name, dtype, shape and recipe. Raises GqakitError on bad input.
 
     A re-hosted family (GPT-NeoX, GPT-J, GPT-2, OPT) is planned on its target class: `plan.rehosted` then holds the
@@ -404,7 +412,8 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         check_alignable(spec, arch, config, groups, kv_heads, head_dim, method)
     latent, latent_fit = None, kv_rank is not None or rope_dim is not None
     if to == "mla":
-        latent = fitted_shape(heads, kv_heads, head_dim, kv_rank, rope_dim) if latent_fit else mqa_shape(heads, head_dim)
+        latent = (fitted_shape(heads, kv_heads, head_dim, kv_rank, rope_dim, not bias_free) if latent_fit
+                  else mqa_shape(heads, head_dim, not bias_free))
         check_latent(spec, arch, config, groups, latent if latent_fit else None, kv_heads)
     check_layers(spec, tensors, layers)
     encoder = encoder_layers(spec, arch, config, tensors, kv_heads, heads) if pool_encoder else None

@@ -34,7 +34,7 @@ def prepare(cfg: ConvertConfig, share: Share = Share()):
     max_shard = max_shard_bytes(cfg.max_shard_size)
     tensors: dict[str, TensorInfo] = scan_checkpoint(model_dir)
     plan = make_plan(config, tensors, cfg.groups, cfg.method, cfg.dtype, max_shard, cfg.pool_encoder, cfg.to,
-                     cfg.kv_rank, cfg.rope_dim)
+                     cfg.kv_rank, cfg.rope_dim, cfg.bias_free)
     if plan.rehosted is not None:  # from here on the checkpoint is the target class's
         config, tensors = plan.rehosted.config, plan.rehosted.tensors
     if not cfg.dry_run:

@@ -338,8 +338,8 @@ def test_transfer_can_start_from_aligned(tmp_path):
         cards[start] = _card_rows(out)
         card = (out / "README.md").read_text()
         assert f"from the calibrated `{start}` merge" in card
-        assert f"measure the {start} merge that training started from" in card
-        assert f"| held-out attention output, {start} start | after transfer |" in card
+        assert f"measure the calibrated `{start}` merge, where training started" in card
+        assert "| held-out attention output at the start | after transfer |" in card
     assert [r[5] for r in cards["fit"]] != [r[5] for r in cards["aligned"]]  # other starts
     run_refused(tmp_path, "convert-gqa", "--groups", "1", str(src), "-o", str(tmp_path / "x"), "--transfer-start",
                 "aligned", needles=("--transfer-start is used only by --method transfer",))

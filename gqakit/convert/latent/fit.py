@@ -97,17 +97,23 @@ def fit_latent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
     if errors is not None:
         errors.update(_held_errors(kg, vg, rope_rows, u, up @ down, N, d))
 
-    norm_weight, realised = latent_norm(r, dtype)
-    a_rows = torch.cat([down, torch.zeros(1, n, dtype=F64), rope_rows])
-    a_bias = torch.cat([latent_bias, torch.tensor([BIAS_SCALE], dtype=F64), rope_bias])
     up_k, up_v = up[:groups * N].reshape(groups, N, r), up[groups * N:].reshape(groups, d, r)
-    expand = torch.zeros(heads, N + d, r + 1, dtype=F64)
+    expand = torch.zeros(heads, N + d, shape.latent, dtype=F64)
     for h in range(heads):
         m = h // per_group
         expand[h, :N, :r], expand[h, N:, :r] = up_k[m], up_v[m]
-    return {Q: new_q.reshape(heads * (N + D), n).to(dtype), KV_A: a_rows.to(dtype), KV_A_BIAS: a_bias.to(dtype),
-            KV_NORM: norm_weight, KV_B: (expand.reshape(heads * (N + d), r + 1) / realised).to(dtype),
-            O: o.to(dtype), O_BIAS: torch.zeros(o.shape[0], dtype=dtype)}
+    expand = expand.reshape(heads * (N + d), shape.latent)
+    q_rows = new_q.reshape(heads * (N + D), n).to(dtype)
+    if not shape.bias:  # the norm stays in the function: its weight is set from data (construct.fitted_norm)
+        if k_bias is not None or v_bias is not None:
+            raise ValueError("a bias-free latent holds no k/v biases")
+        return {Q: q_rows, KV_A: torch.cat([down, rope_rows]).to(dtype), KV_NORM: torch.ones(r, dtype=dtype),
+                KV_B: expand.to(dtype), O: o.to(dtype)}
+    norm_weight, realised = latent_norm(r, dtype)
+    a_rows = torch.cat([down, torch.zeros(1, n, dtype=F64), rope_rows])
+    a_bias = torch.cat([latent_bias, torch.tensor([BIAS_SCALE], dtype=F64), rope_bias])
+    return {Q: q_rows, KV_A: a_rows.to(dtype), KV_A_BIAS: a_bias.to(dtype), KV_NORM: norm_weight,
+            KV_B: (expand / realised).to(dtype), O: o.to(dtype), O_BIAS: torch.zeros(o.shape[0], dtype=dtype)}
 
 
 def _held_errors(kg: torch.Tensor, vg: torch.Tensor, rope_rows: torch.Tensor, u: torch.Tensor, held: torch.Tensor,

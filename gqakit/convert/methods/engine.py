@@ -14,7 +14,7 @@ import torch
 from gqakit.common.errors import GqakitError
 from gqakit.convert import methods
 from gqakit.convert.calibration.stored import StoredMoment, load_layer
-from gqakit.convert.latent.construct import embed_mqa
+from gqakit.convert.latent.construct import cast_trained, embed_mqa
 from gqakit.convert.latent.fit import fit_latent
 from gqakit.convert.methods.layer import merge_layer
 from gqakit.convert.methods.merge_ahead import MergeAhead, merge_workers
@@ -122,6 +122,13 @@ def latent_layer(plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, d
                  ) -> dict[str, torch.Tensor]:
     """Layer `layer` merged to MQA by the plan's method, then written as latent attention (`convert/latent`) at
     `dtype`; or, with `plan.latent_fit`, its latent fitted to the source's K/V heads."""
+    if plan.latent_trained and how.transferred:  # trained as latent attention during calibration, in float32
+        from safetensors.torch import load_file
+
+        prefix = ATTENTION.format(i=layer)
+        held = load_file(str(transferred_path(how.stats, layer)))
+        return {prefix + name: t for name, t in cast_trained({n[len(prefix):]: t for n, t in held.items()},
+                                                             dtype).items()}
     names = {attention_key(plan, layer, name): name for name in sources}  # "q_w", "k_b", ... -> checkpoint name
     layerwise = methods.get(plan.method).layerwise and not plan.latent_fit
     merged = whole_layer(plan, tensors, errors, how, layer, sources) if layerwise else {}

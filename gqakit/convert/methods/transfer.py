@@ -106,13 +106,16 @@ def _lr_factor(step: int, steps: int, warmup: int) -> float:
 
 def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
                    read: Callable[[int], tuple[torch.Tensor, torch.Tensor]], held_x: torch.Tensor,
-                   held_y: torch.Tensor, opts: TransferOptions, layer: int, progress: bool = True) -> dict[str, float]:
-    """Train `student`'s projections `opts.params` in place so that its output matches the teacher's on the
-    fitting windows; `read(w)` gives window w's input (T, n) and the teacher's output on it (T, n). Returns the
-    held-out relative error before and after, and the steps taken."""
+                   held_y: torch.Tensor, opts: TransferOptions, layer: int, progress: bool = True,
+                   select: Callable[[str], bool] | None = None) -> dict[str, float]:
+    """Train `student`'s projections `opts.params` (or the parameters whose names `select` picks) in place so that
+    its output matches the teacher's on the fitting windows; `read(w)` gives window w's input (T, n) and the
+    teacher's output on it (T, n). Returns the held-out relative error before and after, and the steps taken."""
     from tqdm.auto import tqdm
 
-    trained = [p for name, p in student.named_parameters() if name.split(".")[0] in PARAMS[opts.params]]
+    if select is None:
+        select = lambda name: name.split(".")[0] in PARAMS[opts.params]  # noqa: E731
+    trained = [p for name, p in student.named_parameters() if select(name)]
     if not trained:
         raise GqakitError(f"layer {layer}: the attention has none of {', '.join(PARAMS[opts.params])}; "
                           f"{opt('method', 'transfer')} cannot train it, use {opt('method', 'fit')}")
@@ -178,12 +181,15 @@ def transfer_merged_layer(cls: type, config: dict, grouped_config: dict, layer: 
                           read_input: Callable[[int], torch.Tensor], held_x: torch.Tensor, scratch: Path,
                           opts: TransferOptions, device="cpu", progress: bool = True,
                           read_target: Callable[[int], torch.Tensor] | None = None,
-                          held_targets: torch.Tensor | None = None) -> tuple[nn.Module, dict[str, float]]:
-    """One layer: the student (`merged` over `original`, `grouped_config`) is trained by `transfer_layer` to give
-    the targets: `read_target(w)` / `held_targets` where given (the original model's attention outputs on its own
-    inputs, while `read_input` gives the converted model's), else the teacher's (original weights, `config`) on
-    the same inputs, written to a scratch file in `scratch` (removed on the way out). Returns the trained student
-    attention (its parameters named as in `original`) and the errors."""
+                          held_targets: torch.Tensor | None = None,
+                          student: Callable[[], nn.Module] | None = None,
+                          select: Callable[[str], bool] | None = None) -> tuple[nn.Module, dict[str, float]]:
+    """One layer: the student (`merged` over `original`, `grouped_config`; or what `student()` builds, training the
+    parameters `select` picks) is trained by `transfer_layer` to give the targets: `read_target(w)` /
+    `held_targets` where given (the original model's attention outputs on its own inputs, while `read_input` gives
+    the converted model's), else the teacher's (original weights, `config`) on the same inputs, written to a
+    scratch file in `scratch` (removed on the way out). Returns the trained student attention (its parameters
+    named as in `original`, or as `student()` names them) and the errors."""
     how = attention_implementation(config)
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     held_x = held_x.to(device)
@@ -206,7 +212,8 @@ def transfer_merged_layer(cls: type, config: dict, grouped_config: dict, layer: 
             read_target = lambda w: targets.read(w, device)[0]  # noqa: E731
         elif held_targets is None:
             raise ValueError("read_target needs held_targets")
-        student = build_attention(cls, grouped_config, layer, {**original, **merged}, how, device)
-        errors = transfer_layer(student, kwargs, windows, lambda w: (read_input(w).to(device), read_target(w)),
-                                held_x, held_targets.to(device), opts, layer, progress)
-    return student, errors
+        module = (student() if student is not None
+                  else build_attention(cls, grouped_config, layer, {**original, **merged}, how, device))
+        errors = transfer_layer(module, kwargs, windows, lambda w: (read_input(w).to(device), read_target(w)),
+                                held_x, held_targets.to(device), opts, layer, progress, select)
+    return module, errors

@@ -12,6 +12,10 @@ float dtype, and below float16's largest value) that is within float32's resolut
 1 - 5e-7 at |v| = 32. The rest of DeepseekV3's decoder layer (RMSNorms, the SiLU-gated MLP when every layer is
 dense, sequential residuals, RoPE in the rotate-half layout with `rope_interleave: false`) is a Llama layer's, so a
 family hosts when its layers are Llama's.
+
+Bias-free (`--bias-free`): no bias coordinate and `attention_bias: false`, as serving stacks (vLLM, SGLang) build
+DeepSeek's projections. The latent's RMSNorm then acts on the latent itself (each token's latent divided by its own
+RMS), which no weight cancels: such a layer is not any MQA's function, and is trained with the norm in the loop.
 """
 from __future__ import annotations
 
@@ -29,23 +33,28 @@ ATTENTION = "model.layers.{i}.self_attn."  # the target's attention tensors, und
 Q, O, O_BIAS = "q_proj.weight", "o_proj.weight", "o_proj.bias"
 KV_A, KV_A_BIAS, KV_NORM, KV_B = ("kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias", "kv_a_layernorm.weight",
                                   "kv_b_proj.weight")
+BIASES = (KV_A_BIAS, O_BIAS)  # the tensors a bias-free latent does not have
+# convert-gqa --transfer-params (kv | qkvo), read for latent attention: the projections attention transfer trains
+LATENT_PARAMS = {"kv": (KV_A, KV_B), "qkvo": (Q, KV_A, KV_B, O)}
 
 
 @dataclasses.dataclass(frozen=True)
 class LatentShape:
     """One layer's latent attention: `rank` latent values (the bias coordinate not counted), a shared RoPE key of
-    `rope_dim`, per-head position-free key parts of `nope_dim` and values of `v_dim`."""
+    `rope_dim`, per-head position-free key parts of `nope_dim` and values of `v_dim`; with `bias`, one more latent
+    coordinate (the constant that cancels the latent's RMSNorm) and `attention_bias: true`."""
 
     heads: int
     rank: int
     rope_dim: int
     nope_dim: int
     v_dim: int
+    bias: bool = True
 
     @property
     def latent(self) -> int:
-        """kv_lora_rank: the latent and its bias coordinate."""
-        return self.rank + 1
+        """kv_lora_rank: the latent, and its bias coordinate where there is one."""
+        return self.rank + (1 if self.bias else 0)
 
     @property
     def values_per_token(self) -> int:
@@ -54,10 +63,11 @@ class LatentShape:
 
     def shapes(self, hidden: int) -> dict[str, tuple[int, ...]]:
         """The target's attention tensor shapes, by name under ATTENTION."""
-        return {Q: (self.heads * (self.nope_dim + self.rope_dim), hidden),
-                KV_A: (self.latent + self.rope_dim, hidden), KV_A_BIAS: (self.latent + self.rope_dim,),
-                KV_NORM: (self.latent,), KV_B: (self.heads * (self.nope_dim + self.v_dim), self.latent),
-                O: (hidden, self.heads * self.v_dim), O_BIAS: (hidden,)}
+        shapes = {Q: (self.heads * (self.nope_dim + self.rope_dim), hidden),
+                  KV_A: (self.latent + self.rope_dim, hidden), KV_A_BIAS: (self.latent + self.rope_dim,),
+                  KV_NORM: (self.latent,), KV_B: (self.heads * (self.nope_dim + self.v_dim), self.latent),
+                  O: (hidden, self.heads * self.v_dim), O_BIAS: (hidden,)}
+        return shapes if self.bias else {name: size for name, size in shapes.items() if name not in BIASES}
 
 
 def is_latent(config) -> bool:
@@ -67,12 +77,14 @@ def is_latent(config) -> bool:
     return bool(rank)
 
 
-def fitted_shape(heads: int, kv_heads: int, head_dim: int, rank: int | None, rope_dim: int | None) -> LatentShape:
+def fitted_shape(heads: int, kv_heads: int, head_dim: int, rank: int | None, rope_dim: int | None,
+                 bias: bool = True) -> LatentShape:
     """--kv-rank / --rope-dim: the latent fitted to the source's K/V heads; the one not given makes the cache hold
     MQA's 2 x head_dim + 1 values per token (a rope_dim of head_dim, or a rank of 2 x head_dim - rope_dim)."""
     rope_dim = head_dim if rope_dim is None else rope_dim
     rank = 2 * head_dim - rope_dim if rank is None else rank
-    return LatentShape(heads=heads, rank=rank, rope_dim=rope_dim, nope_dim=head_dim - rope_dim, v_dim=head_dim)
+    return LatentShape(heads=heads, rank=rank, rope_dim=rope_dim, nope_dim=head_dim - rope_dim, v_dim=head_dim,
+                       bias=bias)
 
 
 def shape_refusal(shape: LatentShape, kv_heads: int, config: dict) -> str | None:
@@ -92,9 +104,10 @@ def shape_refusal(shape: LatentShape, kv_heads: int, config: dict) -> str | None
     return None
 
 
-def mqa_shape(heads: int, head_dim: int) -> LatentShape:
-    """The latent that holds an MQA layer exactly: its value as the latent, its key as the shared RoPE key."""
-    return LatentShape(heads=heads, rank=head_dim, rope_dim=head_dim, nope_dim=0, v_dim=head_dim)
+def mqa_shape(heads: int, head_dim: int, bias: bool = True) -> LatentShape:
+    """The latent that holds an MQA layer: its value as the latent, its key as the shared RoPE key (exactly with
+    the bias coordinate; bias-free, up to the latent's RMSNorm)."""
+    return LatentShape(heads=heads, rank=head_dim, rope_dim=head_dim, nope_dim=0, v_dim=head_dim, bias=bias)
 
 
 def host_refusal(family: str, config: dict) -> str | None:
@@ -136,7 +149,7 @@ def latent_config(config: dict, shape: LatentShape, layers: int) -> dict:
         architectures=[ARCHITECTURE], model_type=MODEL_TYPE, num_hidden_layers=layers,
         num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
         kv_lora_rank=shape.latent, q_lora_rank=None, qk_rope_head_dim=shape.rope_dim,
-        qk_nope_head_dim=shape.nope_dim, v_head_dim=shape.v_dim, rope_interleave=False, attention_bias=True,
+        qk_nope_head_dim=shape.nope_dim, v_head_dim=shape.v_dim, rope_interleave=False, attention_bias=shape.bias,
         rope_parameters=rope, first_k_dense_replace=layers, n_routed_experts=1, n_shared_experts=1,
         num_experts_per_tok=1, n_group=1, topk_group=1, num_nextn_predict_layers=0,
     )
