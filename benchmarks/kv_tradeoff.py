@@ -37,6 +37,24 @@ def evaluate(models: list[str], cache: str, args, folder: Path) -> list[dict]:
     return [{**r, "cache": cache, "path": m} for r, m in zip(rows, models)]
 
 
+def from_reports(folders: list[str]) -> list[dict]:
+    """The rows of `gqakit eval ppl` reports already made (each folder's results.json), in order; the first report's
+    first row is the reference. A report without --kv-cache (one plain forward per window) is a dense row: its bytes
+    are what a dense cache holds at the compute dtype (`kv_bytes_per_token`), which the dense cache's measured bytes
+    equal (checked by the tests)."""
+    rows = []
+    for folder in folders:
+        report = json.loads((Path(folder) / "results.json").read_text(encoding="utf-8"))
+        if report.get("kind") != "ppl":
+            raise SystemExit(f"kv_tradeoff: {folder} is not a `gqakit eval ppl` report")
+        for r in report["results"]["rows"]:
+            held = r["kv_bytes_held_per_token"]
+            cache = r["kv_cache"] if r["kv_cache"] != "none" else "dense"
+            rows.append({**r, "cache": cache, "kv_bytes_held_per_token": held if held else r["kv_bytes_per_token"],
+                         "first": not rows})
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     """Rows by measured bytes per token; a row whose interval overlaps that of the best row at no more bytes
     says so (the two cannot be told apart on this text)."""
@@ -82,8 +100,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("models", nargs="+", help="model folders; the first is the reference (its dense row: 1x)")
-    p.add_argument("--text", required=True, help="the evaluation text")
+    p.add_argument("models", nargs="*", help="model folders; the first is the reference (its dense row: 1x)")
+    p.add_argument("--text", help="the evaluation text")
+    p.add_argument("--reports", nargs="+", help="instead of evaluating: the report folders of `gqakit eval ppl` runs "
+                                                "already made (the first report's model is the reference)")
     p.add_argument("--caches", nargs="+", default=list(CACHES[:3]), choices=CACHES, help="cache kinds")
     p.add_argument("--max-tokens", type=int, default=0, help="tokens scored (0: the whole text)")
     p.add_argument("--max-length", type=int, default=2048, help="window length (disjoint windows)")
@@ -91,16 +111,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot", help="write the PNG here")
     p.add_argument("--keep", help="keep the eval report folders here (default: a temporary folder)")
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(args.keep or tmp)
-        rows = [r for cache in args.caches for r in evaluate(args.models, cache, args, folder)]
-    for r in rows:
-        r["first"] = r["path"] == args.models[0]
+    if bool(args.reports) == bool(args.models) or (args.models and not args.text):
+        p.error("give MODEL folders and --text, or --reports FOLDER ...")
+    if args.reports:
+        rows = from_reports(args.reports)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(args.keep or tmp)
+            rows = [r for cache in args.caches for r in evaluate(args.models, cache, args, folder)]
+        for r in rows:
+            r["first"] = r["path"] == args.models[0]
     print(f"`{command_line(__file__, argv)}`\n")
     print(table(rows))
-    print(f"\n(windows of {args.max_length} tokens, {'the whole text' if args.max_tokens == 0 else args.max_tokens}; "
-          f"each fed through the cache {args.kv_chunk} tokens per forward; bytes held = every tensor of every "
-          "cache layer after the first window, over its positions)")
+    if args.reports:
+        print("\n(read from the reports; each report's own command says its windows and chunking; bytes held = "
+              "every tensor of every cache layer after the first window, over its positions)")
+    else:
+        print(f"\n(windows of {args.max_length} tokens, {'the whole text' if args.max_tokens == 0 else args.max_tokens}"
+              f"; each fed through the cache {args.kv_chunk} tokens per forward; bytes held = every tensor of every "
+              "cache layer after the first window, over its positions)")
     if args.plot:
         plot(rows, Path(args.plot))
         print(f"wrote {args.plot}")
