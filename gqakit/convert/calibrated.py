@@ -22,7 +22,8 @@ from gqakit.convert.layer_share import Share, barrier, meeting_folder, read_erro
 from gqakit.convert.latent.construct import embed_mqa
 from gqakit.convert.latent.fit import fit_latent
 from gqakit.convert.latent.student import latent_student, set_norm_from, trained
-from gqakit.convert.methods.engine import LayerMerge, attention_key, merge_checkpoint_layer, transferred_path
+from gqakit.convert.methods.engine import (LayerMerge, attention_key, calibrated_metric, merge_checkpoint_layer,
+                                          transferred_path)
 from gqakit.convert.methods.transfer import transfer_merged_layer
 from gqakit.convert.options import ConvertConfig, TransferOptions, calibration_tokens, transfer_options
 from gqakit.convert.output import new_config
@@ -140,13 +141,14 @@ def transfer_layer_at_hand(inputs: LayerInputs, plan: Plan, config: dict, tensor
 def latent_start(plan: Plan, start_plan: Plan, tensors: dict[str, TensorInfo], i: int, sources: tuple[str, ...],
                  how: LayerMerge, heldout: dict) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The latent layer that training starts from (float32, the target's names): fitted to the source's K/V heads
-    (--kv-rank / --rope-dim), or else `start_plan`'s calibrated MQA merge held bias-free; and the card's errors."""
+    (--kv-rank / --rope-dim) in the metric of the layer's calibration statistics, or else `start_plan`'s calibrated
+    MQA merge held bias-free; and the card's errors."""
     names = {attention_key(plan, i, name): name for name in sources}  # "q_w", "k_b", ... -> checkpoint name
     cost: dict[str, float] = {}
     if plan.latent_fit:
         parts = {key: load_tensor(tensors[name], name) for key, name in names.items()}
         made = fit_latent(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, torch.float32,
-                          parts.get("k_b"), parts.get("v_b"), errors=cost)
+                          parts.get("k_b"), parts.get("v_b"), errors=cost, inputs=calibrated_metric(how, i))
     else:
         merged, cost = merge_checkpoint_layer(start_plan, tensors, i, sources, how, heldout)
         parts = {key: merged[name] for key, name in names.items()}

@@ -67,7 +67,7 @@ def latent_line(plan: Plan) -> str:
     """--to mla: what the output's attention is and where it runs."""
     shape = plan.latent
     trained = ", then trained per layer by attention transfer" if plan.latent_trained else ""
-    held = (f"fitted to the {plan.num_key_value_heads} K/V heads from the weights alone (--kv-rank {shape.rank} "
+    held = (f"fitted to the {plan.num_key_value_heads} K/V heads {fitted_how(plan)} (--kv-rank {shape.rank} "
             f"--rope-dim {shape.rope_dim}: the highest {shape.rope_dim // 2} RoPE frequencies shared, {shape.nope_dim} "
             f"dims per head read from the latent without rotation){trained}" if plan.latent_fit
             else "the MQA's value and key, exactly" if shape.bias
@@ -112,7 +112,7 @@ def _error_heading(plan: Plan, calibrated: bool, trained: bool = False) -> str:
         return f"""## Relative error of the keys and values the fitted latent holds
 
 ||W - W'||_F / ||W||_F per layer over the {plan.num_key_value_heads} K/V heads' keys (the shared RoPE key's part as
-each head reads it, the rest from the latent) and values (from the latent), as fitted from the weights{
+each head reads it, the rest from the latent) and values (from the latent), as fitted {fitted_how(plan)}{
 ", before training" if trained else ""}."""
     if methods.get(plan.method).layerwise:
         logits = """ The held-out column is the relative error of every query head's attention logits
@@ -137,10 +137,16 @@ training steps taken (the same windows stop training early, and the best-scoring
 """
 
 
+def fitted_how(plan: Plan) -> str:
+    """How a fitted latent (--kv-rank / --rope-dim) weighed its errors."""
+    return ("from the weights alone" if plan.method == "mean" else
+            "in the metric of the layer's attention inputs on the calibration text")
+
+
 def transfer_start(cfg, plan: Plan) -> str:
     """What attention transfer trained from, as the card names it."""
     if plan.latent_fit:
-        return "the latent fitted to the weights (--kv-rank / --rope-dim)"
+        return f"the latent fitted {fitted_how(plan)} (--kv-rank / --rope-dim)"
     start = f"the calibrated `{transfer_options(cfg).start}` merge"
     return start + (" (held as latent attention without biases)" if plan.latent_trained else "")
 

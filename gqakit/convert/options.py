@@ -18,6 +18,7 @@ INPUTS = ("original", "converted")  # --transfer-inputs
 STARTS = ("fit", "aligned")  # --transfer-start: calibrated merges (methods.METHODS) training can start from
 DTYPES = ("auto", "float32", "bfloat16")  # --transfer-dtype; auto: bfloat16 where the device has bf16 units
 TARGETS = ("gqa", "mla")  # --to: grouped K/V heads, or latent attention (convert/latent)
+LATENT_METHODS = ("mean", "fit", "transfer")  # with --kv-rank: the fit from the weights, calibrated, then trained
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +108,11 @@ class ConvertConfig:
                           "latent attention in transformers' stock DeepseekV3 class (with --groups 1: the MQA it "
                           "computes exactly, one latent and one shared RoPE key per token; Llama-like models)")
     kv_rank: int | None = option(None, default_text="none: the MQA held exactly",
-                                 help="--to mla: fit a latent of this rank (plus one bias value) to the source's K/V "
-                                      "heads, from the weights alone; the cache holds kv_rank + 1 + rope_dim values "
-                                      "per token and layer (default with --rope-dim D: 2 x head_dim - D)")
+                                 help="--to mla: fit a latent of this rank (plus one bias value unless --bias-free) "
+                                      "to the source's K/V heads: from the weights alone, calibrated with --method "
+                                      "fit, then trained with --method transfer; the cache holds kv_rank + 1 + "
+                                      "rope_dim values per token and layer (default with --rope-dim D: "
+                                      "2 x head_dim - D)")
     rope_dim: int | None = option(None, default_text="head_dim with --kv-rank",
                                   help="--to mla: dims of the one RoPE key shared by every head (the highest "
                                        "frequencies); the rest of each head's key is read from the latent without "
@@ -145,10 +148,11 @@ def check_options(cfg: ConvertConfig) -> None:
     latent = [name for name in ("kv_rank", "rope_dim") if getattr(cfg, name) is not None]
     if latent and cfg.to != "mla":
         raise GqakitError(f"{opt(latent[0])} shapes latent attention; add {opt('to', 'mla')} or drop it")
-    if latent and cfg.method not in ("mean", "transfer"):
-        raise GqakitError(f"{opt(latent[0])} fits the latent to the source's K/V heads from the weights alone, "
-                          f"merging none; drop {opt('method', cfg.method)} (or train the fit: "
-                          f"{opt('method', 'transfer')})")
+    if latent and cfg.method not in LATENT_METHODS:
+        raise GqakitError(f"{opt(latent[0])} fits the latent to the source's K/V heads, merging none: from the "
+                          f"weights alone (the default {opt('method', 'mean')}), calibrated "
+                          f"({opt('method', 'fit')}) or then trained ({opt('method', 'transfer')}); drop "
+                          f"{opt('method', cfg.method)}")
     if latent and "transfer.start" in options_given(cfg, cfg.given):
         raise GqakitError(f"{opt(latent[0])} trains from the latent fitted to the weights, not from a merge; drop "
                           f"{opt('transfer.start')}")

@@ -87,7 +87,8 @@ def test_trained_latent_layers_are_closer_to_the_original_than_their_start(tmp_p
     _convert(src, tmp_path / "trained", *extra, "--method", "transfer", "--calibration", str(TEXT), *SMALL)
     card = (tmp_path / "trained" / "README.md").read_text()
     rows = [line.split("|")[1:-1] for line in card.splitlines() if line[:2] == "| " and line[2:3].isdigit()]
-    assert len(rows) == 2 and all(float(r[-2]) < float(r[-3]) for r in rows)  # held-out: after < before
+    assert len(rows) == 2 and all(float(r[-2]) <= float(r[-3]) for r in rows)  # held-out: never worse than the start
+    assert any(float(r[-2]) < float(r[-3]) for r in rows)
     from transformers import AutoTokenizer
 
     text = (ROOT / "gqakit" / "assets" / "heldout_emma.txt").read_text(encoding="utf-8")[:4000]  # not calibrated on
@@ -163,9 +164,53 @@ def test_latent_params_name_every_transfer_params_choice():
     (("--to", "mla", "--bias-free"), "--bias-free leaves the latent's RMSNorm in the function, which only training"),
     (("--to", "mla", "--kv-rank", "8", "--method", "transfer", "--transfer-start", "fit"),
      "drop --transfer-start"),
-    (("--to", "mla", "--kv-rank", "8", "--method", "fit"), "drop --method fit"),
+    (("--to", "mla", "--kv-rank", "8", "--method", "first"), "drop --method first"),
 ])
 def test_latent_training_options_that_cannot_combine_are_refused_in_one_line(tmp_path, args, needle):
     src = make_tiny_llama(tmp_path / "src", heads=4, kv_heads=2, head_dim=8)
     run_refused(tmp_path, "convert-gqa", "--groups", "1", *args, str(src), "-o", str(tmp_path / "o"),
                 needles=(needle,))
+
+
+def test_a_calibrated_fit_is_exact_on_the_inputs_it_was_calibrated_on():
+    """Inputs that live in a 4-dim subspace make the two K/V heads' values rank 4 there: a rank-4 latent fitted in
+    their metric reproduces every value on them exactly; fitted from the weights alone it cannot. The identity
+    metric is the weights-only fit."""
+    from gqakit.convert.latent.fit import fit_latent, input_metric
+
+    g, d, n, heads, rank = 2, 8, 32, 4, 4
+    gen = torch.Generator().manual_seed(2)
+    f64 = dict(generator=gen, dtype=torch.float64)
+    q, k, v, o = (torch.randn(heads * d, n, **f64), torch.randn(g * d, n, **f64), torch.randn(g * d, n, **f64),
+                  torch.randn(n, heads * d, **f64))
+    basis = torch.randn(n, 4, **f64)
+    metric = input_metric(basis @ basis.T, basis @ basis.T)
+    shape = fitted_shape(heads, g, d, rank, d)
+    x = torch.randn(6, 4, **f64) @ basis.T  # inputs in the calibrated subspace
+    errors = {}
+    for name, inputs in (("calibrated", metric), ("weights", None)):
+        made = fit_latent(q, k, v, o, shape, torch.float64, inputs=inputs)
+        latent = x @ made["kv_a_proj_with_mqa.weight"][:rank].T
+        held = torch.stack([latent @ made["kv_b_proj.weight"].reshape(heads, d, -1)[h, :, :rank].T
+                            for h in range(0, heads, 2)])  # one query head per K/V head
+        exact = torch.stack([x @ v[m * d:(m + 1) * d].T for m in range(g)])
+        errors[name] = _error(held, exact)
+    # 1e-6: the metric's square root turns its round-off zero eigenvalues (~1e-16) into ~1e-8
+    assert errors["calibrated"] < 1e-6 and errors["weights"] > 0.1, errors
+    plain = fit_latent(q, k, v, o, shape, torch.float64)
+    same = fit_latent(q, k, v, o, shape, torch.float64, inputs=torch.eye(n, dtype=torch.float64))
+    for name in plain:
+        torch.testing.assert_close(same[name], plain[name], atol=1e-10, rtol=1e-10)
+
+
+def test_fit_with_a_kv_rank_is_a_calibrated_latent_fit(tmp_path):
+    src = _source(tmp_path)
+    _convert(src, tmp_path / "fit", "--kv-rank", "20", "--rope-dim", "8", "--method", "fit", "--calibration",
+             str(TEXT), "--calibration-tokens", "512", "--calibration-window", "32")
+    card = (tmp_path / "fit" / "README.md").read_text()
+    assert "in the metric of the layer's attention inputs on the calibration text" in card
+    weights = load_file(tmp_path / "fit" / "model.safetensors")
+    _convert(src, tmp_path / "plain", "--kv-rank", "20", "--rope-dim", "8")
+    assert not torch.equal(weights[ATTENTION.format(i=0) + "kv_b_proj.weight"],
+                           load_file(tmp_path / "plain" / "model.safetensors")[ATTENTION.format(i=0) + "kv_b_proj.weight"])
+    assert type(load_exact(tmp_path / "fit")).__name__ == "DeepseekV3ForCausalLM"

@@ -11,8 +11,11 @@ Position-free part: the other d - D dims of each head (its lowest frequencies, w
 the per-head `nope` keys, read without rotation. Latent: one rank-R factorisation of every group's nope keys and
 values, Y = [K_nope; V] ~ B A, weighted where the errors land: nope keys by what their query heads read
 (sum_h Wq_h Wq_h^T), values by what o_proj makes of them (sum_h O_h^T O_h), each block scaled to unit energy; the
-best such factorisation is an SVD of L Y (B = L^-1 U_R, A = U_R^T L Y). All from the weights alone: a calibrated
-fit would weight the inputs by their covariance S (Y S^1/2, W S W^H), which the calibration pass already collects. kv_b_proj expands the latent per head;
+best such factorisation is an SVD of L Y (B = L^-1 U_R, A = U_R^T L Y). From the weights alone every input direction
+weighs alike; a calibrated fit (`inputs`: the metric S of the layer's attention inputs, `input_metric`) weighs
+them as the calibration text uses them: the shared key per pair is the top eigenvector of W S W^H, and the latent
+an SVD of L Y S^1/2 (still B = L^-1 U_R, A = U_R^T L Y: the best rank-R fit in that metric). kv_b_proj expands the
+latent per head;
 the latent's RMSNorm is cancelled as for the exact form (`hf.architectures.latent`), its realised scale divided out
 of kv_b_proj.
 """
@@ -39,11 +42,20 @@ def rope_pairs(head_dim: int, rope_dim: int) -> tuple[list[int], list[int]]:
     return list(range(keep)), nope
 
 
-def shared_rope_key(k: torch.Tensor, k_bias: torch.Tensor | None, groups: int, head_dim: int, rope_dim: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def input_metric(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """One metric of a layer's attention inputs for a fit of its keys and values together: the calibration's key
+    statistic (the covariance of the inputs each query attends to) and value statistic (the second moment of the
+    attention-averaged input), each scaled to unit trace, summed (n, n), float64."""
+    key, value = key.to(F64), value.to(F64)
+    return (key / key.trace().clamp(min=1e-300) + value / value.trace().clamp(min=1e-300)) / 2
+
+
+def shared_rope_key(k: torch.Tensor, k_bias: torch.Tensor | None, groups: int, head_dim: int, rope_dim: int,
+                    inputs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the shared key's rows (D, n), its bias (D,), the complex weights u (G, D/2) with z_m ~ u_m k'). Weighting
     each head's key errors by how much its query heads read the pair measured no better on the embedded model
-    (166.3 against 164.5 at --kv-rank 48 --rope-dim 16), so every head weighs alike."""
+    (166.3 against 164.5 at --kv-rank 48 --rope-dim 16), so every head weighs alike. `inputs` (n, n): the input
+    metric the keys' errors are measured in (None: the identity)."""
     half, keep = head_dim // 2, rope_dim // 2
     per = k.to(F64).reshape(groups, head_dim, -1)
     bias = (k_bias.to(F64) if k_bias is not None else torch.zeros(groups * head_dim, dtype=F64)).reshape(groups, -1)
@@ -53,7 +65,8 @@ def shared_rope_key(k: torch.Tensor, k_bias: torch.Tensor | None, groups: int, h
     for j in range(keep):
         z = torch.complex(per[:, j], per[:, half + j])  # (G, n)
         zb = torch.complex(bias[:, j], bias[:, half + j])
-        cov = z @ z.conj().T + torch.outer(zb, zb.conj())  # (G, G) Hermitian
+        zs = z if inputs is None else z @ inputs.to(z.dtype)
+        cov = zs @ z.conj().T + torch.outer(zb, zb.conj())  # (G, G) Hermitian
         u = torch.linalg.eigh(cov)[1][:, -1]  # the top eigenvector
         shared, shared_bias = u.conj() @ z, u.conj() @ zb
         rows[j], rows[keep + j] = shared.real, shared.imag
@@ -64,9 +77,10 @@ def shared_rope_key(k: torch.Tensor, k_bias: torch.Tensor | None, groups: int, h
 
 def fit_latent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, shape: LatentShape,
                dtype: torch.dtype, k_bias: torch.Tensor | None = None, v_bias: torch.Tensor | None = None,
-               errors: dict | None = None) -> dict[str, torch.Tensor]:
+               errors: dict | None = None, inputs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The target's attention tensors (names under `latent.ATTENTION`) fitted to a layer's q (H*d, n), k and v
-    (G*d, n), o (n, H*d) and optional k/v biases, from the weights alone.
+    (G*d, n), o (n, H*d) and optional k/v biases: from the weights alone, or with `inputs` (n, n; `input_metric`)
+    in the metric of the layer's attention inputs.
     `errors` gets the relative errors ||W - W'|| / ||W|| of the keys and values the latent layer holds (the keys'
     rotary part as u_m k', their position-free part and the values from the latent), as the card reports them."""
     heads, d, D, N, r = shape.heads, shape.v_dim, shape.rope_dim, shape.nope_dim, shape.rank
@@ -75,7 +89,7 @@ def fit_latent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
     half, keep = d // 2, D // 2
     kept, nope = rope_pairs(d, D)
     qh = q.to(F64).reshape(heads, d, n)
-    rope_rows, rope_bias, u = shared_rope_key(k, k_bias, groups, d, D)
+    rope_rows, rope_bias, u = shared_rope_key(k, k_bias, groups, d, D, inputs)
 
     new_q = torch.zeros(heads, N + D, n, dtype=F64)
     for h in range(heads):
@@ -90,8 +104,10 @@ def fit_latent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
     kb = (k_bias.to(F64) if k_bias is not None else torch.zeros(groups * d, dtype=F64)).reshape(groups, d)
     vb = v_bias.to(F64) if v_bias is not None else torch.zeros(groups * d, dtype=F64)
     y_bias = torch.cat([kb[:, nope].reshape(-1), vb])
-    weight = _output_weights(qh[:, nope], o.to(F64).reshape(n, heads, d), groups, y)
-    basis = torch.linalg.svd(weight @ y, full_matrices=False)[0][:, :r]  # U_R (G(N + d), R)
+    y_read = y if inputs is None else y @ _sqrt_psd(inputs.to(F64))  # Y S^1/2: the errors as the inputs see them
+    weight = _output_weights(qh[:, nope], o.to(F64).reshape(n, heads, d), groups, y_read)
+    basis = torch.linalg.svd(weight @ y_read, full_matrices=False)[0][:, :r]  # U_R (G(N + d), R)
+    del y_read
     down, up = basis.T @ weight @ y, torch.linalg.solve(weight, basis)  # A (R, n), B = L^-1 U_R
     latent_bias = basis.T @ weight @ y_bias
     if errors is not None:

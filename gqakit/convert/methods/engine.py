@@ -15,7 +15,7 @@ from gqakit.common.errors import GqakitError
 from gqakit.convert import methods
 from gqakit.convert.calibration.stored import StoredMoment, load_layer
 from gqakit.convert.latent.construct import cast_trained, embed_mqa
-from gqakit.convert.latent.fit import fit_latent
+from gqakit.convert.latent.fit import fit_latent, input_metric
 from gqakit.convert.methods.layer import merge_layer
 from gqakit.convert.methods.merge_ahead import MergeAhead, merge_workers
 from gqakit.convert.methods.pooling import merge_norms, random_heads, regroup, relative_error
@@ -135,7 +135,8 @@ def latent_layer(plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, d
     parts = {key: merged[name] if layerwise else load_tensor(tensors[name], name) for key, name in names.items()}
     if plan.latent_fit:
         made = fit_latent(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, dtype,
-                          parts.get("k_b"), parts.get("v_b"), errors=errors.setdefault(layer, {}))
+                          parts.get("k_b"), parts.get("v_b"), errors=errors.setdefault(layer, {}),
+                          inputs=calibrated_metric(how, layer))
     else:
         for key in [key for key in parts if key[0] in "kv" and not layerwise]:  # head-wise: pooled here
             new = regroup_rows(parts[key], plan, std, seed, names[key])
@@ -145,6 +146,14 @@ def latent_layer(plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, d
         made = embed_mqa(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, dtype,
                          parts.get("k_b"), parts.get("v_b"))
     return {ATTENTION.format(i=layer) + name: t for name, t in made.items()}
+
+
+def calibrated_metric(how: LayerMerge, layer: int) -> torch.Tensor | None:
+    """A latent fit's input metric from layer `layer`'s calibration statistics (`fit.input_metric`), or None
+    without calibration (a fit from the weights alone)."""
+    if how.stats is None:
+        return None
+    return input_metric(**load_layer(how.stats, layer, ("key", "value"), held=False)[0])
 
 
 def merge_one_layer(plan: Plan, tensors: dict[str, TensorInfo], how: LayerMerge, layer: int,
@@ -158,7 +167,7 @@ def merge_one_layer(plan: Plan, tensors: dict[str, TensorInfo], how: LayerMerge,
 def merges_ahead(plan: Plan, tensors: dict[str, TensorInfo], how: LayerMerge) -> MergeAhead | None:
     """The layer merges of the write pass, run ahead of it side by side (merge_ahead.py); None for methods that
     merge no layer there."""
-    if not methods.get(plan.method).layerwise or how.transferred:
+    if not methods.get(plan.method).layerwise or how.transferred or plan.latent_fit:
         return None
     sources = {}
     for op in plan.ops:
