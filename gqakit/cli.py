@@ -57,6 +57,8 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
         return  # under torchrun rank 0 writes the output and reports it
     if cfg.dry_run:
         _report(describe_plan(plan))
+        if result.get("calibration_check"):
+            _report(result["calibration_check"])
         _report(f"dry run: nothing written (would write {result['output_dir']})")
     else:
         what = (f"{plan.num_key_value_heads} K/V heads -> a fitted latent (MLA)" if plan.latent_fit else

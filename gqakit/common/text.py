@@ -9,11 +9,14 @@ Every problem a user can cause is a one-line `GqakitError` that names the fix.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from gqakit.common.errors import GqakitError, opt
+
+if TYPE_CHECKING:  # torch only in annotations: reading documents needs none
+    import torch
 
 ROW_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -107,17 +110,27 @@ def eos_id(tokenizer) -> int:
     return int(eos)
 
 
-def encode_documents(documents: list[str], tokenizer, max_tokens: int | None = None) -> torch.Tensor:
-    """1-D token ids of the documents joined with EOS (no special tokens added), cut to `max_tokens`."""
+def document_ids(documents: list[str], encode: Callable[[str], list[int]], separator: int | None,
+                 max_tokens: int | None = None) -> list[int]:
+    """Token ids of the documents, each encoded by `encode` (no special tokens), joined with `separator` (the EOS id,
+    `eos_id`; needed only for several documents), cut to `max_tokens`. Torch-free."""
     ids: list[int] = []
-    separator = eos_id(tokenizer) if len(documents) > 1 else None
     for i, doc in enumerate(documents):
-        if i and separator is not None:
+        if i:
             ids.append(separator)
-        ids.extend(tokenizer(doc, add_special_tokens=False, verbose=False).input_ids)
+        ids.extend(encode(doc))
         if max_tokens is not None and len(ids) >= max_tokens:
             break
     if not ids:
         raise GqakitError("the evaluation text tokenizes to no tokens; pass a longer text")
-    out = torch.tensor(ids, dtype=torch.long)
-    return out if max_tokens is None else out[:max_tokens]
+    return ids if max_tokens is None else ids[:max_tokens]
+
+
+def encode_documents(documents: list[str], tokenizer, max_tokens: int | None = None) -> torch.Tensor:
+    """1-D token ids of the documents joined with EOS (no special tokens added), cut to `max_tokens`."""
+    import torch
+
+    separator = eos_id(tokenizer) if len(documents) > 1 else None
+    ids = document_ids(documents, lambda doc: tokenizer(doc, add_special_tokens=False, verbose=False).input_ids,
+                       separator, max_tokens)
+    return torch.tensor(ids, dtype=torch.long)

@@ -1,6 +1,7 @@
 """Everything a conversion checks and plans before it reads a weight: the options, the family, the output folder,
 the plan and the launch. Torch-free, so `convert-gqa --dry-run` prints the plan without loading torch; the
-calibration data (which needs torch and the tokenizer) is opened only when the run will use it."""
+calibration data (which needs torch and the tokenizer) is opened only when the run will use it, and a dry run
+checks it without either where it can (`calibration/check.py`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 from gqakit.common.devices import check_device
 from gqakit.convert import methods
 from gqakit.convert.layer_share import Share, check_share, launched_share
-from gqakit.convert.options import ConvertConfig, check_options, transfer_options
+from gqakit.convert.options import ConvertConfig, calibration_tokens, check_options, transfer_options
 from gqakit.convert.output import check_output, max_shard_bytes, output_path
 from gqakit.convert.plan import Plan, check_family, make_plan
 from gqakit.hf.folder import read_config
@@ -40,7 +41,7 @@ def prepare(cfg: ConvertConfig, share: Share = Share()):
     if not cfg.dry_run:
         check_output(model_dir, out, cfg.force)
     calibration = None
-    if uses_calibration(cfg):
+    if uses_calibration(cfg) and not cfg.dry_run:
         from gqakit.convert.calibrated import open_calibration
 
         calibration = open_calibration(cfg, model_dir, config, share)
@@ -54,9 +55,17 @@ def check_launch(cfg: ConvertConfig, plan: Plan, share: Share) -> None:
 
 
 def planned(cfg: ConvertConfig) -> tuple[dict, tuple, Share]:
-    """The checks and the plan of a run: (its summary, what `prepare` returned, the launch's share)."""
+    """The checks and the plan of a run: (its summary, what `prepare` returned, the launch's share). A dry run's
+    summary holds, for --calibration DATA, the line that says how far the data was checked ("calibration_check")."""
     share = launched_share()
     prepared = prepare(cfg, share)
-    plan, _, _, out, calibration = prepared
+    plan, config, _, out, calibration = prepared
     check_launch(cfg, plan, share)
-    return {"plan": plan, "output_dir": out, "errors": {}, "calibration": calibration}, prepared, share
+    summary = {"plan": plan, "output_dir": out, "errors": {}, "calibration": calibration}
+    if cfg.dry_run and cfg.calibration is not None:
+        from gqakit.convert.calibration.check import dry_run_check
+
+        summary["calibration_check"] = dry_run_check(cfg.calibration, Path(cfg.model_dir), config,
+                                                      calibration_tokens(cfg), cfg.calibration_window,
+                                                      cfg.text_column)
+    return summary, prepared, share

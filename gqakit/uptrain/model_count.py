@@ -1,8 +1,10 @@
 """A model's parameters as the memory plan needs them: per tensor its rows and whether each `trainable` mode trains
-it, the decoder layers', the Linear weights'. Counted from the safetensors headers and config.json, without torch,
-for a family of the architecture tables whose checkpoint is at hand; else (a config.json alone, a family outside
-the tables, an ambiguous tied head) by building the model on the meta device with transformers. Both ways give
-the same counts (tests/uptrain/test_model_count.py, every family of the tables)."""
+it, the decoder layers', the Linear weights'. Counted without torch for a family of the architecture tables: from
+the safetensors headers and config.json, its fields left out filled with the class's defaults
+(`hf.config_defaults`), or, for a config.json alone, from the tensors it implies (`hf.architectures.shapes`).
+Else (a family outside the tables, a variant the layouts do not describe, a model_type whose defaults the table
+lacks) the model is built on the meta device with transformers, which loads torch. Both ways give the same counts
+(tests/uptrain/test_model_count.py, every family of the tables)."""
 from __future__ import annotations
 
 import copy
@@ -13,12 +15,11 @@ import math
 from pathlib import Path
 
 from gqakit.common.errors import GqakitError
+from gqakit.hf.config_defaults import SIZES, decoder_sizes
 from gqakit.uptrain.config import TRAINABLE
 from gqakit.uptrain.trainable import trains as trains_by_name
 
 HEAD = "lm_head.weight"
-_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers",
-           "intermediate_size", "vocab_size")  # config.json keys the header count needs, spelled so
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +53,8 @@ class ModelCount:
 
 
 def count_model(path: str | Path) -> ModelCount:
-    """Count the parameters of the checkpoint folder's model: from its safetensors headers where they say it
-    exactly, else from its config.json on the meta device."""
+    """Count the parameters of the checkpoint folder's model: from its safetensors headers (or, with none, the
+    tensors its config.json implies) where they say it exactly, else from its config.json on the meta device."""
     from gqakit.hf.folder import model_folder
 
     folder = model_folder(path)  # one-line errors for a missing folder or config.json
@@ -65,32 +66,34 @@ def count_model(path: str | Path) -> ModelCount:
     resolved = str(Path(path).resolve())
     try:
         shapes = {name: info.shape for name, info in folder.tensors.items()}
-    except GqakitError:  # no weights (a config.json alone) or unreadable ones: the meta device needs neither
-        shapes = None
+    except GqakitError:  # no weights (a config.json alone) or unreadable ones: the tensors config.json implies
+        from gqakit.hf.architectures.shapes import config_shapes
+
+        shapes = config_shapes(config)
     counted = count_stored(resolved, config, shapes) if shapes else None
     return counted if counted is not None else count_on_meta(resolved, json.dumps(config, sort_keys=True))
 
 
 def count_stored(path: str, config: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCount | None:
-    """The count from the stored tensors' shapes (`shapes`: name -> shape) and config.json, for a decoder of the
-    architecture tables; None where they do not say it exactly (a field left to the class's default, a tied
-    head that config.json does not declare, a family outside the tables)."""
+    """The count from the tensors' shapes (`shapes`: name -> shape) and config.json, for a decoder of the
+    architecture tables; None where they do not say it exactly (a field left to the default of a class the defaults
+    table lacks, no one embedding, a family outside the tables)."""
     from gqakit.hf.architectures import find_family
 
     archs = config.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
     spec = find_family(arch) if arch else None
-    fields = {key: config.get(key) for key in _FIELDS}
-    if spec is None or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in fields.values()):
+    fields = decoder_sizes(config)
+    if spec is None or fields is None:
         return None
     h, a, L, V = (fields[k] for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"))
     base = (spec.o_proj or spec.qkv_proj).split("{i}")[0]  # "model.layers."
     in_layer = [f"{base}{i}." for i in range(L)]
     params = dict(shapes)
-    tie = config.get("tie_word_embeddings")
+    tie = fields["tie_word_embeddings"]
     embedding = [n for n, s in params.items() if not n.startswith(base) and len(s) == 2 and s[0] == V and n != HEAD]
     if len(embedding) != 1 or (HEAD in params and tie is None) or (HEAD not in params and tie is False):
-        return None  # which tensor the head is, or whether it is tied, is the class's default: ask transformers
+        return None  # which tensor the head is, or whether it is tied, is not known here: ask transformers
     if HEAD in params and tie:
         del params[HEAD]  # tied: named_parameters lists the embedding alone
     head = HEAD if HEAD in params else embedding[0]  # a tied head's Linear reads the embedding

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from cli_contract import run_refused
+from cli_contract import run_cli, run_refused
 from gqakit.cli import convert_main
 from gqakit.convert.calibration import runner as runner_module
 from gqakit.convert.calibration import streamed as streamed_module
@@ -272,7 +272,15 @@ def test_bad_calibration_input_is_refused_in_one_line(tmp_path):
         cases.append(((str(src), "--method", "fit", "--calibration", str(TEXT), "--calibration-device", "cuda"),
                       ("--calibration-device cuda: no CUDA device",)))
     for args, needles in cases:
-        run_refused(tmp_path, "convert-gqa", "--groups", "2", *args, "-o", out, needles=needles)
+        line = run_refused(tmp_path, "convert-gqa", "--groups", "2", *args, "-o", out, needles=needles)
+        if args[0] != str(bare):  # a dry run, without torch or transformers, refuses it alike
+            assert run_refused(tmp_path, "convert-gqa", "--groups", "2", *args, "-o", out, "--dry-run") == line
+    # no tokenizer: the dry run cannot count the text, and says that the conversion will
+    done = run_cli("convert-gqa", "--groups", "2", str(bare), "--method", "fit", "--calibration", str(TEXT), "-o", out,
+                   "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert f"calibration: {TEXT} read (1 document); its length and token ids are checked when converting: " \
+           f"{bare} has no tokenizer.json" in done.stdout
 
 
 def test_a_layer_file_left_partial_is_removed(tmp_path):

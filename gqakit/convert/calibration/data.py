@@ -1,5 +1,6 @@
 """Calibration text for `convert-gqa --calibration`: read with the evaluation loaders, tokenized with the
-model's own tokenizer, cut into disjoint windows, checked, and fingerprinted for the model card.
+model's own tokenizer, cut into disjoint windows, checked (`check.py`, which a dry run also makes without torch),
+and fingerprinted for the model card.
 
 Reading text reuses `gqakit.common.text` (a .txt document, or JSON lines / JSON / parquet rows), so
 calibration accepts exactly what `gqakit eval` accepts. This is the one place `convert` reaches into
@@ -13,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-from gqakit.common.errors import GqakitError, opt, renamed
+from gqakit.common.errors import GqakitError
 from gqakit.common.precision import auto_dtype
-
-DEFAULT_WINDOW = 512
+from gqakit.convert.calibration.check import calibration_window, check_ids, heldout_count, read_calibration
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,37 +47,13 @@ def _file_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def calibration_window(config: dict, tokens: int, window: int | None) -> int:
-    """The calibration window (`window`, or min(512, the model's context)), checked against the context and the
-    token budget (two windows at least: calibration fits on some and scores on others)."""
-    context = config.get("max_position_embeddings")
-    window = (min(DEFAULT_WINDOW, context) if isinstance(context, int) and context > 0 else DEFAULT_WINDOW) \
-        if window is None else window
-    if window < 2:
-        raise GqakitError(f"{opt('calibration_window', window)} is too short; use at least 2 tokens (default 512)")
-    if isinstance(context, int) and window > context:
-        raise GqakitError(f"{opt('calibration_window', window)} exceeds the model's {context}-token context "
-                          f"(max_position_embeddings); use at most {context}")
-    if tokens < 2 * window:
-        raise GqakitError(f"{opt('calibration_tokens', f'{tokens:,}')} is less than two {window}-token windows; "
-                          f"calibration fits on some windows and scores on others: use at least {2 * window:,}")
-    return window
-
-
 def load_calibration(path: str, model_dir: Path, config: dict, tokens: int, window: int | None,
                      text_column: str = "text") -> CalibrationData:
     """Tokenize `path` with the tokenizer in `model_dir` into windows; one-line errors for every bad input."""
-    from gqakit.common.text import encode_documents, load_documents
+    from gqakit.common.text import encode_documents
 
     window = calibration_window(config, tokens, window)
-    source = Path(path)
-    if not source.exists():
-        raise GqakitError(f"calibration data {path} does not exist; pass a local .txt file or a .jsonl / .json / "
-                          ".parquet file or folder")
-    is_text = source.is_file() and source.suffix.lower() == ".txt"
-    with renamed({"text": "calibration", "dataset": "calibration"}):
-        documents = load_documents(text=str(source) if is_text else None, dataset=None if is_text else str(source),
-                                   text_column=text_column)
+    documents = read_calibration(path, text_column)
     try:
         from transformers import AutoTokenizer
 
@@ -90,17 +66,12 @@ def load_calibration(path: str, model_dir: Path, config: dict, tokens: int, wind
         ids = encode_documents(documents, tokenizer, tokens)
     except GqakitError as e:
         raise GqakitError(f"calibration data {path}: {e}") from None
-    vocab = config.get("vocab_size")
-    if isinstance(vocab, int) and int(ids.max()) >= vocab:
-        raise GqakitError(f"calibration data {path} tokenizes to id {int(ids.max()):,}, outside the model's vocabulary "
-                          f"of {vocab:,} (vocab_size); the tokenizer in {model_dir} does not belong to these weights")
+    check_ids(path, model_dir, ids.tolist(), config.get("vocab_size"), window)
     windows = make_windows(ids, window, tokens)
-    if windows.shape[0] < 2:
-        raise GqakitError(f"calibration data {path} gives {ids.numel():,} tokens, less than two {window}-token windows "
-                          f"({2 * window:,} tokens); pass more text or a smaller --calibration-window")
     return CalibrationData(
         path=str(path), windows=windows, heldout=heldout_count(windows.shape[0]),
-        sha256=hashlib.sha256(windows.to(torch.int64).numpy().tobytes()).hexdigest(), file_sha256=_file_hash(source),
+        sha256=hashlib.sha256(windows.to(torch.int64).numpy().tobytes()).hexdigest(),
+        file_sha256=_file_hash(Path(path)),
     )
 
 
@@ -137,8 +108,3 @@ def make_windows(ids: torch.Tensor, window: int, tokens: int) -> torch.Tensor:
     """Disjoint windows (N, window) from the first `tokens` ids (a partial last window is dropped)."""
     count = min(tokens, ids.numel()) // window
     return ids[: count * window].reshape(count, window)
-
-
-def heldout_count(windows: int) -> int:
-    """Windows kept out of the statistics to score a merge: one in eight, at least one."""
-    return max(1, windows // 8)

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable
+from types import SimpleNamespace
 
 from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures.spec import ArchSpec
+from gqakit.hf.config_defaults import CLASSES, filled
+from gqakit.hf.fields import positive_int
 from gqakit.hf.headers import TensorInfo
 
 
@@ -35,11 +39,18 @@ class Rehosted:
                f"{self.rehost.exact}"
 
 
-def source_config(config: dict):
-    """The source's normalised transformers config (legacy keys such as rotary_pct mapped to today's)."""
-    from gqakit.hf.fields import config_object
-
-    return config_object(config)
+def source_config(config: dict, family: str, model_types: tuple[str, ...]) -> SimpleNamespace:
+    """The source's config as its transformers class holds it (defaults filled, legacy keys such as rotary_pct mapped
+    to today's: `hf.config_defaults`), without importing transformers; its integer fields checked."""
+    model_type = config.get("model_type")
+    source = filled(config) if model_type in model_types else None
+    if source is None:
+        raise GqakitError(f"{family} config.json has model_type {json.dumps(model_type)}; write "
+                          f"{' or '.join(json.dumps(t) for t in model_types)} (its config class's model_type)")
+    for key, default in CLASSES[model_type].defaults.items():  # what transformers' strict dataclasses would refuse
+        if isinstance(default, int) and not isinstance(default, bool) and not key.endswith("_token_id"):
+            positive_int(source, key)
+    return SimpleNamespace(**source)
 
 
 def head_dim_of(family: str, hidden: int, heads: int, hidden_key: str, heads_key: str) -> int:

@@ -57,10 +57,10 @@ def _tied_head(s: Source, tie: bool, vocab: int, n: int) -> None:
 
 
 def build_gpt2(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
-    src = source_config(config)
+    src = source_config(config, "GPT-2", ("gpt2",))
     for flag, why in (("scale_attn_by_inverse_layer_idx", "scales each layer's scores by 1/(layer+1)"),
                       ("add_cross_attention", "has cross-attention")):
-        if getattr(src, flag, False):
+        if getattr(src, flag):
             raise GqakitError(f"GPT-2 with {flag} true {why}, which GPTBigCodeForCausalLM does not; gqakit "
                               f"re-hosts GPT-2 without it")
     n, H, L = src.n_embd, src.n_head, src.n_layer
@@ -96,7 +96,7 @@ def build_gpt2(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict
 
 
 def build_opt(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
-    src = source_config(config)
+    src = source_config(config, "OPT", ("opt",))
     n, H, L = src.hidden_size, src.num_attention_heads, src.num_hidden_layers
     if not src.do_layer_norm_before:
         raise GqakitError("OPT with do_layer_norm_before false (OPT-350m) normalises after each block, which "
@@ -105,7 +105,7 @@ def build_opt(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[
         raise GqakitError(f"OPT with word_embed_proj_dim {src.word_embed_proj_dim} != hidden_size {n} projects its "
                           "embeddings in and out, which GPTBigCodeForCausalLM cannot hold; gqakit re-hosts OPT "
                           "models without project_in / project_out")
-    if getattr(src, "_remove_final_layer_norm", False):
+    if src._remove_final_layer_norm:
         raise GqakitError("OPT with _remove_final_layer_norm true has no final LayerNorm, which "
                           "GPTBigCodeForCausalLM always applies; gqakit re-hosts OPT with its final norm")
     head_dim_of("OPT", n, H, "hidden_size", "num_attention_heads")

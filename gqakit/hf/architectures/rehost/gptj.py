@@ -21,10 +21,10 @@ def rotary_order(head_dim: int, rotary_dim: int) -> list[int]:
 
 
 def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
-    src = source_config(config)
+    src = source_config(config, "GPT-J", ("gptj",))
     n, H, L = src.n_embd, src.n_head, src.n_layer
     d = head_dim_of("GPT-J", n, H, "n_embd", "n_head")
-    rot = src.rotary_dim if src.rotary_dim is not None else d
+    rot = src.rotary_dim  # an int: transformers' GPTJConfig refuses null, and so does source_config
     if rot % 2 or not 0 < rot <= d:
         raise GqakitError(f"GPT-J rotary_dim {rot} must be even and at most the head_dim {d}; fix config.json")
     inter = src.n_inner if src.n_inner is not None else 4 * n

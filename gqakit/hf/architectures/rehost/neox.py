@@ -54,7 +54,7 @@ def _head(s: Source, src, n: int, out: dict) -> None:
 
 
 def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
-    src = source_config(config)
+    src = source_config(config, "GPT-NeoX", ("gpt_neox",))
     if not src.use_parallel_residual:
         return build_sequential(src, tensors)
     n, H, L = src.hidden_size, src.num_attention_heads, src.num_hidden_layers

@@ -18,14 +18,14 @@ def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str,
     heads = positive_int(config, "num_heads")
     layers = positive_int(config, "num_layers")
     d_model = positive_int(config, "d_model")
-    # every field spelled out: mT5's defaults differ from T5's (untied embeddings), and save_pretrained leaves
-    # out the fields at their class's default
-    src = source_config(config)
-    new = {k: v for k, v in src.to_dict().items()
+    # every field of T5's config class spelled out: mT5's defaults differ from T5's, and a config.json may leave out
+    # the fields at its class's default
+    src = vars(source_config(config, "T5", ("t5", "mt5")))
+    new = {k: v for k, v in src.items()
            if k not in ("auto_map", "transformers_version", "_name_or_path", "scale_decoder_outputs")}
     # transformers' T5 ties the embeddings always and reads config.json's tie_word_embeddings as "scale the decoder
     # output by d_model ** -0.5" (T5 1.0: true; T5 1.1 / Flan-T5: false); mT5 never scales
-    new["tie_word_embeddings"] = bool(getattr(src, "scale_decoder_outputs", False))
+    new["tie_word_embeddings"] = bool(src.get("scale_decoder_outputs", False))
     new.update(
         model_type="gqakit_t5", architectures=["GroupedT5ForConditionalGeneration"],
         num_decoder_layers=positive_int(config, "num_decoder_layers", default=layers),
