@@ -40,6 +40,8 @@ PLANS = {
     "convert mean": ["convert-gqa", "--groups", "2", EMBEDDED, "--dry-run"],
     "convert fit": ["convert-gqa", "--groups", "2", EMBEDDED, "--dry-run", "--method", "fit"],
     "convert transfer": ["convert-gqa", "--groups", "1", EMBEDDED, "--dry-run", "--method", "transfer"],
+    "convert mla trained": ["convert-gqa", "--groups", "1", EMBEDDED, "--dry-run", "--method", "transfer", "--to", "mla",
+                            "--kv-rank", "48", "--rope-dim", "16", "--bias-free"],
     "uptrain": ["gqakit", "uptrain", RECIPE, "--plan", f"model={EMBEDDED}", "teacher=null", "batch_size=100000000",
                 "--device-memory", "80GB"],
     "uptrain teacher fsdp": ["gqakit", "uptrain", RECIPE, "--plan", f"model={EMBEDDED}", f"teacher={EMBEDDED}",
