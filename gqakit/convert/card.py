@@ -193,8 +193,9 @@ def worse_than_mean(errors: dict[int, dict[str, float]]) -> list[int]:
 
 
 def against_mean(plan: Plan, errors: dict[int, dict[str, float]], calibrated: bool) -> str | None:
-    """One line when a layer-wise merge is not known to beat mean-pooling on held-out text (None when it does)."""
-    if not methods.get(plan.method).layerwise:
+    """One line when a layer-wise merge is not known to beat mean-pooling on held-out text (None when it does, and
+    for a fitted latent, which merges no heads)."""
+    if not methods.get(plan.method).layerwise or plan.latent_fit:
         return None
     if not calibrated:
         return (f"--method {plan.method} without --calibration is not checked against mean-pooling on held-out text, "
@@ -267,7 +268,7 @@ chr(10) + "**Loading:** " + own_class_note(plan) + chr(10) if plan.own_class els
 |---|---|---|{"---|" * len(sites)}{"---|" if held else ""}{"---|" if compared else ""}{
 "---|---|---|" if trained else ""}
 {rows}
-{_against_mean(plan, errors, held)}"""
+{_against_mean(plan, errors, calibration is not None)}"""
     path.write_text(readable(text), encoding="utf-8")
 
 

@@ -209,6 +209,7 @@ def test_fit_with_a_kv_rank_is_a_calibrated_latent_fit(tmp_path):
              str(TEXT), "--calibration-tokens", "512", "--calibration-window", "32")
     card = (tmp_path / "fit" / "README.md").read_text()
     assert "in the metric of the layer's attention inputs on the calibration text" in card
+    assert "**Warning:**" not in card  # no heads merged: nothing to hold against mean-pooling
     weights = load_file(tmp_path / "fit" / "model.safetensors")
     _convert(src, tmp_path / "plain", "--kv-rank", "20", "--rope-dim", "8")
     assert not torch.equal(weights[ATTENTION.format(i=0) + "kv_b_proj.weight"],
