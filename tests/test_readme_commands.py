@@ -37,6 +37,7 @@ TINY = [
     (r"^gqakit demo", "--eval-tokens 256"),
     (r"^convert-gqa .*--method transfer", "--calibration-tokens 1024 --calibration-window 128 --transfer-steps 2"),
     (r"^convert-gqa .*--calibration ", "--calibration-tokens 1024 --calibration-window 128"),
+    (r"^convert-gqa .*--method fit", "--calibration-tokens 1024 --calibration-window 128"),
     (r"gqakit(\.cli)? uptrain .*--plan", ""),
     (r"gqakit(\.cli)? uptrain recipes/uptrain_smollm2", "steps=1 seq_len=32 batch_size=1 eval_sequences=1 "
                                                        "gradient_accumulation_steps=1"),

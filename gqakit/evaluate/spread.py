@@ -51,3 +51,25 @@ def bootstrap_interval(window_nll: list[float], window_tokens: list[int], n: int
     q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
     low, high = torch.quantile(ppl, q).tolist()
     return low, high
+
+
+def paired_ratio_interval(nll_a: list[float], nll_b: list[float], window_tokens: list[int], n: int = 1000,
+                          seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+    """(ratio, low, high): model A's perplexity over model B's on the same windows, and a percentile bootstrap
+    interval of that ratio with both models resampled by the same draws (`bootstrap_interval`'s, same seed): two
+    models whose own intervals overlap can still be told apart, since a window that is hard for one is hard for
+    the other."""
+    if not (len(nll_a) == len(nll_b) == len(window_tokens)) or not nll_a:
+        raise ValueError(f"need the same windows for both models: got {len(nll_a)}, {len(nll_b)} and "
+                         f"{len(window_tokens)}")
+    a, b = torch.tensor(nll_a, dtype=torch.float64), torch.tensor(nll_b, dtype=torch.float64)
+    tokens = torch.tensor(window_tokens, dtype=torch.float64)
+    w = len(nll_a)
+    g = torch.Generator().manual_seed(seed)
+    ratios = torch.empty(n, dtype=torch.float64)
+    for r in range(n):
+        counts = torch.bincount(torch.randint(w, (w,), generator=g), minlength=w).to(torch.float64)
+        ratios[r] = math.exp(((counts @ a) - (counts @ b)).item() / (counts @ tokens).item())
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    low, high = torch.quantile(ratios, q).tolist()
+    return math.exp(((a - b).sum() / tokens.sum()).item()), low, high

@@ -11,7 +11,7 @@ import torch
 
 from eval_tiny import checkpoint, run_eval, text, tokenizer
 from gqakit.common import report
-from gqakit.evaluate.spread import bootstrap_interval, window_spread
+from gqakit.evaluate.spread import bootstrap_interval, paired_ratio_interval, window_spread
 
 
 def windows(n: int, seed: int = 0) -> tuple[list[float], list[int]]:
@@ -103,3 +103,25 @@ def test_whole_text_reports_windows_and_interval(files):
     assert run_eval("ppl", files["model"], "--text", files["text"], "--max-length", 64, "--bootstrap", 200,
                     "--seed", 3, "-o", capped, "-q")[0] == 0
     assert report.read_report(capped)["results"]["rows"][0]["nll"] == row["nll"]
+
+
+def test_the_paired_ratio_tells_apart_models_whose_own_intervals_overlap():
+    """Windows of very different difficulty, and model A 2% better than B on every one: their own intervals overlap
+    widely, the paired ratio's interval is tight around 0.98 and excludes 1; it is deterministic for a seed, and a
+    model against itself is 1 exactly."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = [512] * 40
+    hard = (torch.rand(40, generator=gen, dtype=torch.float64) * 2 + 3).tolist()  # mean NLL per token 3..5
+    b = [h * t for h, t in zip(hard, tokens)]
+    a = [x + t * math.log(0.98) for x, t in zip(b, tokens)]  # perplexity 0.98x on every window
+    low_a, high_a = bootstrap_interval(a, tokens)
+    low_b, high_b = bootstrap_interval(b, tokens)
+    assert low_b < high_a  # the two rows' own intervals overlap
+    ratio, low, high = paired_ratio_interval(a, b, tokens)
+    assert ratio == pytest.approx(0.98) and low == pytest.approx(0.98) and high == pytest.approx(0.98)
+    noisy = [x + float(e) for x, e in zip(a, torch.randn(40, generator=gen, dtype=torch.float64) * 5)]
+    first = paired_ratio_interval(noisy, b, tokens, seed=3)
+    assert first == paired_ratio_interval(noisy, b, tokens, seed=3) and first[1] < first[0] < first[2] < 1
+    assert paired_ratio_interval(b, b, tokens) == (1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="same windows"):
+        paired_ratio_interval(a, b[:-1], tokens)

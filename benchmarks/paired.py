@@ -1,0 +1,43 @@
+"""Two models of one `gqakit eval ppl` report, compared window by window: A's perplexity over B's on the same
+windows, with a paired 95% bootstrap interval (`gqakit.evaluate.spread.paired_ratio_interval`), and how many
+windows A scores better. Rows whose own intervals overlap can still differ beyond doubt: a hard window is hard for
+both models.
+
+    python benchmarks/paired.py runs/eval-report MODEL_A MODEL_B
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from gqakit.evaluate.spread import paired_ratio_interval
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("report", help="a `gqakit eval ppl -o` folder (its results.json)")
+    p.add_argument("a", help="model name (the report's model column) whose perplexity is the numerator")
+    p.add_argument("b", help="the model it is compared with")
+    p.add_argument("--bootstrap", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    rows = {r["model"]: r for r in json.loads((Path(args.report) / "results.json").read_text())["results"]["rows"]}
+    missing = [m for m in (args.a, args.b) if m not in rows]
+    if missing:
+        p.error(f"{missing[0]!r} is not a model of {args.report}; it has {', '.join(rows)}")
+    a, b = rows[args.a], rows[args.b]
+    if a["window_tokens"] != b["window_tokens"]:
+        p.error("the two rows scored different windows")
+    ratio, low, high = paired_ratio_interval(a["window_nll"], b["window_nll"], a["window_tokens"], args.bootstrap,
+                                             args.seed)
+    better = sum(x < y for x, y in zip(a["window_nll"], b["window_nll"]))
+    print(f"{args.a} / {args.b}: perplexity ratio {ratio:.4f}, paired 95% interval {low:.4f}-{high:.4f} "
+          f"({args.bootstrap} resamples, seed {args.seed}); {args.a} better on {better} of {len(a['window_nll'])} "
+          "windows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
