@@ -1,13 +1,16 @@
 """`fit_latent` (`--to mla --kv-rank R --rope-dim D`) holds its float64 maths a head or a group at a time, for memory;
-it must equal the fit written out densely (L as one block-diagonal matrix, Y stacked, every head at once) to 1e-10."""
+it must equal the fit written out densely (L as one block-diagonal matrix, Y stacked, every head at once) to 1e-10.
+A rank the fit cannot reach is refused in one line."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from cli_contract import run_refused
 from gqakit.convert.latent.construct import latent_norm
 from gqakit.convert.latent.fit import fit_latent
 from gqakit.hf.architectures.latent import BIAS_SCALE, KV_A, KV_A_BIAS, KV_B, KV_NORM, O, O_BIAS, Q, LatentShape
+from tiny_models import make_tiny_llama
 
 F64 = torch.float64
 
@@ -92,3 +95,10 @@ def test_the_lean_fit_equals_the_dense_float64_fit(heads, groups, d, n, rope_dim
     assert errors == pytest.approx(want_errors, rel=1e-10)
     assert 0 < errors["k"] < 1 and 0 < errors["v"] < 1  # a fit, not exact, at these ranks
 
+
+def test_a_rank_above_the_hidden_size_is_refused_in_one_line(tmp_path):
+    # 4 MHA heads of 16 with an 8-dim RoPE key hold 4 x (8 + 16) = 96 position-free dims, but the hidden size is 64:
+    # L Y (96, 64) has 64 singular directions, so a latent of rank 80 cannot be fitted
+    src = make_tiny_llama(tmp_path / "src", heads=4, head_dim=16)
+    run_refused(tmp_path, "convert-gqa", "--groups", "1", "--to", "mla", "--kv-rank", "80", "--rope-dim", "8",
+                str(src), "-o", str(tmp_path / "o"), needles=("--kv-rank 80 must be from 1 to 64",))
