@@ -6,9 +6,12 @@ N(0, 1/in) weights so that heads differ and activations stay finite) with the em
 then runs, side by side in one run and as subprocesses, `convert-gqa --groups G` with
 `--method mean` (the streaming bound), `--method aligned` (one layer's attention held and merged) and
 `--method fit --calibration TEXT` (the layer-by-layer calibration pass, then the merge), optionally
-`--methods ... transfer` (fit, then each layer trained for `--transfer-steps`), and prints each
-one's wall time and peak RSS (the converter's own VmHWM, which it writes at exit: ru_maxrss from wait4
-would include this process's RSS at the fork) next to what the design predicts:
+`--methods ... transfer` (fit, then each layer trained for `--transfer-steps`), and the latent-attention
+paths of `--to mla` (`LATENT`: `mla`, the MQA merge held exactly; `mla-fit`, a latent of `--kv-rank` fitted from
+the weights; `mla-fit-transfer`, that fit trained per layer; `mla-bias-free`, the bias-free latent trained), whose
+bound is the issue's 2 GiB, and prints each one's wall time and peak RSS (the converter's own VmHWM, which it
+writes at exit: ru_maxrss from wait4 would include this process's RSS at the fork) next to what the design
+predicts:
 
 * calibration holds one window's hidden states and attention probabilities and one block of one weight while
   a layer runs (the decoder layer's linears are streamed from the shards in row blocks, and the windows'
@@ -26,6 +29,8 @@ Neither depends on the number of layers: `--layers 8` and the default 32 give th
     python benchmarks/calibration_memory.py                 # 7B shape, 32 layers: ~14 GB of scratch disk
     python benchmarks/calibration_memory.py --layers 4      # same layer shape, fewer layers
     python benchmarks/calibration_memory.py --preset small  # seconds
+    python benchmarks/calibration_memory.py --layers 2 --tokens 256 --methods mean mla mla-fit mla-fit-transfer \
+        mla-bias-free                                       # latent attention at the 7B layer shape
 
 Progress goes to stderr; stdout is the markdown report.
 """
@@ -47,6 +52,22 @@ from gqakit.convert.methods.grams import BLOCK
 from gqakit.convert.output import max_shard_bytes
 
 log = logger("calibration_memory")
+
+FIT = ("--kv-rank", "{rank}", "--rope-dim", "{rope}")
+LATENT = {  # --methods entries for latent attention: convert-gqa's flags after `--groups 1 --to mla`
+    "mla": ("--method", "mean"),  # the MQA merge, embedded exactly
+    "mla-fit": FIT,  # a latent fitted from the weights alone
+    "mla-fit-transfer": (*FIT, "--method", "transfer"),  # that fit trained per layer
+    "mla-bias-free": ("--bias-free", "--method", "transfer"),  # the MQA merge held bias-free, trained
+}
+LATENT_BOUND_MIB = 2048  # the issue's goal for every latent path at the 7B layer shape
+
+
+def method_flags(entry: str, groups: int, rank: int, rope: int) -> list[str]:
+    """convert-gqa's flags for a `--methods` entry: a merge method to `groups` K/V heads, or a `LATENT` path."""
+    if entry not in LATENT:
+        return ["--groups", str(groups), "--method", entry]
+    return ["--groups", "1", "--to", "mla", *(f.format(rank=rank, rope=rope) for f in LATENT[entry])]
 
 
 def statistics_mib(shape) -> float:
@@ -80,6 +101,19 @@ def predicted(shape, window: int, weight_dtype_bytes: int = 2) -> dict[str, floa
     }
 
 
+def latent_fit_mib(shape, rank: int, rope: int) -> dict[str, float]:
+    """MiB the latent fit (`convert/latent/fit.py`) holds at its peak, the SVD of L Y (M = G(N + d) rows, n = hidden
+    columns, float64): L Y, torch's copy of it, U (M x m) and Vh (m x m), m = min(M, n), and gesdd's workspace of
+    about 3 m^2; then the layer's q/k/v/o in their stored bf16."""
+    d, n = shape.head_dim, shape.hidden
+    rows = shape.heads * (2 * d - rope)
+    m = min(rows, n)
+    return {f"mla-fit: L Y ({rows:,} x {n:,}) and torch's copy of it (float64)": 2 * rows * n * 8 / MIB,
+            f"mla-fit: the SVD's U and Vh (float64, {m:,} singular vectors)": (rows * m + m * m) * 8 / MIB,
+            "mla-fit: gesdd's workspace, 3 min(M, n)^2 (float64)": 3 * m * m * 8 / MIB,
+            "mla-fit: the layer's q/k/v/o in their stored dtype": 4 * n * n * 2 / MIB}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="7b")
@@ -89,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--methods", nargs="+", default=["mean", "aligned", "fit"])
     ap.add_argument("--transfer-steps", type=int, default=5, help="--method transfer: training steps per layer")
+    ap.add_argument("--kv-rank", type=int, default=None, help="the mla-fit entries' latent rank (default: 3/2 "
+                    "head_dim, with --rope-dim MQA's cache of 2 x head_dim + 1 values)")
+    ap.add_argument("--rope-dim", type=int, default=None, help="the mla-fit entries' shared RoPE key (default: "
+                    "head_dim / 2)")
     ap.add_argument("--scratch", default=str(ROOT / "runs"), help="where the synthetic checkpoint goes")
     ap.add_argument("--max-shard-size", default="5GB")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each method, interleaved; medians are reported")
@@ -96,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = PRESETS[args.preset]
     if args.layers:
         shape = dataclasses.replace(shape, layers=args.layers)
+    rope = args.rope_dim or shape.head_dim // 2
+    rank = args.kv_rank or 2 * shape.head_dim - rope
     scratch = Path(args.scratch).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
     need = entries_bytes(llama_entries(shape)) * 2 + (2 << 30)
@@ -111,12 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list[tuple[float, float]]] = {m: [] for m in args.methods}
         for _ in range(args.repeats):  # interleaved, so that the machine's drift is shared by every method
             for method in args.methods:
-                cmd = [*converter_command(), "--groups", str(args.groups), str(src), "-o", str(work / method),
-                       "--quiet", "--method", method]
-                if method in ("fit", "transfer"):
+                flags = method_flags(method, args.groups, rank, rope)
+                cmd = [*converter_command(), str(src), "-o", str(work / method), "--quiet", *flags]
+                if any(m in flags for m in ("fit", "transfer")):
                     cmd += ["--calibration", str(PRIDE), "--calibration-tokens", str(args.tokens),
                             "--calibration-window", str(args.window)]
-                if method == "transfer":  # the peak is reached at the first step: a few steps measure it
+                if "transfer" in flags:  # the peak is reached at the first step: a few steps measure it
                     cmd += ["--transfer-steps", str(args.transfer_steps)]
                 log(" ".join(cmd[len(converter_command()):]))
                 seconds, rss_kib = run_child(cmd, work)
@@ -130,20 +170,29 @@ def main(argv: list[str] | None = None) -> int:
 
     windows = args.tokens // args.window
     parts = predicted(shape, args.window)
+    if any(FIT[0] in LATENT[m] for m in args.methods if m in LATENT):
+        parts |= latent_fit_mib(shape, rank, rope)
     base = next((rss for m, _, rss, _ in rows if m == "mean"), None)
     allowance = statistics_mib(shape)
     print(f"## Calibration and merge memory: {shape.label(args.groups)}, bf16, {windows} windows of {args.window} "
           f"calibration tokens, median of {args.repeats}\n")
-    print("| method | wall s | peak RSS MiB | runs | over mean MiB | within mean + one layer's statistics |")
+    if any(m in LATENT for m in args.methods):
+        print(f"The mla entries convert to latent attention with --groups 1 (mla-fit: --kv-rank {rank} --rope-dim "
+              f"{rope}); their bound is {LATENT_BOUND_MIB:,} MiB of peak RSS.\n")
+    print("| method | wall s | peak RSS MiB | runs | over mean MiB | within its bound |")
     print("|---|---|---|---|---|---|")
     for method, seconds, rss, peaks in rows:
         over = rss - base if base is not None else None
         bound = allowance + (transfer_mib(shape, args.window) if method == "transfer" else 0)
-        verdict = "-" if over is None or method == "mean" else ("yes" if over <= bound else "**no**")
+        if method in LATENT:
+            verdict = "yes" if rss <= LATENT_BOUND_MIB else "**no**"
+        else:
+            verdict = "-" if over is None or method == "mean" else ("yes" if over <= bound else "**no**")
         print(f"| {method} | {seconds:.1f} | {rss:,.0f} | {', '.join(f'{p:,.0f}' for p in peaks)} | "
               f"{'-' if over is None else f'{over:,.0f}'} | {verdict} |")
-    print(f"\nOne layer's statistics: {allowance:,.0f} MiB (3 x hidden^2 float64); transfer's bound adds one "
-          f"layer's training state, {transfer_mib(shape, args.window):,.0f} MiB (`transfer_mib`).")
+    print(f"\nThe merge methods' bound is mean + one layer's statistics, {allowance:,.0f} MiB (3 x hidden^2 "
+          f"float64); transfer's adds one layer's training state, {transfer_mib(shape, args.window):,.0f} MiB "
+          "(`transfer_mib`).")
     print("\nWhat the design holds beyond the streaming conversion (MiB, computed from the shape; the calibration "
           "and merge phases do not overlap):\n")
     print("| part | MiB |")

@@ -115,12 +115,14 @@ def transfer_layer_at_hand(inputs: LayerInputs, plan: Plan, config: dict, tensor
     original = {name[len(prefix):]: load_tensor(info, name) for name, info in tensors.items()
                 if name.startswith(prefix)}
     grouped = new_config(config, plan, "auto")
-    student, select = None, None
+    student, select, names = None, None, list(merged)
     if plan.latent_trained:
         start = {name[len(ATTENTION.format(i=i)):]: t for name, t in merged.items()}
+        merged = {}  # held by `start` alone, which the student empties once it holds its own copies
 
         def student():
             module = latent_student(grouped, plan.latent, plan.num_layers, i, start, device)
+            start.clear()
             if not plan.latent.bias:  # the norm's weight from the first fitting windows' latents
                 set_norm_from(module, torch.stack([inputs.read(w) for w in range(min(8, inputs.windows))]))
             return module
@@ -133,7 +135,7 @@ def transfer_layer_at_hand(inputs: LayerInputs, plan: Plan, config: dict, tensor
         how.stats, opts, device, progress, inputs.read_target, inputs.held_targets, student, select)
     inputs.trained_attention = trained_module  # with --transfer-inputs converted, the next layer reads through it
     params = dict(trained_module.named_parameters())
-    save_file({name: params[name[len(prefix):]].detach().cpu().contiguous() for name in merged},
+    save_file({name: params[name[len(prefix):]].detach().cpu().contiguous() for name in names},
               str(transferred_path(into or how.stats, i)))
     errors.setdefault(i, {}).update({**cost, **cost_transfer})
 

@@ -14,10 +14,15 @@ values, Y = [K_nope; V] ~ B A, weighted where the errors land: nope keys by what
 best such factorisation is an SVD of L Y (B = L^-1 U_R, A = U_R^T L Y). From the weights alone every input direction
 weighs alike; a calibrated fit (`inputs`: the metric S of the layer's attention inputs, `input_metric`) weighs
 them as the calibration text uses them: the shared key per pair is the top eigenvector of W S W^H, and the latent
-an SVD of L Y S^1/2 (still B = L^-1 U_R, A = U_R^T L Y: the best rank-R fit in that metric). kv_b_proj expands the
-latent per head;
-the latent's RMSNorm is cancelled as for the exact form (`hf.architectures.latent`), its realised scale divided out
-of kv_b_proj.
+an SVD of L Y S^1/2 (still B = L^-1 U_R, A = U_R^T L Y: the best rank-R fit in that metric; the key and value
+blocks of L then scaled to unit energy on Y S^1/2). kv_b_proj expands the latent per head; the latent's RMSNorm is cancelled as for the exact form
+(`hf.architectures.latent`), its realised scale divided out of kv_b_proj.
+
+Memory (the 7B layer shape: 32 heads of 128, hidden 4096): everything is float64, but held a head or a group at a
+time wherever the maths allows: L is kept as its 2G diagonal blocks and applied block by block (never the dense
+G(N + d) square), Y is never stacked (L Y is built a block at a time from the stored weights), the queries are
+rotated a head at a time into the output dtype, and the errors are summed a group at a time. What stays is L Y
+(G(N + d) x n) and the SVD's own working set.
 """
 from __future__ import annotations
 
@@ -54,16 +59,16 @@ def shared_rope_key(k: torch.Tensor, k_bias: torch.Tensor | None, groups: int, h
                     inputs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the shared key's rows (D, n), its bias (D,), the complex weights u (G, D/2) with z_m ~ u_m k'). Weighting
     each head's key errors by how much its query heads read the pair measured no better on the embedded model
-    (166.3 against 164.5 at --kv-rank 48 --rope-dim 16), so every head weighs alike. `inputs` (n, n): the input
-    metric the keys' errors are measured in (None: the identity)."""
+    (166.3 against 164.5 at --kv-rank 48 --rope-dim 16), so every head weighs alike."""
     half, keep = head_dim // 2, rope_dim // 2
-    per = k.to(F64).reshape(groups, head_dim, -1)
+    kept = rope_pairs(head_dim, rope_dim)[0]
+    per = k.reshape(groups, head_dim, -1)[:, kept + [half + j for j in kept]].to(F64)  # (G, D, n): the kept pairs
     bias = (k_bias.to(F64) if k_bias is not None else torch.zeros(groups * head_dim, dtype=F64)).reshape(groups, -1)
     rows = torch.zeros(rope_dim, per.shape[-1], dtype=F64)
     row_bias = torch.zeros(rope_dim, dtype=F64)
     weights = torch.zeros(groups, keep, dtype=torch.complex128)
     for j in range(keep):
-        z = torch.complex(per[:, j], per[:, half + j])  # (G, n)
+        z = torch.complex(per[:, j], per[:, keep + j])  # (G, n)
         zb = torch.complex(bias[:, j], bias[:, half + j])
         zs = z if inputs is None else z @ inputs.to(z.dtype)
         cov = zs @ z.conj().T + torch.outer(zb, zb.conj())  # (G, G) Hermitian
@@ -80,95 +85,140 @@ def fit_latent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
                errors: dict | None = None, inputs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The target's attention tensors (names under `latent.ATTENTION`) fitted to a layer's q (H*d, n), k and v
     (G*d, n), o (n, H*d) and optional k/v biases: from the weights alone, or with `inputs` (n, n; `input_metric`)
-    in the metric of the layer's attention inputs.
-    `errors` gets the relative errors ||W - W'|| / ||W|| of the keys and values the latent layer holds (the keys'
+    in the metric of the layer's attention inputs. `errors` gets the relative errors ||W - W'|| / ||W|| of the keys and values the latent layer holds (the keys'
     rotary part as u_m k', their position-free part and the values from the latent), as the card reports them."""
     heads, d, D, N, r = shape.heads, shape.v_dim, shape.rope_dim, shape.nope_dim, shape.rank
     groups, n = k.shape[0] // d, k.shape[1]
-    per_group = heads // groups
-    half, keep = d // 2, D // 2
-    kept, nope = rope_pairs(d, D)
-    qh = q.to(F64).reshape(heads, d, n)
     rope_rows, rope_bias, u = shared_rope_key(k, k_bias, groups, d, D, inputs)
-
-    new_q = torch.zeros(heads, N + D, n, dtype=F64)
-    for h in range(heads):
-        alpha = u[h // per_group]  # (D/2,) complex: this head's group's weights
-        a, b = alpha.real[:, None], alpha.imag[:, None]
-        q_re, q_im = qh[h, kept], qh[h, [half + j for j in kept]]
-        new_q[h, :N] = qh[h, nope]
-        new_q[h, N:N + keep], new_q[h, N + keep:] = a * q_re + b * q_im, a * q_im - b * q_re
-
-    kg, vg = k.to(F64).reshape(groups, d, n), v.to(F64).reshape(groups, d, n)
-    y = torch.cat([kg[:, nope].reshape(groups * N, n), vg.reshape(groups * d, n)])  # (G(N + d), n)
+    if not shape.bias and (k_bias is not None or v_bias is not None):
+        raise ValueError("a bias-free latent holds no k/v biases")
     kb = (k_bias.to(F64) if k_bias is not None else torch.zeros(groups * d, dtype=F64)).reshape(groups, d)
     vb = v_bias.to(F64) if v_bias is not None else torch.zeros(groups * d, dtype=F64)
-    y_bias = torch.cat([kb[:, nope].reshape(-1), vb])
-    y_read = y if inputs is None else y @ _sqrt_psd(inputs.to(F64))  # Y S^1/2: the errors as the inputs see them
-    weight = _output_weights(qh[:, nope], o.to(F64).reshape(n, heads, d), groups, y_read)
-    basis = torch.linalg.svd(weight @ y_read, full_matrices=False)[0][:, :r]  # U_R (G(N + d), R)
-    del y_read
-    down, up = basis.T @ weight @ y, torch.linalg.solve(weight, basis)  # A (R, n), B = L^-1 U_R
-    latent_bias = basis.T @ weight @ y_bias
+    y_bias = torch.cat([kb[:, rope_pairs(d, D)[1]].reshape(-1), vb])
+    half = None if inputs is None else _sqrt_psd(inputs.to(F64))  # S^1/2: the errors as the inputs see them
+    blocks, weighted = _weighted_rows(q, k, v, o, heads, d, D, half)  # L's diagonal blocks, L Y (G(N + d), n)
+    read = weighted if half is None else weighted @ half  # L Y S^1/2
+    basis = torch.linalg.svd(read, full_matrices=False)[0][:, :r].clone()  # U_R (G(N + d), R); U freed
+    del read, half
+    down = basis.T @ weighted  # A (R, n)
+    del weighted
+    latent_bias = basis.T @ _apply(blocks, y_bias[:, None])[:, 0]
+    up = torch.cat([torch.linalg.solve(block, part) for block, part in zip(blocks, _split(basis, blocks))])  # L^-1 U_R
     if errors is not None:
-        errors.update(_held_errors(kg, vg, rope_rows, u, up @ down, N, d))
+        errors.update(_held_errors(k, v, rope_rows, u, up, down, N, d))
+    q_rows = _rotated_queries(q, u, heads, d, D, dtype)  # after the SVD, whose working set is the peak
 
-    up_k, up_v = up[:groups * N].reshape(groups, N, r), up[groups * N:].reshape(groups, d, r)
-    expand = torch.zeros(heads, N + d, shape.latent, dtype=F64)
-    for h in range(heads):
-        m = h // per_group
-        expand[h, :N, :r], expand[h, N:, :r] = up_k[m], up_v[m]
-    expand = expand.reshape(heads * (N + d), shape.latent)
-    q_rows = new_q.reshape(heads * (N + D), n).to(dtype)
-    if not shape.bias:  # the norm stays in the function: its weight is set from data (construct.fitted_norm)
-        if k_bias is not None or v_bias is not None:
-            raise ValueError("a bias-free latent holds no k/v biases")
+    latent, bias = shape.latent, shape.bias
+    if not bias:  # the norm stays in the function: its weight is set from data (construct.fitted_norm)
         return {Q: q_rows, KV_A: torch.cat([down, rope_rows]).to(dtype), KV_NORM: torch.ones(r, dtype=dtype),
-                KV_B: expand.to(dtype), O: o.to(dtype)}
+                KV_B: _expansion(up, heads, groups, N, d, latent, dtype), O: o.to(dtype)}
     norm_weight, realised = latent_norm(r, dtype)
     a_rows = torch.cat([down, torch.zeros(1, n, dtype=F64), rope_rows])
     a_bias = torch.cat([latent_bias, torch.tensor([BIAS_SCALE], dtype=F64), rope_bias])
     return {Q: q_rows, KV_A: a_rows.to(dtype), KV_A_BIAS: a_bias.to(dtype), KV_NORM: norm_weight,
-            KV_B: (expand / realised).to(dtype), O: o.to(dtype), O_BIAS: torch.zeros(o.shape[0], dtype=dtype)}
+            KV_B: _expansion(up, heads, groups, N, d, latent, dtype, realised), O: o.to(dtype),
+            O_BIAS: torch.zeros(o.shape[0], dtype=dtype)}
 
 
-def _held_errors(kg: torch.Tensor, vg: torch.Tensor, rope_rows: torch.Tensor, u: torch.Tensor, held: torch.Tensor,
-                 N: int, d: int) -> dict[str, float]:
-    """{"k": ..., "v": ...}: relative errors of the keys and values as the fitted layer holds them."""
-    groups, _, n = kg.shape
-    keep = rope_rows.shape[0] // 2
+def _rotated_queries(q: torch.Tensor, u: torch.Tensor, heads: int, d: int, rope_dim: int, dtype: torch.dtype
+                     ) -> torch.Tensor:
+    """q_proj's rows (H (N + D), n) at `dtype`: per head its nope dims, then conj(u_m) q_h on the kept pairs (the
+    real parts, then the imaginary ones), each head made in float64 alone."""
+    half, keep, N = d // 2, rope_dim // 2, d - rope_dim
+    kept, nope = rope_pairs(d, rope_dim)
+    per_group = heads // u.shape[0]
+    out = torch.empty(heads, N + rope_dim, q.shape[1], dtype=dtype)
+    for h in range(heads):
+        head = q[h * d:(h + 1) * d].to(F64)  # (d, n)
+        alpha = u[h // per_group]  # (D/2,) complex: this head's group's weights
+        a, b = alpha.real[:, None], alpha.imag[:, None]
+        q_re, q_im = head[kept], head[[half + j for j in kept]]
+        out[h, :N] = head[nope]
+        out[h, N:N + keep], out[h, N + keep:] = a * q_re + b * q_im, a * q_im - b * q_re
+    return out.reshape(heads * (N + rope_dim), -1)
+
+
+def _expansion(up: torch.Tensor, heads: int, groups: int, N: int, d: int, latent: int, dtype: torch.dtype,
+               realised: float | None = None) -> torch.Tensor:
+    """kv_b_proj (H (N + d), latent) at `dtype`: head h's nope-key and value rows of B = L^-1 U_R (its group's),
+    divided by the norm's realised scale where there is one; the bias coordinate's column stays zero."""
+    r, per_group = up.shape[1], heads // groups
+    up_k, up_v = up[:groups * N].reshape(groups, N, r), up[groups * N:].reshape(groups, d, r)
+    out = torch.zeros(heads, N + d, latent, dtype=dtype)
+    for h in range(heads):
+        m = h // per_group
+        rows = torch.cat([up_k[m], up_v[m]])
+        out[h, :, :r] = rows if realised is None else rows / realised
+    return out.reshape(heads * (N + d), latent)
+
+
+def _held_errors(k: torch.Tensor, v: torch.Tensor, rope_rows: torch.Tensor, u: torch.Tensor, up: torch.Tensor,
+                 down: torch.Tensor, N: int, d: int) -> dict[str, float]:
+    """{"k": ..., "v": ...}: relative errors of the keys and values as the fitted layer holds them (u_m k' on the
+    kept pairs, B A on the rest), summed a group at a time."""
+    groups, keep = u.shape[0], rope_rows.shape[0] // 2
     kept, nope = rope_pairs(d, 2 * keep)
     shared = torch.complex(rope_rows[:keep], rope_rows[keep:])  # (D/2, n)
-    rebuilt = torch.zeros_like(kg)
+    sums = torch.zeros(4, dtype=F64)  # ||k - k'||^2, ||k||^2, ||v - v'||^2, ||v||^2
     for m in range(groups):
+        key, value = k[m * d:(m + 1) * d].to(F64), v[m * d:(m + 1) * d].to(F64)
+        rebuilt = torch.empty_like(key)
         z = u[m][:, None] * shared
-        rebuilt[m, kept], rebuilt[m, [d // 2 + j for j in kept]] = z.real, z.imag
-    held_k, held_v = held[:groups * N].reshape(groups, N, n), held[groups * N:].reshape(groups, d, n)
-    rebuilt[:, nope] = held_k
-    return {"k": float((kg - rebuilt).norm() / kg.norm()), "v": float((vg - held_v).norm() / vg.norm())}
+        rebuilt[kept], rebuilt[[d // 2 + j for j in kept]] = z.real, z.imag
+        rebuilt[nope] = up[m * N:(m + 1) * N] @ down
+        held_v = up[groups * N + m * d:groups * N + (m + 1) * d] @ down
+        sums += torch.stack([(key - rebuilt).pow(2).sum(), key.pow(2).sum(), (value - held_v).pow(2).sum(),
+                             value.pow(2).sum()])
+    return {"k": float((sums[0] / sums[1]).sqrt()), "v": float((sums[2] / sums[3]).sqrt())}
 
 
-def _output_weights(q_nope: torch.Tensor, o: torch.Tensor, groups: int, y: torch.Tensor) -> torch.Tensor:
-    """L (G(N + d), G(N + d)), block-diagonal: per group, the square root of what its query heads read of the nope
-    keys (sum_h Wq_h Wq_h^T) and of what o_proj makes of its values (sum_h O_h^T O_h); the key blocks together and
-    the value blocks together scaled to unit energy on Y."""
-    heads, N, n = q_nope.shape
-    d = o.shape[-1]
-    per_group = heads // groups
-    blocks = []
-    for kind in ("k", "v"):
+def _weighted_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, heads: int, d: int,
+                   rope_dim: int, half: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(L's diagonal blocks, L Y (G(N + d), n)). Y stacks every group's nope keys, then every group's values; L is
+    block-diagonal: per group, the square root of what its query heads read of the nope keys (sum_h Wq_h Wq_h^T) and
+    of what o_proj makes of its values (sum_h O_h^T O_h); the key blocks together and the value blocks together
+    scaled to unit energy on Y (on Y S^1/2 with `half` = S^1/2). Made a block at a time from the stored weights (float64 a head at a time)."""
+    n, (groups, nope) = q.shape[1], (k.shape[0] // d, rope_pairs(d, rope_dim)[1])
+    per_group, N = heads // groups, d - rope_dim
+    weighted = torch.empty(groups * (N + d), n, dtype=F64)
+    blocks: list[torch.Tensor] = []
+    for kind, size in (("k", N), ("v", d)):
+        if size == 0:
+            continue
+        first = len(blocks)
         for m in range(groups):
             members = range(m * per_group, (m + 1) * per_group)
             if kind == "k":
-                read = sum(q_nope[h] @ q_nope[h].T for h in members)
+                read = sum(_q_nope(q, h, d, nope) @ _q_nope(q, h, d, nope).T for h in members)
+                rows = k[m * d:(m + 1) * d][nope].to(F64)  # (N, n)
             else:
-                read = sum(o[:, h].T @ o[:, h] for h in members)
-            ridge = 1e-6 * read.diagonal().mean() if read.numel() else 0.0  # directions nothing reads stay finite
-            blocks.append(_sqrt_psd(read + ridge * torch.eye(read.shape[0], dtype=F64)))
-    weight = torch.block_diag(*blocks) if blocks else torch.zeros(0, 0, dtype=F64)
-    split = groups * N
-    for part in (slice(0, split), slice(split, weight.shape[0])):
-        energy = (weight[part, part] @ y[part]).norm()
+                read = sum(_o_head(o, h, d).T @ _o_head(o, h, d) for h in members)
+                rows = v[m * d:(m + 1) * d].to(F64)  # (d, n)
+            ridge = 1e-6 * read.diagonal().mean()  # directions nothing reads stay finite
+            blocks.append(_sqrt_psd(read + ridge * torch.eye(size, dtype=F64)))
+            start = (0 if kind == "k" else groups * N) + m * size
+            weighted[start:start + size] = blocks[-1] @ rows
+        part = slice(0 if kind == "k" else groups * N, groups * N if kind == "k" else weighted.shape[0])
+        energy = (weighted[part] if half is None else weighted[part] @ half).norm()
         if energy > 0:
-            weight[part, part] /= energy
-    return weight
+            weighted[part] /= energy
+            blocks[first:] = [block / energy for block in blocks[first:]]
+    return blocks, weighted
+
+
+def _q_nope(q: torch.Tensor, h: int, d: int, nope: list[int]) -> torch.Tensor:
+    return q[h * d:(h + 1) * d][nope].to(F64)  # (N, n)
+
+
+def _o_head(o: torch.Tensor, h: int, d: int) -> torch.Tensor:
+    return o[:, h * d:(h + 1) * d].to(F64)  # (n, d)
+
+
+def _split(rows: torch.Tensor, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """`rows` cut into the row ranges of L's diagonal blocks."""
+    return rows.split([block.shape[0] for block in blocks])
+
+
+def _apply(blocks: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """L @ rows, L given by its diagonal blocks."""
+    return torch.cat([block @ part for block, part in zip(blocks, _split(rows, blocks))])

@@ -161,7 +161,9 @@ def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
                 bar.set_postfix(heldout=f"{score:.4f}", start=f"{before:.4f}")
                 if score < best:
                     best, stale = score, 0
-                    best_state = {id(p): p.detach().clone() for p in trained}
+                    with torch.no_grad():  # in place: a second copy beside the first would raise the peak
+                        for p in trained:
+                            best_state[id(p)].copy_(p)
                 else:
                     stale += 1
                     if opts.patience and stale >= opts.patience:

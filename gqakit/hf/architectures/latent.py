@@ -92,10 +92,11 @@ def shape_refusal(shape: LatentShape, kv_heads: int, config: dict) -> str | None
     d = shape.v_dim
     if shape.rope_dim < 2 or shape.rope_dim > d or shape.rope_dim % 2:
         return f"{opt('rope_dim', shape.rope_dim)} must be an even number of dims from 2 to the head_dim {d}"
-    most = kv_heads * (shape.nope_dim + d)
+    held = kv_heads * (shape.nope_dim + d)
+    most = min(held, config.get("hidden_size") or held)  # the fit's SVD has no more directions than its input's
     if not 1 <= shape.rank <= most:
-        return (f"{opt('kv_rank', shape.rank)} must be from 1 to {most} (the {kv_heads} K/V heads' position-free key "
-                f"and value dims the latent holds)")
+        return (f"{opt('kv_rank', shape.rank)} must be from 1 to {most} (at most the {held} position-free key and "
+                f"value dims of the {kv_heads} K/V heads that the latent holds, and at most the hidden size)")
     rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     kind = rope.get("rope_type", rope.get("type"))
     if shape.rope_dim < d and kind not in (None, "default", "linear"):
