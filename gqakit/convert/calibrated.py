@@ -19,10 +19,8 @@ from gqakit.convert.calibration.data import CalibrationData, load_calibration, s
 from gqakit.convert.calibration.runner import LayerInputs, calibrate
 from gqakit.convert.calibration.stored import layer_path, load_layer
 from gqakit.convert.layer_share import Share, barrier, meeting_folder, read_errors, write_errors
-from gqakit.convert.latent.construct import embed_mqa
-from gqakit.convert.latent.fit import fit_latent
 from gqakit.convert.latent.student import latent_student, set_norm_from, trained
-from gqakit.convert.methods.engine import (LayerMerge, attention_key, calibrated_metric, merge_checkpoint_layer,
+from gqakit.convert.methods.engine import (LayerMerge, attention_key, made_latent, merge_checkpoint_layer,
                                           transferred_path)
 from gqakit.convert.methods.transfer import transfer_merged_layer
 from gqakit.convert.options import ConvertConfig, TransferOptions, calibration_tokens, transfer_options
@@ -149,14 +147,10 @@ def latent_start(plan: Plan, start_plan: Plan, tensors: dict[str, TensorInfo], i
     cost: dict[str, float] = {}
     if plan.latent_fit:
         parts = {key: load_tensor(tensors[name], name) for key, name in names.items()}
-        made = fit_latent(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, torch.float32,
-                          parts.get("k_b"), parts.get("v_b"), errors=cost, inputs=calibrated_metric(how, i))
     else:
         merged, cost = merge_checkpoint_layer(start_plan, tensors, i, sources, how, heldout)
         parts = {key: merged[name] for key, name in names.items()}
-        made = embed_mqa(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, torch.float32,
-                         parts.get("k_b"), parts.get("v_b"))
-    return {ATTENTION.format(i=i) + name: t for name, t in made.items()}, cost
+    return made_latent(plan, i, parts, torch.float32, cost, how), cost
 
 
 def transfer_share(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, TensorInfo],

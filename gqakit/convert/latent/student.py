@@ -20,7 +20,6 @@ from gqakit.convert.methods.transfer import build_attention
 from gqakit.hf.architectures.latent import KV_NORM, LATENT_PARAMS, LatentShape, latent_config
 
 
-
 def kept_dims(head_dim: int, rope_dim: int) -> list[int]:
     """The source's RoPE-table dims the target's shared key uses: pairs j < D/2, both halves."""
     return [*range(rope_dim // 2), *range(head_dim // 2, head_dim // 2 + rope_dim // 2)]

@@ -133,16 +133,24 @@ def latent_layer(plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, d
     layerwise = methods.get(plan.method).layerwise and not plan.latent_fit
     merged = whole_layer(plan, tensors, errors, how, layer, sources) if layerwise else {}
     parts = {key: merged[name] if layerwise else load_tensor(tensors[name], name) for key, name in names.items()}
-    if plan.latent_fit:
-        made = fit_latent(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, dtype,
-                          parts.get("k_b"), parts.get("v_b"), errors=errors.setdefault(layer, {}),
-                          inputs=calibrated_metric(how, layer))
-    else:
+    if not plan.latent_fit:
         for key in [key for key in parts if key[0] in "kv" and not layerwise]:  # head-wise: pooled here
             new = regroup_rows(parts[key], plan, std, seed, names[key])
             if key.endswith("_w"):
                 errors.setdefault(layer, {})[key[0]] = relative_error(parts[key], new, plan.num_key_value_heads)
             parts[key] = new
+    return made_latent(plan, layer, parts, dtype, errors.setdefault(layer, {}), how)
+
+
+def made_latent(plan: Plan, layer: int, parts: dict[str, torch.Tensor], dtype: torch.dtype, errors: dict,
+                how: LayerMerge) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s latent-attention tensors (target names) at `dtype` from its q/k/v/o `parts` ("q_w", "k_b",
+    ...): with `plan.latent_fit` the latent fitted to those K/V heads (in the metric of the layer's calibration
+    statistics where `how` has them; its errors into `errors`), else the MQA that `parts` are, embedded."""
+    if plan.latent_fit:
+        made = fit_latent(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, dtype,
+                          parts.get("k_b"), parts.get("v_b"), errors=errors, inputs=calibrated_metric(how, layer))
+    else:
         made = embed_mqa(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, dtype,
                          parts.get("k_b"), parts.get("v_b"))
     return {ATTENTION.format(i=layer) + name: t for name, t in made.items()}
