@@ -1,9 +1,10 @@
 """Two models of one `gqakit eval ppl` report, compared window by window: A's perplexity over B's on the same
 windows, with a paired 95% bootstrap interval (`gqakit.evaluate.spread.paired_ratio_interval`), and how many
 windows A scores better. Rows whose own intervals overlap can still differ beyond doubt: a hard window is hard for
-both models.
+both models. Two models scored in separate runs of the same text and windows compare with `--b-report`.
 
     python benchmarks/paired.py runs/eval-report MODEL_A MODEL_B
+    python benchmarks/paired.py runs/eval-a MODEL_A MODEL_B --b-report runs/eval-b
 """
 from __future__ import annotations
 
@@ -20,14 +21,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("report", help="a `gqakit eval ppl -o` folder (its results.json)")
     p.add_argument("a", help="model name (the report's model column) whose perplexity is the numerator")
     p.add_argument("b", help="the model it is compared with")
+    p.add_argument("--b-report", help="read model B from this report instead (the same text and windows)")
     p.add_argument("--bootstrap", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    rows = {r["model"]: r for r in json.loads((Path(args.report) / "results.json").read_text())["results"]["rows"]}
-    missing = [m for m in (args.a, args.b) if m not in rows]
-    if missing:
-        p.error(f"{missing[0]!r} is not a model of {args.report}; it has {', '.join(rows)}")
-    a, b = rows[args.a], rows[args.b]
+    def row(folder: str, model: str) -> dict:
+        rows = {r["model"]: r for r in json.loads((Path(folder) / "results.json").read_text())["results"]["rows"]}
+        if model not in rows:
+            p.error(f"{model!r} is not a model of {folder}; it has {', '.join(rows)}")
+        return rows[model]
+
+    a, b = row(args.report, args.a), row(args.b_report or args.report, args.b)
     if a["window_tokens"] != b["window_tokens"]:
         p.error("the two rows scored different windows")
     ratio, low, high = paired_ratio_interval(a["window_nll"], b["window_nll"], a["window_tokens"], args.bootstrap,
