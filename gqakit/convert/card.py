@@ -216,7 +216,8 @@ def _against_mean(plan: Plan, errors: dict[int, dict[str, float]], calibrated: b
 def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]], command: str,
                calibration=None) -> None:
     before, after = plan.kv_cache_bytes_per_token(False), plan.kv_cache_bytes_per_token(True)
-    name = "MLA (from MQA)" if plan.latent else "MQA" if plan.groups == 1 else f"GQA-{plan.groups}"
+    name = ("MLA (a fitted latent)" if plan.latent_fit else "MLA (from MQA)" if plan.latent
+            else "MQA" if plan.groups == 1 else f"GQA-{plan.groups}")
     held = calibration is not None and any("logits" in e for e in errors.values())  # a fitted latent has none
     compared = held and any("logits_mean" in e for e in errors.values())
     trained = any("transfer_before" in e for e in errors.values())

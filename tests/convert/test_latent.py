@@ -69,6 +69,7 @@ def test_the_cache_holds_the_latent_and_one_rope_key_as_counted(tmp_path):
     card = (tmp_path / "mla" / "README.md").read_text()
     assert "DeepseekV3ForCausalLM (stock, from LlamaForCausalLM)" in card and "a latent of 17 values" in card
     assert "not in vLLM/SGLang" in card  # the bias coordinate: transformers-only, and the card says so
+    assert "converted to MLA (from MQA)" in card
 
 
 def test_bfloat16_output_stays_close_to_the_bfloat16_mqa(tmp_path):
@@ -138,6 +139,7 @@ def test_a_fitted_latent_holds_an_mqa_and_rank_one_rope_keys_exactly(tmp_path):
     torch.testing.assert_close(logits(after), logits(before), atol=1e-4, rtol=0)
     card = (tmp_path / "fit" / "README.md").read_text()
     assert "a fitted latent" in card and "the latent is a fit, not the same function" in card
+    assert "converted to MLA (a fitted latent)" in card and "(from MQA)" not in card  # the title says what it is
     # two K/V heads whose keys are complex multiples of one another per RoPE pair (a rotation and a scale that RoPE
     # commutes with): one shared RoPE key holds both, and a latent of full rank holds both values
     g, d, n, heads = 2, 8, 32, 4
