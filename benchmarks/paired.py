@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bootstrap", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+
     def row(folder: str, model: str) -> dict:
         rows = {r["model"]: r for r in json.loads((Path(folder) / "results.json").read_text())["results"]["rows"]}
         if model not in rows:

@@ -177,7 +177,8 @@ def _weighted_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     """(L's diagonal blocks, L Y (G(N + d), n)). Y stacks every group's nope keys, then every group's values; L is
     block-diagonal: per group, the square root of what its query heads read of the nope keys (sum_h Wq_h Wq_h^T) and
     of what o_proj makes of its values (sum_h O_h^T O_h); the key blocks together and the value blocks together
-    scaled to unit energy on Y (on Y S^1/2 with `half` = S^1/2). Made a block at a time from the stored weights (float64 a head at a time)."""
+    scaled to unit energy on Y (on Y S^1/2 with `half` = S^1/2). Made a block at a time from the stored weights
+    (float64 a head at a time)."""
     n, (groups, nope) = q.shape[1], (k.shape[0] // d, rope_pairs(d, rope_dim)[1])
     per_group, N = heads // groups, d - rope_dim
     weighted = torch.empty(groups * (N + d), n, dtype=F64)
@@ -189,10 +190,10 @@ def _weighted_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
         for m in range(groups):
             members = range(m * per_group, (m + 1) * per_group)
             if kind == "k":
-                read = sum(_q_nope(q, h, d, nope) @ _q_nope(q, h, d, nope).T for h in members)
+                read = sum(x @ x.T for x in (_q_nope(q, h, d, nope) for h in members))
                 rows = k[m * d:(m + 1) * d][nope].to(F64)  # (N, n)
             else:
-                read = sum(_o_head(o, h, d).T @ _o_head(o, h, d) for h in members)
+                read = sum(x.T @ x for x in (_o_head(o, h, d) for h in members))
                 rows = v[m * d:(m + 1) * d].to(F64)  # (d, n)
             ridge = 1e-6 * read.diagonal().mean()  # directions nothing reads stay finite
             blocks.append(_sqrt_psd(read + ridge * torch.eye(size, dtype=F64)))
