@@ -11,20 +11,28 @@
 # does not stop the next. Everything lands in $OUT (a folder of its own: ./scratch/gpu-check when unset); the
 # script exits non-zero when any part or check failed. The test suite's cuda tests skip (in well under a second)
 # where no GPU is. DRY_RUN=1 runs the benchmarks' CPU dry runs instead (the
-# whole script on a machine without a GPU, the cuda tests skipping).
+# whole script on a machine without a GPU, the cuda tests skipping). The tests run in parallel processes where
+# pytest-xdist is installed (the GPU image has it; each mask pattern compiles flex_attention anew, ~10 s of CPU).
+# A focused rerun narrows it: PARTS (default "pytest decode train"), PYTEST_S / DECODE_S / TRAIN_S (budgets, s),
+# DECODE_ARGS / TRAIN_ARGS (more options, e.g. DECODE_ARGS="--batches 32 --contexts 32768").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/scratch/gpu-check}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gqakit-gpu.XXXXXX")
 TOTAL_S=${TOTAL_S:-470}
+PARTS=${PARTS:-pytest decode train}
 WHEELS=${WHEELS:-.whl}  # the carried wheels (tests point it elsewhere: no install into /tmp/site)
 START=$(date +%s)
 mkdir -p "$OUT"
 
 left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
+wanted() { [[ " $PARTS " == *" $1 "* ]] && echo "$2" || echo 0; }  # wanted NAME BUDGET: its budget, 0 if not in PARTS
+PYTEST_S=$(wanted pytest "${PYTEST_S:-180}") DECODE_S=$(wanted decode "${DECODE_S:-110}")
+TRAIN_S=$(wanted train "${TRAIN_S:-120}")
 
-part() {  # part NAME BUDGET_S COMMAND...: run under timeout, one line in parts.tsv
+part() {  # part NAME BUDGET_S RESERVE_S COMMAND...: run under timeout (leaving RESERVE_S), a line in parts.tsv
     local name=$1 budget=$2 reserve=$3; shift 3
+    if [[ " $PARTS " != *" $name "* ]]; then echo "== $name: not in PARTS"; return; fi
     local cap=$(( $(left) - reserve ))
     (( budget > cap )) && budget=$cap
     if (( budget < 15 )); then
@@ -73,15 +81,20 @@ import datasets, gqakit  # noqa: F401  both must import before anything runs
 print(json.dumps(out, indent=1))
 open(sys.argv[1], "w").write(json.dumps(out))
 PY
-    part pytest 180 240 sh -c 'GQAKIT_TEST_DEADLINE=$(( $(date +%s) + BUDGET_S - 20 )) \
-        python3 -m pytest -m cuda tests/cuda -q -p no:cacheprovider -o junit_family=xunit1 \
-        --junitxml "$1/pytest.xml" --durations=15 >"$2/pytest.log" 2>&1' sh "$WORK" "$OUT"
+    local workers=()  # half the cores, at most 8, where pytest-xdist is installed
+    python3 -c "import xdist" 2>/dev/null && workers=(-n "$(( $(nproc) > 16 ? 8 : ($(nproc) + 1) / 2 ))")
+    part pytest "$PYTEST_S" $(( DECODE_S + TRAIN_S + 10 )) \
+        sh -c 'work=$1 out=$2; shift 2
+        GQAKIT_TEST_DEADLINE=$(( $(date +%s) + BUDGET_S - 20 )) python3 -m pytest -m cuda tests/cuda -q \
+        -p no:cacheprovider -o junit_family=xunit1 "$@" --junitxml "$work/pytest.xml" --durations=15 \
+        >"$out/pytest.log" 2>&1' sh "$WORK" "$OUT" "${workers[@]}"
     tail -n 30 "$OUT/pytest.log"
-    part decode 110 130 sh -c 'python3 benchmarks/gpu/decode.py $2 --budget-s $((BUDGET_S - 25)) \
-        --json "$1/decode.json" >"$1/decode.md"' sh "$WORK" "${DRY_RUN:+--dry-run}"
+    part decode "$DECODE_S" $(( TRAIN_S + 10 )) \
+        sh -c 'python3 benchmarks/gpu/decode.py $2 $3 --budget-s $((BUDGET_S - 25)) \
+        --json "$1/decode.json" >"$1/decode.md"' sh "$WORK" "${DRY_RUN:+--dry-run}" "${DECODE_ARGS:-}"
     cat "$WORK/decode.md" 2>/dev/null
-    part train 120 10 sh -c 'python3 benchmarks/gpu/train.py $2 --budget-s $((BUDGET_S - 25)) \
-        --json "$1/train.json" >"$1/train.md"' sh "$WORK" "${DRY_RUN:+--dry-run}"
+    part train "$TRAIN_S" 10 sh -c 'python3 benchmarks/gpu/train.py $2 $3 --budget-s $((BUDGET_S - 25)) \
+        --json "$1/train.json" >"$1/train.md"' sh "$WORK" "${DRY_RUN:+--dry-run}" "${TRAIN_ARGS:-}"
     cat "$WORK/train.md" 2>/dev/null
     echo
     python3 benchmarks/gpu/summary.py "$WORK" "$OUT"
