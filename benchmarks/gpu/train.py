@@ -75,8 +75,8 @@ def window_mask(T: int, window: int, device):
 
 
 def twin(name: str) -> str:
-    """The sdpa run a kernel's output is checked against: the masked one for the windowed flex."""
-    return "sdpa W" if name.startswith("flex W") else "sdpa"
+    """The sdpa run a kernel's output is checked against: the masked one for the windowed kernels."""
+    return "sdpa W" if name.startswith(("flex W", "sdpa W")) else "sdpa"
 
 
 def kernels(args, device) -> dict:

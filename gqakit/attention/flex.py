@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -332,23 +333,50 @@ def _flex(q, k, v, scale, spec, q_offset, kv_offset, key_padding, softcap, s_aux
     bias = None
     if attn_mask is not None:
         attn_mask = _check_dense(attn_mask.to(q.device), B, H, Tq, Tk)
-        if attn_mask.dtype != torch.bool:  # masked entries are dropped by the mask_mod; the rest is a bias
-            bias = torch.where(dense_allowed(attn_mask), attn_mask, 0).float()
+        if attn_mask.dtype != torch.bool:  # masked entries are dropped by the mask_mod; the rest is a bias,
+            # kept in its own dtype (exact; a bf16 bias tile takes half an fp32 one's shared memory on the GPU)
+            bias = torch.where(dense_allowed(attn_mask), attn_mask, 0)
     if block_mask is None:
         block_mask = block_mask_for(spec, B, H, Tq, Tk, q_offset, kv_offset, key_padding, block_size, q.device,
                                     extra_mask=extra_mask, attn_mask=attn_mask)
     if not enable_gqa and G != H:
         k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)  # (B, H, Tk, d|dv)
     kernel = _compiled(flex_attention, q.device) if compiled else flex_attention
-    out = kernel(q, k, v, score_mod=_score_mod(None if softcap is None else float(softcap), bias),
-                 block_mask=block_mask, scale=float(scale), enable_gqa=k.shape[1] != H,
-                 return_aux=AuxRequest(lse=True) if need_lse else None)
+    out = run_with_small_tiles_on_failure(
+        kernel, q.device.type, q, k, v, score_mod=_score_mod(None if softcap is None else float(softcap), bias),
+        block_mask=block_mask, scale=float(scale), enable_gqa=k.shape[1] != H,
+        return_aux=AuxRequest(lse=True) if need_lse else None)
     if not need_lse:
         return out
     out, lse = out[0], out[1].lse.float()  # lse (B, H, Tq), natural log
     if s_aux is not None:
         out, lse = fold_sink(out, lse, s_aux)
     return (out, lse) if return_lse else out
+
+
+# Tiles for a second compile when the default ones need more shared memory than the GPU has: seen on an H200
+# (torch 2.11) for bf16 inputs with a dense additive bias in the score_mod ("out of resource: ... Required: 278528
+# Hardware limit: 232448"). One stage of 64 x 64 tiles holds under a quarter of the default's tiles.
+SMALL_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
+
+
+def out_of_resource(error: BaseException) -> bool:
+    """Whether `error` is Triton's refusal of a kernel configuration for its shared memory or registers."""
+    text = f"{type(error).__name__}: {error}"
+    return "out of resource" in text or "No valid triton configs" in text or "OutOfResources" in text
+
+
+def run_with_small_tiles_on_failure(kernel: Callable, device_type: str, *args, **kwargs):
+    """kernel(*args, **kwargs); on CUDA, when compiling its default tiles fails for lack of shared memory, once
+    more with SMALL_TILES (one warning line). Any other error, and every error on CPU, is raised as it is."""
+    try:
+        return kernel(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001  re-raised unless it is the one failure handled here
+        if device_type != "cuda" or not out_of_resource(error):
+            raise
+    warnings.warn(f"flex_attention: the default tiles need more GPU shared memory than this card has; compiled "
+                  f"again with {SMALL_TILES} (slower, same result)", stacklevel=3)
+    return kernel(*args, kernel_options=dict(SMALL_TILES), **kwargs)
 
 
 _CPU_CHECK: list = []  # [None] or [what went wrong], once per process

@@ -404,3 +404,49 @@ def test_registry_attention_runs_on_flex_and_sdpa_in_a_tiny_llama(kind, options,
         close(model(ids).logits, want_plain)
     # 'tiled' unpadded is plain causal attention: sdpa in both layers; 'sliding' is not: the tiled kernel on CPU
     assert calls == (["upper_left"] * 2 if kind == "tiled" else [])
+
+
+H200_REFUSAL = ("No valid triton configs. OutOfMemoryError: out of resource: triton_tem_fused_flex_attention_0 "
+                "Required: 278528 Hardware limit:232448 Reducing block sizes or `num_stages` may help.")
+
+
+def test_a_shared_memory_refusal_on_cuda_compiles_again_with_small_tiles():
+    """The failure the H200 gave for a bf16 bias (torch 2.11): retried once with SMALL_TILES and one warning;
+    any other error, and the same one on CPU, is raised unchanged."""
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(kwargs.get("kernel_options"))
+        if len(calls) == 1:
+            raise RuntimeError(H200_REFUSAL)
+        return "out"
+
+    with pytest.warns(UserWarning, match="more GPU shared memory"):
+        assert fx.run_with_small_tiles_on_failure(kernel, "cuda", 1, scale=2.0) == "out"
+    assert calls == [None, fx.SMALL_TILES]
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="out of resource"):
+        fx.run_with_small_tiles_on_failure(kernel, "cpu", 1)
+    assert calls == [None]
+
+    def broken(*args, **kwargs):
+        calls.append(kwargs.get("kernel_options"))
+        raise ValueError("a shape error")
+
+    calls.clear()
+    with pytest.raises(ValueError, match="a shape error"):
+        fx.run_with_small_tiles_on_failure(broken, "cuda", 1)
+    assert calls == [None]
+
+
+def test_a_bf16_bias_gives_the_tiled_result():
+    """A bf16 additive mask, passed to the score_mod in its own dtype (no fp32 copy), gives the tiled kernel's
+    result on fp32 inputs."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, n, 20, 8, generator=g) for n in (4, 2, 2))
+    bias = (0.5 * torch.randn(1, 1, 20, 20, generator=g)).to(torch.bfloat16)
+    bias[..., 3] = torch.finfo(torch.bfloat16).min
+    got = fx.flex_attention_forward(q, k, v, scale=8 ** -0.5, attn_mask=bias, block_size=16)
+    want = tiled_attention(q, k, v, scale=8 ** -0.5, attn_mask=bias.float(), block_q=16, block_k=16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
