@@ -66,14 +66,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---- (a) attention forward + backward ----------------------------------------------------------------
 
 
-def window_mask(T: int, window: int, device):
-    """(T, T) boolean: key j is visible to query i when 0 <= i - j < window (MaskSpec(window=...)'s rule)."""
-    import torch
-
-    dist = torch.arange(T, device=device)[:, None] - torch.arange(T, device=device)[None, :]
-    return (dist >= 0) & (dist < window)
-
-
 def twin(name: str) -> str:
     """The sdpa run a kernel's output is checked against: the masked one for the windowed kernels."""
     return "sdpa W" if name.startswith(("flex W", "sdpa W")) else "sdpa"
@@ -81,6 +73,7 @@ def twin(name: str) -> str:
 
 def kernels(args, device) -> dict:
     """name -> fn(q, k, v) -> out, for every kernel this device can train with."""
+    import torch
     import torch.nn.functional as F
 
     from gqakit.attention.flex import flex_attention_forward
@@ -100,7 +93,8 @@ def kernels(args, device) -> dict:
             T = q.shape[2]
             if T not in masks:
                 masks.clear()
-                masks[T] = window_mask(T, args.window, q.device)
+                pos = torch.arange(T, device=q.device)
+                masks[T] = MaskSpec(window=args.window).mask(pos, pos)  # (T, T), the flex run's own rule
             return F.scaled_dot_product_attention(q, k, v, attn_mask=masks[T], scale=scale,
                                                   enable_gqa=k.shape[1] != q.shape[1])
 
