@@ -64,6 +64,15 @@ def build(shape: dict, kv_heads: int | str, dtype: torch.dtype, max_positions: i
         return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype).eval()
 
 
+def cached_shapes(cfg, batch: int, context: int) -> tuple[tuple, tuple]:
+    """The shapes of one layer's cached keys and values for `batch` rows of `context` positions (latent attention
+    caches its latent and its shared RoPE key, one "head" each)."""
+    if getattr(cfg, "kv_lora_rank", None):
+        return (batch, 1, context, cfg.kv_lora_rank), (batch, 1, context, cfg.qk_rope_head_dim)
+    shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
+    return shape, shape
+
+
 def filled_cache(model, context: int, sinks: tuple[int, int] | None, dtype: torch.dtype, seed: int,
                  batch: int = 1):
     """A cache holding `context` positions of random keys and values for `batch` rows, on the model's device (a
@@ -75,11 +84,7 @@ def filled_cache(model, context: int, sinks: tuple[int, int] | None, dtype: torc
     cfg, device = model.config, model.device
     cache = DynamicCache() if sinks is None else SinkCache(*sinks, rope=model)
     g = torch.Generator(device).manual_seed(seed)
-    shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
-    if getattr(cfg, "kv_lora_rank", None):  # latent attention caches (latent, shared RoPE key), one "head" each
-        shape, second = (batch, 1, context, cfg.kv_lora_rank), (batch, 1, context, cfg.qk_rope_head_dim)
-    else:
-        second = shape
+    shape, second = cached_shapes(cfg, batch, context)
     for layer in range(cfg.num_hidden_layers):
         cache.update(torch.randn(shape, generator=g, device=device, dtype=dtype),
                      torch.randn(second, generator=g, device=device, dtype=dtype), layer)

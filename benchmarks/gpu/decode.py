@@ -11,6 +11,12 @@ head_dim <= 256). Then, per K/V count, the largest batch whose cache of --fit-co
 step fits (doubling, then bisecting, catching out-of-memory). A cell whose cache alone would exceed
 --memory-fraction of the free memory is not tried; every K/V count gets an equal share of --budget-s.
 
+With --captured (the default on CUDA) each cell is timed a second time as a server runs decode: a static cache,
+attention that reads each cached K/V head once (transformers' sdpa path repeats K/V to every head whenever it has
+a mask), and the step captured once as a CUDA graph and replayed (benchmarks/gpu/captured.py): the "graph"
+columns. The eager step is host-bound on the device image, so only the graph columns show what fewer K/V heads
+save in time.
+
 MLA is the stock DeepseekV3 that `convert-gqa --to mla` writes (a latent of head_dim + 1 and one shared RoPE key
 per token: MQA's cache, re-expanded through kv_b_proj into every head at each step): see MLA_VARIANTS.
 
@@ -48,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fit-cap", type=int, default=4096, help="largest batch the probe tries")
     p.add_argument("--memory-fraction", type=float, default=0.85)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--captured", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the captured step (static cache, grouped attention, CUDA graph)")
     p.add_argument("--budget-s", type=float, default=110.0, help="time for the whole script (seconds)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--dry-run", action="store_true", help="CPU, the tiny shape and sizes (seconds)")
@@ -63,8 +71,13 @@ def label(kv: int, heads: int) -> str:
 
 
 def kv_bytes(cfg, batch: int, context: int, element: int) -> int:
-    """What a full cache of `context` positions holds: keys and values of every layer."""
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element * batch * context
+    """What a full cache of `context` positions holds: keys and values of every layer (a latent model: its latent
+    and shared RoPE key)."""
+    if getattr(cfg, "kv_lora_rank", None):
+        per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    else:
+        per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim
+    return cfg.num_hidden_layers * per_layer * element * batch * context
 
 
 def decode_step(model, cache, token, position):
@@ -99,6 +112,14 @@ def one_cell(model, batch: int, context: int, args, device, dtype, probe: bool) 
     row["peak_gib"] = None if peak is None else peak / 2**30
     del cache
     release(device)
+    if args.captured and not getattr(args, "capture_error", None):
+        try:
+            row.update(captured_cell(model, batch, context, args, device, dtype))
+        except Exception as e:  # noqa: BLE001 - out of memory skips the cell; any other failure stops capturing
+            if not is_oom(e):
+                args.capture_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                log(f"captured step failed, eager only from here: {args.capture_error}")
+            row["graph_skipped"] = "out of memory" if is_oom(e) else "capture failed"
     if batch * context <= args.ttft_tokens:
         prompt = torch.randint(model.config.vocab_size, (batch, context), device=device)
 
@@ -111,6 +132,25 @@ def one_cell(model, batch: int, context: int, args, device, dtype, probe: bool) 
             row["prefill_kernel"] = classify_kernels(kernels_of(prefill, device))
         release(device)
     return row
+
+
+def captured_cell(model, batch: int, context: int, args, device, dtype) -> dict:
+    """The same cell's decode replayed from a captured step over a static cache (captured.py)."""
+    from captured import CapturedDecoder, register, static_cache
+
+    eager = model.config._attn_implementation
+    model.set_attn_implementation(register())
+    try:
+        room = CapturedDecoder.WARMUP + 2 + args.decode + 1
+        cache = static_cache(model, batch, context, room, dtype, seed=0)
+        decoder = CapturedDecoder(model, cache, batch, context, room)
+        times = timed(decoder.step, device, warmup=2, repeats=args.decode)
+        return {"graph_tokens_per_s": batch / statistics.median(times), "graph_step_ms": 1e3 * statistics.median(times),
+                "graph_captured": decoder.graph is not None}
+    finally:
+        model.set_attn_implementation(eager)
+        cache = decoder = None
+        release(device)
 
 
 def fits(model, batch: int, context: int, dtype, device) -> bool:
@@ -182,24 +222,50 @@ def run_variant(name: str, model, args, device, dtype, budget: Budget) -> dict:
     return {"kv_heads": cfg.num_key_value_heads, "cells": cells, "largest_batch": fit}
 
 
+def graph_vs_mha(results: dict) -> dict:
+    """{context: {variant: (batch, ratio)}}: each variant's captured tok/s over MHA's at the largest batch where both
+    ran at that context (MHA's cache is the first not to fit)."""
+    variants = results["variants"]
+    if "MHA" not in variants:
+        return {}
+    graph = {name: {tuple(int(x) for x in key.split("x")): c["graph_tokens_per_s"]
+                    for key, c in res["cells"].items() if "graph_tokens_per_s" in c}
+             for name, res in variants.items()}
+    out: dict = {}
+    for (batch, context), mha in sorted(graph["MHA"].items()):
+        for name, cells in graph.items():
+            if name != "MHA" and (batch, context) in cells:
+                out.setdefault(str(context), {})[name] = (batch, cells[batch, context] / mha)
+    return out
+
+
 def table(results: dict, args) -> list[str]:
-    rows = ["| variant | batch | context | decode tok/s | step ms | TTFT ms | peak GiB | KV bytes/token | "
-            "decode kernel | prefill kernel |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| variant | batch | context | decode tok/s | step ms | graph tok/s | graph step ms | TTFT ms | peak GiB | "
+            "KV bytes/token | decode kernel | prefill kernel |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for name, res in results["variants"].items():
         for key, c in res["cells"].items():
             batch, context = key.split("x")
             if "skipped" in c:
-                rows.append(f"| {name} | {batch} | {context} | {c['skipped']} |  |  |  |  |  |  |")
+                rows.append(f"| {name} | {batch} | {context} | {c['skipped']} |  |  |  |  |  |  |  |  |")
                 continue
             rows.append(f"| {name} | {batch} | {context} | {c['tokens_per_s']:,.0f} | {c['step_ms']:.2f} | "
+                        f"{fmt(c.get('graph_tokens_per_s'), ',.0f')} | {fmt(c.get('graph_step_ms'), '.2f')} | "
                         f"{fmt(c.get('ttft_ms'), '.1f')} | {fmt(c['peak_gib'], '.2f')} | "
                         f"{c['kv_bytes_per_token']:,.0f} | {c.get('decode_kernel', '')} | "
                         f"{c.get('prefill_kernel', '')} |")
     for name, _ in MLA_VARIANTS or [("MLA", None)]:
         if name not in results["variants"]:
             rows.append(f"| {name} | - | - | not built yet (MLA_VARIANTS in benchmarks/gpu/decode.py) |"
-                        "  |  |  |  |  |  |")
+                        "  |  |  |  |  |  |  |  |")
+    ratios = graph_vs_mha(results)
+    if ratios:
+        rows += ["", "Captured step, each variant's tokens/s over MHA's at the largest batch both ran:", "",
+                 "| context | " + " | ".join(f"{n} (batch)" for n in results["variants"] if n != "MHA") + " |",
+                 "|---|" + "---|" * (len(results["variants"]) - 1)]
+        for context, by in ratios.items():
+            rows.append(f"| {context} | " + " | ".join(
+                f"{by[n][1]:.2f}x ({by[n][0]})" if n in by else "-" for n in results["variants"] if n != "MHA") + " |")
     rows += ["", "| variant | " + " | ".join(f"largest batch at T={c}" for c in args.fit_contexts.split(",")) + " |",
              "|---|" + "---|" * len(args.fit_contexts.split(","))]
     for name, res in results["variants"].items():
@@ -232,11 +298,20 @@ def main(argv=None) -> int:
         release(device)
     print(f"## Decode on {results['versions'].get('gpu', 'cpu')}: {args.shape} shape, {args.dtype}, sdpa\n")
     print(f"torch {torch.__version__}; median of {args.decode} synchronised single-token steps after 2 warm-up; "
-          f"tokens/s = batch / step; TTFT = one prefill of batch x context tokens and its argmax.\n")
+          f"tokens/s = batch / step; TTFT = one prefill of batch x context tokens and its argmax. "
+          f"graph: the step captured as a CUDA graph over a static cache with grouped attention (captured.py; run "
+          f"eagerly off CUDA).\n")
     print("\n".join(table(results, args)))
-    checks = [name for name, res in results["variants"].items()
+    checks = [f"{name}: no cell ran" for name, res in results["variants"].items()
               if not any("tokens_per_s" in c for c in res["cells"].values())]
-    results["failed_checks"] = [f"{name}: no cell ran" for name in checks]
+    if args.captured:
+        checks += [f"{name}: no captured cell ran" for name, res in results["variants"].items()
+                   if any("tokens_per_s" in c for c in res["cells"].values())
+                   and not any("graph_tokens_per_s" in c for c in res["cells"].values())]
+        if getattr(args, "capture_error", None):
+            checks.append(f"captured step: {args.capture_error}")
+    results["graph_vs_mha"] = graph_vs_mha(results)
+    results["failed_checks"] = checks
     write_json(args.json, results)
     return 1 if checks else 0
 

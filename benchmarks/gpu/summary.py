@@ -55,7 +55,9 @@ def what(part: str, data: dict) -> str:
         cells = [c for v in data.get("decode", {}).get("variants", {}).values() for c in v["cells"].values()]
         ran = [c for c in cells if "tokens_per_s" in c]
         kernels = sorted({c.get("decode_kernel") for c in ran} - {None})
-        return f"{len(ran)} of {len(cells)} cells ran; decode kernels: {', '.join(kernels) or '-'}"
+        graph = sum("graph_tokens_per_s" in c for c in ran)
+        return (f"{len(ran)} of {len(cells)} cells ran ({graph} also captured); decode kernels: "
+                f"{', '.join(kernels) or '-'}")
     if part == "train":
         up = data.get("train", {}).get("uptrain", {})
         vs = [f"{k} {v['vs_bare']:.2f}x bare" for k, v in up.items() if isinstance(v, dict) and "vs_bare" in v]
@@ -73,10 +75,11 @@ def plot(decode: dict, out: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, res in decode.get("variants", {}).items():
-        points = sorted((int(k.split("x")[1]), c["tokens_per_s"]) for k, c in res["cells"].items()
-                        if k.startswith("8x") and "tokens_per_s" in c)
-        if points:
-            ax.plot(*zip(*points), marker="o", label=name)
+        for key, style, suffix in (("tokens_per_s", "-", " eager"), ("graph_tokens_per_s", "--", " graph")):
+            points = sorted((int(k.split("x")[1]), c[key]) for k, c in res["cells"].items()
+                            if k.startswith("8x") and key in c)
+            if points:
+                ax.plot(*zip(*points), style, marker="o", label=name + suffix)
     ax.set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens/s", title="batch 8, bf16")
     ax.legend()
     fig.tight_layout()
