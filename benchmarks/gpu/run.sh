@@ -3,8 +3,8 @@
 #   bash benchmarks/gpu/run.sh
 # after benchmarks/gpu/prepare.sh filled .whl/ here (the call carries it: carry=[".whl"]). At most ~8 minutes:
 #   setup (wheels, versions)    ~20 s
-#   pytest -m cuda tests/cuda   180 s   CUDA kernels against the fp64 reference, conversions, uptrain, sinks
-#   benchmarks/gpu/decode.py    110 s   MHA / GQA / MQA decode of a 1B-class Llama shape
+#   pytest -m cuda tests/cuda   150 s   CUDA kernels against the fp64 reference, conversions, uptrain, sinks
+#   benchmarks/gpu/decode.py    150 s   MHA / GQA / MQA / MLA decode of a 1B-class Llama shape, eager and captured
 #   benchmarks/gpu/train.py     120 s   attention fwd+bwd (tiled / flex / sdpa), uptrain vs a bare loop
 #   benchmarks/gpu/summary.py     5 s   one summary table; report.md, report.json, decode.png
 # Each part runs under `timeout` with its budget (cut to what is left of TOTAL_S); a part that fails or runs out
@@ -27,7 +27,7 @@ mkdir -p "$OUT"
 
 left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
 wanted() { [[ " $PARTS " == *" $1 "* ]] && echo "$2" || echo 0; }  # wanted NAME BUDGET: its budget, 0 if not in PARTS
-PYTEST_S=$(wanted pytest "${PYTEST_S:-180}") DECODE_S=$(wanted decode "${DECODE_S:-110}")
+PYTEST_S=$(wanted pytest "${PYTEST_S:-150}") DECODE_S=$(wanted decode "${DECODE_S:-150}")
 TRAIN_S=$(wanted train "${TRAIN_S:-120}")
 
 part() {  # part NAME BUDGET_S RESERVE_S COMMAND...: run under timeout (leaving RESERVE_S), a line in parts.tsv
