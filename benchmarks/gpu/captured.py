@@ -91,7 +91,10 @@ class CapturedDecoder:
     def __init__(self, model, cache, batch: int, context: int, room: int, first_token=None):
         import torch
 
-        self.model, self.cache, self.left = model, cache, room
+        from gqakit.hf.compat import cache_kwargs
+
+        self.model, self.left = model, room
+        self.cache_kwargs = cache_kwargs(model, cache)  # {keyword: cache} on this transformers release
         device = model.device
         self.token = (torch.zeros(batch, 1, dtype=torch.long, device=device) if first_token is None
                       else first_token.clone())
@@ -104,11 +107,8 @@ class CapturedDecoder:
     def _forward(self) -> None:
         import torch
 
-        from gqakit.hf.compat import cache_kwargs
-
         with torch.no_grad():
-            self.logits = self.model(self.token, **cache_kwargs(self.model, self.cache), position_ids=self.position,
-                                     use_cache=True).logits
+            self.logits = self.model(self.token, **self.cache_kwargs, position_ids=self.position, use_cache=True).logits
             self.token.copy_(self.logits[:, -1:].argmax(-1))
             self.position.add_(1)
 

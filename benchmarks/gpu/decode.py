@@ -28,13 +28,14 @@ Progress goes to stderr; stdout is only the markdown report. A benchmark, never 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 
 from _gpu import (Budget, classify_kernels, free_bytes, is_oom, kernels_of, peak_bytes, pick_device, release,
                   reset_peak, sync, timed, versions, write_json)
 from _measure import cache_bytes, logger
-from decode_kv_heads import SHAPES, build, filled_cache
+from decode_kv_heads import SHAPES, build, cached_shapes, filled_cache
 
 log = logger("gpu/decode")
 # Further rows beside the K/V-head variants: (label, builder(shape, dtype, max_positions, device) -> model).
@@ -63,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.dry_run:
         args.shape, args.batches, args.contexts, args.decode = "tiny", "1,2", "32,64", 2
         args.ttft_tokens, args.fit_contexts, args.fit_cap, args.dtype = 128, "64", 4, "float32"
+    args.capture_error = None  # the first failed capture's line: eager only from there
     return args
 
 
@@ -72,12 +74,9 @@ def label(kv: int, heads: int) -> str:
 
 def kv_bytes(cfg, batch: int, context: int, element: int) -> int:
     """What a full cache of `context` positions holds: keys and values of every layer (a latent model: its latent
-    and shared RoPE key)."""
-    if getattr(cfg, "kv_lora_rank", None):
-        per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    else:
-        per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim
-    return cfg.num_hidden_layers * per_layer * element * batch * context
+    and shared RoPE key), at the shapes `filled_cache` and `static_cache` fill."""
+    keys, values = cached_shapes(cfg, batch, context)
+    return cfg.num_hidden_layers * (math.prod(keys) + math.prod(values)) * element
 
 
 def decode_step(model, cache, token, position):
@@ -112,7 +111,7 @@ def one_cell(model, batch: int, context: int, args, device, dtype, probe: bool) 
     row["peak_gib"] = None if peak is None else peak / 2**30
     del cache
     release(device)
-    if args.captured and not getattr(args, "capture_error", None):
+    if args.captured and not args.capture_error:
         try:
             row.update(captured_cell(model, batch, context, args, device, dtype))
         except Exception as e:  # noqa: BLE001 - out of memory skips the cell; any other failure stops capturing
@@ -141,10 +140,11 @@ def captured_cell(model, batch: int, context: int, args, device, dtype) -> dict:
     eager = model.config._attn_implementation
     model.set_attn_implementation(register())
     try:
-        room = CapturedDecoder.WARMUP + 2 + args.decode + 1
+        warmup = 2  # timed's, after the decoder's own capture warm-up
+        room = CapturedDecoder.WARMUP + warmup + args.decode + 1
         cache = static_cache(model, batch, context, room, dtype, seed=0)
         decoder = CapturedDecoder(model, cache, batch, context, room)
-        times = timed(decoder.step, device, warmup=2, repeats=args.decode)
+        times = timed(decoder.step, device, warmup=warmup, repeats=args.decode)
         return {"graph_tokens_per_s": batch / statistics.median(times), "graph_step_ms": 1e3 * statistics.median(times),
                 "graph_captured": decoder.graph is not None}
     finally:
@@ -258,7 +258,7 @@ def table(results: dict, args) -> list[str]:
         if name not in results["variants"]:
             rows.append(f"| {name} | - | - | not built yet (MLA_VARIANTS in benchmarks/gpu/decode.py) |"
                         "  |  |  |  |  |  |  |  |")
-    ratios = graph_vs_mha(results)
+    ratios = results["graph_vs_mha"]
     if ratios:
         rows += ["", "Captured step, each variant's tokens/s over MHA's at the largest batch both ran:", "",
                  "| context | " + " | ".join(f"{n} (batch)" for n in results["variants"] if n != "MHA") + " |",
@@ -301,6 +301,7 @@ def main(argv=None) -> int:
           f"tokens/s = batch / step; TTFT = one prefill of batch x context tokens and its argmax. "
           f"graph: the step captured as a CUDA graph over a static cache with grouped attention (captured.py; run "
           f"eagerly off CUDA).\n")
+    results["graph_vs_mha"] = graph_vs_mha(results)
     print("\n".join(table(results, args)))
     checks = [f"{name}: no cell ran" for name, res in results["variants"].items()
               if not any("tokens_per_s" in c for c in res["cells"].values())]
@@ -308,9 +309,8 @@ def main(argv=None) -> int:
         checks += [f"{name}: no captured cell ran" for name, res in results["variants"].items()
                    if any("tokens_per_s" in c for c in res["cells"].values())
                    and not any("graph_tokens_per_s" in c for c in res["cells"].values())]
-        if getattr(args, "capture_error", None):
+        if args.capture_error:
             checks.append(f"captured step: {args.capture_error}")
-    results["graph_vs_mha"] = graph_vs_mha(results)
     results["failed_checks"] = checks
     write_json(args.json, results)
     return 1 if checks else 0
