@@ -151,6 +151,41 @@ def test_training_lowers_the_heldout_error_and_is_deterministic():
     assert torch.equal(student.o_proj.weight, start.o_proj.weight)
 
 
+def test_stepping_in_backward_is_adamw_after_backward_with_no_gradient_kept():
+    """StepInBackward gives the same weights, bit for bit, as one AdamW over per-tensor groups stepped after backward
+    (with the same learning-rate schedule), and leaves no gradient behind."""
+    from gqakit.convert.methods.transfer import StepInBackward
+
+    def groups(module):
+        return [{"params": [p], "lr": 0.01 * (i + 1)} for i, p in enumerate(module.parameters())]
+
+    factor = lambda s: (s + 1) / 3 if s < 3 else 0.5  # noqa: E731
+    runs = []
+    for in_backward in (False, True):
+        student, kwargs, xs, ys = _student_problem()
+        if in_backward:
+            optimizer = StepInBackward(groups(student), factor, betas=(0.9, 0.99), weight_decay=0.0)
+        else:
+            optimizer = torch.optim.AdamW(groups(student), betas=(0.9, 0.99), weight_decay=0.0)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        for step in range(6):
+            loss = (attend(student, xs[step % 8][None], kwargs)[0] - ys[step % 8]).pow(2).sum()
+            if not in_backward:
+                optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if in_backward:
+                assert all(p.grad is None for p in student.parameters())
+                optimizer.advance()
+            else:
+                optimizer.step()
+                scheduler.step()
+        if in_backward:
+            optimizer.remove()
+        runs.append([p.detach().clone() for p in student.parameters()])
+    assert len(runs[0]) == 4 and all(torch.equal(a, b) for a, b in zip(*runs))
+    assert not all(torch.equal(a, b) for a, b in zip(runs[0], _student_problem()[0].parameters()))  # it trained
+
+
 def test_a_layer_that_training_cannot_improve_keeps_its_start():
     student, kwargs, xs, ys = _student_problem()
     start = {n: p.detach().clone() for n, p in student.named_parameters()}
