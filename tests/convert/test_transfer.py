@@ -126,13 +126,32 @@ def _student_problem(seed: int = 0):
     return student, kwargs, xs, ys
 
 
-def _train(seed: int, steps: int = 40):
+def _train(seed: int, steps: int = 40, scratch: Path | None = None):
     student, kwargs, xs, ys = _student_problem()
     errors = transfer_layer(student, kwargs, 8, lambda w: (xs[w], ys[w]), xs[8:], ys[8:],
                             TransferOptions(params="kv", steps=steps, lr=0.3, eval_every=5, patience=100,
                                             seed=seed, dtype="float32"), 0,
-                            progress=False)
+                            progress=False, scratch=scratch)
     return student, errors, (kwargs, xs, ys)
+
+
+def test_the_best_weights_kept_in_a_scratch_file_are_those_kept_in_memory(tmp_path):
+    """With a scratch folder the best-scoring weights wait in a file (not in memory) and come back the same, bit
+    for bit; the file is gone afterwards."""
+    in_memory, errors, _ = _train(seed=0)
+    on_disk, errors_on_disk, _ = _train(seed=0, scratch=tmp_path)
+    assert errors_on_disk == errors
+    assert all(torch.equal(a, b) for a, b in zip(in_memory.parameters(), on_disk.parameters()))
+    assert list(tmp_path.iterdir()) == []
+    # every step worse: the start comes back from the file
+    student, kwargs, xs, ys = _student_problem()
+    start = [p.detach().clone() for p in student.parameters()]
+    errors = transfer_layer(student, kwargs, 8, lambda w: (xs[w], ys[w]), xs[8:], ys[8:],
+                            TransferOptions(steps=6, lr=50.0, eval_every=2, patience=0), 0, progress=False,
+                            scratch=tmp_path)
+    assert errors["transfer_after"] == errors["transfer_before"]
+    assert all(torch.equal(a, b) for a, b in zip(student.parameters(), start))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_training_lowers_the_heldout_error_and_is_deterministic():

@@ -24,8 +24,8 @@ start, so transfer is never worse than its start merge on held-out windows.
 
 Memory: one layer's attention twice (teacher and student, fp32) with AdamW state for the trained projections (each
 stepped as backward gives its gradient, so only one gradient is held at a time: `StepInBackward`), the
-held-out windows, and one batch of windows; the fitting windows' inputs and the teacher's outputs wait in scratch
-files (calibration's), read one batch at a time. While a layer trains, glibc keeps freed blocks for reuse
+held-out windows, and one batch of windows; the fitting windows' inputs, the teacher's outputs and the
+best-scoring weights (`BestWeights`) wait in scratch files, read one batch at a time. While a layer trains, glibc keeps freed blocks for reuse
 (`convert.memory.heap_kept`) even where the console script returns freed memory eagerly: every step allocates the
 same activations, which would otherwise be mapped and faulted in anew at every step (1.5x the step's time).
 """
@@ -46,7 +46,8 @@ from gqakit.common.errors import GqakitError, opt
 from gqakit.common.precision import auto_dtype
 from gqakit.convert.memory import heap_kept
 from gqakit.convert.options import PARAMS, TransferOptions
-from gqakit.convert.calibration.streamed import WindowStates
+from gqakit.convert.calibration.streamed import WindowStates, write_from
+from gqakit.hf.checkpoint import read_into
 from gqakit.hf.fields import config_object
 
 def attention_implementation(config: dict) -> str:
@@ -136,10 +137,53 @@ class StepInBackward:
             hook.remove()
 
 
+class BestWeights:
+    """The best-scoring values of the trained tensors, kept to restore after training: copies in memory, or with
+    `scratch` (a folder) in a scratch file written at each `save` and read back into the tensors by `restore`, so
+    that the copy adds nothing to the layer's peak (286 MiB of float32 for a latent at half the cache at the
+    Llama-2-7B shape; the file is in the page cache, not this process's resident memory). The file is removed by
+    `close`."""
+
+    def __init__(self, params: list[torch.Tensor], scratch: Path | None = None):
+        self.params, self.path, self.file = params, None, None
+        if scratch is None:
+            self.copies = [p.detach().clone() for p in params]
+            return
+        fd, self.path = tempfile.mkstemp(prefix="transfer-best-", suffix=".bin", dir=scratch)
+        self.file = os.fdopen(fd, "r+b", buffering=0)
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel() * p.element_size())
+        self.save()
+
+    def save(self) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if self.file is None:
+                    self.copies[i].copy_(p)
+                else:
+                    write_from(self.file, p, self.offsets[i])
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if self.file is None:
+                    p.copy_(self.copies[i])
+                else:
+                    read_into(self.file, p.detach(), self.offsets[i],
+                              f"the transfer scratch file {self.path} ended early; was it changed or its disk full?")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            os.unlink(self.path)
+            self.file = None
+
+
 def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
                    read: Callable[[int], tuple[torch.Tensor, torch.Tensor]], held_x: torch.Tensor,
                    held_y: torch.Tensor, opts: TransferOptions, layer: int, progress: bool = True,
-                   select: Callable[[str], bool] | None = None) -> dict[str, float]:
+                   select: Callable[[str], bool] | None = None, scratch: Path | None = None) -> dict[str, float]:
     """Train `student`'s projections `opts.params` (or the parameters whose names `select` picks) in place so that
     its output matches the teacher's on the fitting windows; `read(w)` gives window w's input (T, n) and the
     teacher's output on it (T, n). Returns the held-out relative error before and after, and the steps taken."""
@@ -163,7 +207,7 @@ def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
                                weight_decay=0.0)
     generator = torch.Generator().manual_seed(opts.seed * 1_000_003 + layer)
     before = best = output_error(student, held_x, held_y, kwargs)
-    best_state = {id(p): p.detach().clone() for p in trained}
+    best_state = BestWeights(trained, scratch)  # in a scratch file in `scratch`, when given
     order: list[int] = []
     stale = steps = 0
     per_step = min(max(1, opts.step_tokens // held_x.shape[-2]), windows)
@@ -191,21 +235,18 @@ def transfer_layer(student: nn.Module, kwargs: dict, windows: int,
                 bar.set_postfix(heldout=f"{score:.4f}", start=f"{before:.4f}")
                 if score < best:
                     best, stale = score, 0
-                    with torch.no_grad():  # in place: a second copy beside the first would raise the peak
-                        for p in trained:
-                            best_state[id(p)].copy_(p)
+                    best_state.save()
                 else:
                     stale += 1
                     if opts.patience and stale >= opts.patience:
                         break
+        best_state.restore()
     finally:
         bar.close()
         optimizer.remove()
+        best_state.close()
         for p in trained:
             p.requires_grad_(False)
-    with torch.no_grad():
-        for p in trained:
-            p.copy_(best_state[id(p)])
     return {"transfer_before": before, "transfer_after": best, "transfer_steps": float(steps)}
 
 
@@ -248,5 +289,5 @@ def transfer_merged_layer(cls: type, config: dict, grouped_config: dict, layer: 
         module = (student() if student is not None
                   else build_attention(cls, grouped_config, layer, {**original, **merged}, how, device))
         errors = transfer_layer(module, kwargs, windows, lambda w: (read_input(w).to(device), read_target(w)),
-                                held_x, held_targets.to(device), opts, layer, progress, select)
+                                held_x, held_targets.to(device), opts, layer, progress, select, scratch)
     return module, errors
