@@ -105,7 +105,8 @@ def fit_latent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
         del weighted, half
     basis = torch.linalg.svd(read, full_matrices=False)[0][:, :r].clone()  # U_R (G(N + d), R); U freed
     del read
-    weighted = _weighted_rows(q, k, v, o, heads, d, D, blocks=blocks)[1] if inputs is not None else weighted
+    if inputs is not None:  # L Y again, from L's blocks
+        weighted = _weighted_rows(q, k, v, o, heads, d, D, blocks=blocks)[1]
     down = basis.T @ weighted  # A (R, n)
     del weighted
     latent_bias = basis.T @ _apply(blocks, y_bias[:, None])[:, 0]

@@ -23,11 +23,12 @@ the layer before training and every `eval_every` steps, training stops after `pa
 start, so transfer is never worse than its start merge on held-out windows.
 
 Memory: one layer's attention twice (teacher and student, fp32) with AdamW state for the trained projections (each
-stepped as backward gives its gradient, so only one gradient is held at a time: `StepInBackward`), the
-held-out windows, and one batch of windows; the fitting windows' inputs, the teacher's outputs and the
-best-scoring weights (`BestWeights`) wait in scratch files, read one batch at a time. While a layer trains, glibc keeps freed blocks for reuse
-(`convert.memory.heap_kept`) even where the console script returns freed memory eagerly: every step allocates the
-same activations, which would otherwise be mapped and faulted in anew at every step (1.5x the step's time).
+stepped as backward gives its gradient, so only one gradient is held at a time: `StepInBackward`), the held-out
+windows, and one batch of windows; the fitting windows' inputs and the teacher's outputs wait in scratch files
+(calibration's), read one batch at a time, and the best-scoring weights in one of their own (`BestWeights`). While
+a layer trains, glibc keeps freed blocks for reuse (`convert.memory.heap_kept`) even where the console script
+returns freed memory eagerly: every step allocates the same activations, which would otherwise be mapped and
+faulted in anew at every step (1.5x the step's time).
 """
 from __future__ import annotations
 
