@@ -161,7 +161,8 @@ def memory_table(args) -> list[str]:
             res = subprocess.run(cmd, capture_output=True, text=True, check=True)
             peaks[impl] = json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"]
         e = peaks["eager"]
-        eager_cell = f"{e:,.0f}" if e is not None else f"skipped (~{eager_gb(args, T):.0f} GiB > {args.eager_limit_gb:g})"
+        eager_cell = (f"{e:,.0f}" if e is not None
+                      else f"skipped (~{eager_gb(args, T):.0f} GiB > {args.eager_limit_gb:g})")
         ratio = f"{e / peaks['tiled']:.1f}x" if e is not None and peaks["tiled"] > 0 else "-"
         rows.append(f"| {T} | {peaks['tiled']:,.0f} | {eager_cell} | {peaks['sdpa']:,.0f} | {ratio} |")
     return rows

@@ -372,8 +372,9 @@ def main(argv: list[str] | None = None) -> int:
 
         load = os.getloadavg()
         print("\nNotes:")
-        print(f"- Every timed run starts after `sync`, with the source's weight files "
-              f"{'evicted from the page cache (posix_fadvise DONTNEED on each file)' if args.cache == 'cold' else 'pre-read into the page cache'}"
+        cache = ("evicted from the page cache (posix_fadvise DONTNEED on each file)" if args.cache == "cold"
+                 else "pre-read into the page cache")
+        print(f"- Every timed run starts after `sync`, with the source's weight files {cache}"
               f"; measured resident share before the runs: cp {', '.join(_pct(r['resident']) for r in cps)}; "
               f"convert {', '.join(_pct(r['resident']) for r in convs)}. Order alternates per repeat "
               f"(cp first on even repeats); each output is deleted before the next run.")

@@ -211,11 +211,12 @@ def report(args, scratch: Path) -> None:
 
     print(f"## Tokenising ~{args.tokens:,} tokens ({big_chars / 1e6:,.0f} M characters of {args.format}, "
           f"{len(big)} entr{'y' if len(big) == 1 else 'ies'})\n")
-    print("| variant | tokens | seconds | tokens/s | peak RSS (MiB) | growth over imports (MiB) | largest worker (MiB) |")
+    print("| variant | tokens | seconds | tokens/s | peak RSS (MiB) | growth over imports (MiB) "
+          "| largest worker (MiB) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in rows:
-        print(f"| {name} | {r['tokens']:,} | {r['seconds']:.1f} | {r['tokens'] / r['seconds']:,.0f} | {r['peak']:,.0f} | "
-              f"{r['peak'] - r['base']:,.0f} | {r['workers']:,.0f} |")
+        print(f"| {name} | {r['tokens']:,} | {r['seconds']:.1f} | {r['tokens'] / r['seconds']:,.0f} "
+              f"| {r['peak']:,.0f} | {r['peak'] - r['base']:,.0f} | {r['workers']:,.0f} |")
     growth = max(r["peak"] - r["base"] for name, r in rows if name.startswith("token cache"))
     print(f"\nidentical streams (blake2b): {'yes' if same else 'NO'} ({', '.join(checksums)})")
     print(f"cache path RSS growth {growth:,.0f} MiB (target < {RSS_GROWTH_TARGET_MIB}): "
@@ -233,12 +234,14 @@ def report(args, scratch: Path) -> None:
                           "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len))
             reads.append((label, reader, r))
     print(f"\n## Reading {args.batches:,} random batches of {args.batch_size} x {args.seq_len + 1} tokens\n")
-    print("| cache | reader | cache tokens | seconds | batches/s | RSS after setup (MiB) | peak RSS (MiB) | growth (MiB) |")
+    print("| cache | reader | cache tokens | seconds | batches/s | RSS after setup (MiB) | peak RSS (MiB) "
+          "| growth (MiB) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for label, reader, r in reads:
         note = " (Windows)" if reader == "pread" else " (contrast)"
-        print(f"| {label} | {reader}{note} | {r['tokens']:,} | {r['seconds']:.2f} | {args.batches / r['seconds']:,.0f} | "
-              f"{r['base']:,.0f} | {r['peak']:,.0f} | {r['peak'] - r['base']:,.0f} |")
+        print(f"| {label} | {reader}{note} | {r['tokens']:,} | {r['seconds']:.2f} "
+              f"| {args.batches / r['seconds']:,.0f} | {r['base']:,.0f} | {r['peak']:,.0f} "
+              f"| {r['peak'] - r['base']:,.0f} |")
     growth = {label: r["peak"] - r["base"] for label, reader, r in reads if reader == "pread"}
     spread = max(growth.values()) - min(growth.values())
     print(f"\nWindows (pread) growth big vs small cache differs by {spread:,.1f} MiB (target < {FLAT_READ_MIB}): "

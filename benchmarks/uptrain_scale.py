@@ -21,9 +21,10 @@ on_step=...)` with fp32 weights, batch B x T per process, AdamW, grad clip 1.0, 
       every aten op of step 2 by a TorchDispatchMode (step 2 is a warm-up step, never timed), plus the
       parameters that still lie on the checkpoint's memory map (transformers 5 loads safetensors without
       copying; found through /proc/self/maps): what the rank holds, without the freed heap glibc keeps.
-      Both also before the model was built (after imports). On CPU the two differ a lot: glibc keeps most freed activation memory mapped (RSS), so
-      RSS per rank falls far less with P than the state does; `--mmap-threshold 1048576` makes glibc
-      return large frees at once (FSDP at P = 4, ~91M model: RSS after step 1 3x lower, step peak 1.8x).
+      Both also before the model was built (after imports). On CPU the two differ a lot: glibc keeps most
+      freed activation memory mapped (RSS), so RSS per rank falls far less with P than the state does;
+      `--mmap-threshold 1048576` makes glibc return large frees at once (FSDP at P = 4, ~91M model: RSS after
+      step 1 3x lower, step peak 1.8x).
   (c) tokens/s at P = 1 of a bare loop (AutoModelForCausalLM + AdamW, the same batch, loss = cross-entropy
       sum / tokens, the same clip; no gqakit, no accelerate) against gqakit with ddp and with fsdp, and at
       P = 2 ddp against fsdp: the median of per-step wall times after the warm-up steps (gqakit: between

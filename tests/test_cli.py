@@ -21,7 +21,8 @@ def test_convert_gqa_and_gqakit_convert_agree(tmp_path):
     exe = console_script("convert-gqa")
     a = run(exe or sys.executable, *([] if exe else ["-m", "gqakit.cli", "convert"]),
             "--groups", "2", str(src), "-o", str(tmp_path / "a"), "--quiet")
-    b = run(sys.executable, "-m", "gqakit.cli", "convert", "--groups", "2", str(src), "-o", str(tmp_path / "b"), "--quiet")
+    b = run(sys.executable, "-m", "gqakit.cli", "convert", "--groups", "2", str(src), "-o", str(tmp_path / "b"),
+            "--quiet")
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert "4 -> 2 K/V heads" in a.stdout
     ta, tb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")

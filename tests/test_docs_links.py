@@ -87,8 +87,8 @@ def test_the_slug_is_githubs():
 
 def test_links_are_found(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# A b\n\n[x](other.md#a-b) and ![y](img/p.png \"t\") `[no](code.md)`\n\n```\n[no](fenced.md)\n```\n"
-                    "## A b\n[z](#a-b-1)\n")
+    page.write_text("# A b\n\n[x](other.md#a-b) and ![y](img/p.png \"t\") `[no](code.md)`\n\n"
+                    "```\n[no](fenced.md)\n```\n## A b\n[z](#a-b-1)\n")
     assert [t for _, t in links(page)] == ["other.md#a-b", "img/p.png", "#a-b-1"]
     assert anchors(page) == {"a-b", "a-b-1"}
 

@@ -27,8 +27,9 @@ SHARED = REPO.parent / "shared"
 # and docs/results/reference-models.md rebuilds the embedded model last.
 PAGES = ("README.md", "docs/convert.md", "docs/attention.md", "docs/uptrain.md", "docs/evaluate.md",
          "docs/results.md", "docs/results/conversion.md", "docs/results/gqa-paper.md", "docs/results/uptrain-scale.md",
-         "docs/results/smollm2-mqa.md", "docs/results/transfer.md", "docs/results/kv-bytes.md", "docs/results/latent.md",
-         "docs/results/decoding.md", "docs/results/long-context.md", "docs/results/convert-speed.md",
+         "docs/results/smollm2-mqa.md", "docs/results/transfer.md", "docs/results/kv-bytes.md",
+         "docs/results/latent.md", "docs/results/decoding.md", "docs/results/long-context.md",
+         "docs/results/convert-speed.md",
          "docs/results/merge-memory.md", "docs/results/attention-kernels.md", "docs/results/gpu.md",
          "docs/results/from-the-tests.md",
          "docs/results/plan-startup.md", "docs/results/reference-models.md", "docs/architecture.md")

@@ -358,7 +358,8 @@ def ring_context(layout: RingLayout, group=None, spec: MaskSpec = MaskSpec(), bl
 
 
 # Keywords of transformers' attention call that change the result and that the ring does not apply.
-RING_UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias", "alibi", "head_mask", "cu_seq_lens_q", "cu_seq_lens_k")
+RING_UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias", "alibi", "head_mask", "cu_seq_lens_q",
+                    "cu_seq_lens_k")
 
 
 def ring_attention_function(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -375,8 +376,9 @@ def ring_attention_function(module: torch.nn.Module, query: torch.Tensor, key: t
             raise AttentionOptionError(f"{type(module).__name__} passes {name}, which ring attention does not "
                                        "implement; train this model with context_parallel=1")
     if isinstance(attention_mask, torch.Tensor):
-        raise AttentionOptionError(f"{type(module).__name__} received an attention mask tensor, which ring attention "
-                                   "builds from its layout and MaskSpec instead; drop the mask or use context_parallel=1")
+        raise AttentionOptionError(f"{type(module).__name__} received an attention mask tensor, which ring "
+                                   "attention builds from its layout and MaskSpec instead; drop the mask or use "
+                                   "context_parallel=1")
     if key.shape[-2] != query.shape[-2]:
         raise AttentionOptionError(f"gqakit_ring got {query.shape[-2]} queries but {key.shape[-2]} keys: it runs "
                                    "training / prefill over a sharded sequence without a KV cache; "

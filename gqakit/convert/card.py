@@ -156,8 +156,8 @@ def _method_rows(cfg, plan: Plan, calibration) -> str:
     if not method.layerwise:
         return ""
     rows = [f"| merge | {method.card_note} |",
-            f"| grouping | {cfg.grouping or 'similarity'} (K/V heads that share a group; q_proj rows and o_proj columns "
-            "permuted with them, so contiguous `repeat_kv` holds) |"] if not plan.latent_fit else []
+            f"| grouping | {cfg.grouping or 'similarity'} (K/V heads that share a group; q_proj rows and "
+            "o_proj columns permuted with them, so contiguous `repeat_kv` holds) |"] if not plan.latent_fit else []
     if method.transfer:
         opts = transfer_options(cfg)
         stop = (f"stopped after {opts.patience} held-out scores without improvement" if opts.patience
@@ -168,7 +168,8 @@ def _method_rows(cfg, plan: Plan, calibration) -> str:
         split = f"; layers split over {world} processes (torchrun)" if world > 1 else ""
         params = LATENT_PARAMS[opts.params] if plan.latent_trained else PARAMS[opts.params]
         params = (*params, *((KV_NORM,) if plan.latent_trained and not plan.latent.bias else ()))
-        rows.append(f"| transfer | from {transfer_start(cfg, plan)}, trained {', '.join(p.split('.')[0] for p in params)} "
+        tensors = ", ".join(p.split(".")[0] for p in params)
+        rows.append(f"| transfer | from {transfer_start(cfg, plan)}, trained {tensors} "
                     f"on {inputs}; at most {opts.steps} steps per layer of about {opts.step_tokens:,} tokens, "
                     f"{opts.dtype}{' autocast' if opts.dtype != 'float32' else ''}, {stop}; the best held-out score's "
                     f"weights kept{split} |")
@@ -226,6 +227,12 @@ def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]],
     sites = [f"{site} {role}" for site, *_ in (*plan.spec.kv_sites, ("encoder",)) for role in "kv"
              if any(f"{site} {role}" in e for e in errors.values())]
     encoder_row = f"| encoder | {encoder_line(plan).partition(': ')[2]} |\n" if plan.spec.encoder_kv else ""
+    attention_row = f"| attention | {latent_line(plan).partition(': ')[2]} |\n" if plan.latent else ""
+    seed = f" (seed {cfg.seed})" if methods.get(plan.method).seeded else ""
+    reads = ("Every query head reads the shared latent and RoPE key." if plan.latent else
+             f"Query head h uses K/V head h // {plan.num_attention_heads // plan.groups} (contiguous groups, "
+             "as `repeat_kv` expects).")
+    bytes_label = "KV-cache bytes per token (at the stored dtype of k_proj; `gqakit eval` counts its compute dtype)"
     rows = "\n".join(
         f"| {layer} | {e.get('k', float('nan')):.4f} | {e.get('v', float('nan')):.4f} |"
         + "".join(f" {e.get(site, float('nan')):.4f} |" for site in sites)
@@ -250,13 +257,12 @@ Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if comm
 f" (re-hosted: {plan.rehosted.describe()})" if plan.rehosted else ""} |
 | attention heads | {plan.num_attention_heads} |
 | K/V heads | {plan.num_key_value_heads} -> {"a fitted latent" if plan.latent_fit else f"{plan.groups} ({plan.mode})"} |
-{encoder_row}{f"| attention | {latent_line(plan).partition(': ')[2]} |{chr(10)}" if plan.latent else ""}| method | {plan.method}{f" (seed {cfg.seed})" if methods.get(plan.method).seeded else ""} |
+{encoder_row}{attention_row}| method | {plan.method}{seed} |
 | head_dim | {plan.head_dim} |
-| KV-cache bytes per token (at the stored dtype of k_proj; `gqakit eval` counts its compute dtype) | {before:,} -> {after:,} |
+| {bytes_label} | {before:,} -> {after:,} |
 | dtype | {cfg.dtype} |
 {_method_rows(cfg, plan, calibration)}
-{"Every query head reads the shared latent and RoPE key." if plan.latent else
-  f"Query head h uses K/V head h // {plan.num_attention_heads // plan.groups} (contiguous groups, as `repeat_kv` expects)."}
+{reads}
 {"" if plan.exact else chr(10) + "**Note:** " + exactness_note(plan) + chr(10)}{
 chr(10) + "**Runtime:** " + plan.spec.runtime_note + chr(10) if plan.spec.runtime_note else ""}{
 chr(10) + "**Loading:** " + own_class_note(plan) + chr(10) if plan.own_class else ""}

@@ -129,7 +129,8 @@ def check_groups(groups: int, heads: int, kv_heads: int) -> None:
     if groups > heads:
         raise GqakitError(f"{opt('groups', groups)} exceeds the {heads} attention heads; choose one of {choices}")
     if heads % groups:
-        raise GqakitError(f"{heads} heads are not divisible into {groups} groups; choose a divisor of {heads} ({choices})")
+        raise GqakitError(f"{heads} heads are not divisible into {groups} groups; "
+                          f"choose a divisor of {heads} ({choices})")
     if kv_heads % groups and groups % kv_heads:
         ok = [g for g in valid if kv_heads % g == 0 or g % kv_heads == 0]
         raise GqakitError(

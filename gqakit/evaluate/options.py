@@ -1,5 +1,5 @@
-"""The options of `gqakit eval ppl | stream | passkey | niah`: one frozen dataclass per command, each field declared once
-with its flag (`common.options.option(help=...)`); `evaluate/cli.py` builds the parsers from them. No torch here:
+"""The options of `gqakit eval ppl | stream | passkey | niah`: one frozen dataclass per command, each field declared
+once with its flag (`common.options.option(help=...)`); `evaluate/cli.py` builds the parsers from them. No torch here:
 `gqakit --help` stays fast."""
 from __future__ import annotations
 
@@ -87,6 +87,11 @@ def _kv_cache(what: str, without: str):
                        "(QuantizedCache, float8_e4m3fn), int4 / int2 (QuantizedCache with optimum-quanto, KIVI-style, "
                        "group 64, 128 recent tokens kept at full precision)",
                   default_text=f"none: {without}")
+
+
+def _prompt_kv_cache():
+    """--kv-cache of `eval passkey | niah`, whose prompts are prefilled and then decoded."""
+    return _kv_cache("each prompt (prefilled, then decoded greedily)", "the prompt in one forward, a dense cache")
 
 
 def _kv_chunk():
@@ -197,7 +202,7 @@ class PasskeyConfig:
     window: int | None = _window()
     sinks: int | None = _sinks()
     attention_option: tuple[str, ...] = _attention_option()
-    kv_cache: str | None = _kv_cache("each prompt (prefilled, then decoded greedily)", "the prompt in one forward, a dense cache")
+    kv_cache: str | None = _prompt_kv_cache()
     kv_chunk: int | None = _kv_chunk()
     dtype: str = _dtype()
     device: str = _device()
@@ -229,7 +234,7 @@ class NiahConfig:
     window: int | None = _window()
     sinks: int | None = _sinks()
     attention_option: tuple[str, ...] = _attention_option()
-    kv_cache: str | None = _kv_cache("each prompt (prefilled, then decoded greedily)", "the prompt in one forward, a dense cache")
+    kv_cache: str | None = _prompt_kv_cache()
     kv_chunk: int | None = _kv_chunk()
     dtype: str = _dtype()
     device: str = _device()

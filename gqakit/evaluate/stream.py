@@ -11,10 +11,10 @@ Feed a long text and score every next token with a KV-cache policy, C tokens per
                encoded with a fresh context. R = 1 is the paper's per-token "sliding window with
                re-computation" (cost about W + 1 token-forwards per token); the quality reference.
 
-Chunking never changes a number (recompute: for a given R): per token, every policy equals feeding
-the stream one token at a time (dense: causal attention is causal; window / sinks: `stream_cache.ChunkedSinkCache` shows each
-token exactly what a SinkCache / WindowCache fed token by token shows it; recompute: blocks are
-independent forwards, batched up to C // R rows). The tests check all four against C = 1.
+Chunking never changes a number (recompute: for a given R): per token, every policy equals feeding the stream one token
+at a time (dense: causal attention is causal; window / sinks: `stream_cache.ChunkedSinkCache` shows each token exactly
+what a SinkCache / WindowCache fed token by token shows it; recompute: blocks are independent forwards, batched up
+to C // R rows). The tests check all four against C = 1.
 
 Results per policy: per-token NLL, perplexity per position bucket and overall, peak bytes of cached
 K/V, tokens per second. With recompute in the same run, each other policy gets a fluency verdict: its

@@ -1,14 +1,14 @@
 """Per-rank memory of an uptraining run, before any work: `gqakit uptrain RECIPE --plan` prints it and
 `check_fits` refuses (one line: the numbers and the fix) a run that would not fit.
 
-Parameters are counted exactly (`model_count.py`): from the safetensors headers, or by building the model (and
-the teacher) from its config.json on the meta device (shapes, no storage); tied weights count once. The rest is arithmetic. N parameters, N_t the
-trainable ones under `trainable`, W processes, L decoder layers, h hidden size, a / g query / K/V heads
-of size d, I the MLP width, V the vocabulary, n = batch_size * ceil(seq_len / context_parallel) tokens
-per rank per micro-step; c bytes of the compute dtype (2 with bf16/fp16, else 4), s bytes of the
-residual stream (2 under fsdp with bf16, whose policy casts the parameters; else 4: ddp's autocast
-keeps fp32 weights, so the stream stays fp32). shard(X) = sum over X's tensors of ceil(rows / W) *
-row size, the busiest rank's share under FSDP2 (dim 0 split into W equal, padded chunks); X under ddp.
+Parameters are counted exactly (`model_count.py`): from the safetensors headers, or by building the model (and the
+teacher) from its config.json on the meta device (shapes, no storage); tied weights count once. The rest is arithmetic.
+N parameters, N_t the trainable ones under `trainable`, W processes, L decoder layers, h hidden size, a / g query / K/V
+heads of size d, I the MLP width, V the vocabulary, n = batch_size * ceil(seq_len / context_parallel) tokens per rank
+per micro-step; c bytes of the compute dtype (2 with bf16/fp16, else 4), s bytes of the residual stream (2 under fsdp
+with bf16, whose policy casts the parameters; else 4: ddp's autocast keeps fp32 weights, so the stream stays fp32).
+shard(X) = sum over X's tensors of ceil(rows / W) * row size, the busiest rank's share under FSDP2 (dim 0 split into W
+equal, padded chunks); X under ddp.
 
   parameters       4 shard(N)            fp32 master weights (the loop loads fp32)
   gradients        4 shard(N_t)          fp32, trainable parameters only

@@ -125,8 +125,8 @@ def test_defaults_can_be_left_to_the_help_strings():
 # --- nested options: a field that holds another options dataclass, its flags prefixed ---------------------------
 
 from gqakit.common.errors import opt, spelled  # noqa: E402
-from gqakit.common.options import (check_fields, flags, from_args, from_dict, options_given, replace, to_dict,  # noqa: E402,E501
-                                   typed, typed_values)
+from gqakit.common.options import (check_fields, flags, from_args, from_dict, options_given, replace,  # noqa: E402
+                                   to_dict, typed, typed_values)
 
 
 @dataclasses.dataclass(frozen=True)

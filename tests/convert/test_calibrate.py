@@ -255,7 +255,8 @@ def test_bad_calibration_input_is_refused_in_one_line(tmp_path):
     cases = [
         ((str(src), "--method", "fit", "--text-column", "body"), ("--text-column needs --calibration",)),
         ((str(src), "--method", "mean", "--calibration", str(TEXT)), ("--calibration is used only by",)),
-        ((str(src), "--method", "aligned", "--calibration-tokens", "4096"), ("--calibration-tokens needs --calibration",)),
+        ((str(src), "--method", "aligned", "--calibration-tokens", "4096"),
+         ("--calibration-tokens needs --calibration",)),
         ((str(src), "--method", "mean", "--grouping", "similarity"), ("--grouping is used only by",)),
         ((str(src), "--method", "fit", "--calibration", str(tmp_path / "missing.txt")), ("does not exist",)),
         ((str(src), "--method", "fit", "--calibration", str(short)), ("less than two", "--calibration-window")),

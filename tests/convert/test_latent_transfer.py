@@ -212,6 +212,6 @@ def test_fit_with_a_kv_rank_is_a_calibrated_latent_fit(tmp_path):
     assert "**Warning:**" not in card  # no heads merged: nothing to hold against mean-pooling
     weights = load_file(tmp_path / "fit" / "model.safetensors")
     _convert(src, tmp_path / "plain", "--kv-rank", "20", "--rope-dim", "8")
-    assert not torch.equal(weights[ATTENTION.format(i=0) + "kv_b_proj.weight"],
-                           load_file(tmp_path / "plain" / "model.safetensors")[ATTENTION.format(i=0) + "kv_b_proj.weight"])
+    kv_b = ATTENTION.format(i=0) + "kv_b_proj.weight"
+    assert not torch.equal(weights[kv_b], load_file(tmp_path / "plain" / "model.safetensors")[kv_b])
     assert type(load_exact(tmp_path / "fit")).__name__ == "DeepseekV3ForCausalLM"

@@ -462,7 +462,8 @@ def test_auto_dtype_follows_the_hardware_not_a_timing(monkeypatch):
     from gqakit.common.precision import auto_dtype
     from gqakit.convert.options import ConvertConfig, transfer_options
 
-    assert TransferOptions().dtype == "auto" and TransferOptions().start == "aligned" and TransferOptions().patience == 0
+    defaults = TransferOptions()
+    assert defaults.dtype == "auto" and defaults.start == "aligned" and defaults.patience == 0
     for flags, want in ((frozenset({"avx2", "avx512_bf16"}), "bfloat16"), (frozenset({"amx_bf16"}), "bfloat16"),
                         (frozenset({"avx2", "avx512f"}), "float32"), (frozenset(), "float32")):
         monkeypatch.setattr(precision, "_cpu_flags", lambda flags=flags: flags)

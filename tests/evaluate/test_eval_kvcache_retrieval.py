@@ -80,7 +80,8 @@ def test_int4_passkey_through_the_console_script(tmp_path):
     assert all(0 < c["kv_bytes_held_per_token"] < dense / 2 for c in record["cases"] + record["cells"])
     assert "kv_bytes_held_per_token" in (out_dir / "results.csv").read_text().splitlines()[0].split(",")
     row = [line for line in done.stdout.splitlines() if line.startswith("| KV-cache bytes/token held")]
-    assert row == [f"| KV-cache bytes/token held (int4 cache, measured) | {record['cells'][0]['kv_bytes_held_per_token']:,.1f} |"]
+    held = record["cells"][0]["kv_bytes_held_per_token"]
+    assert row == [f"| KV-cache bytes/token held (int4 cache, measured) | {held:,.1f} |"]
     assert "prefilled into a fresh int4 cache, 128 tokens per forward" in done.stdout
 
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from families import (ARCHITECTURES, FAMILIES, HEAD_DIM, HEADS, HIDDEN, LAYERS, SEQ2SEQ_ARCHITECTURES, VOCAB, load_exact,
-                      make_model)
+from families import (ARCHITECTURES, FAMILIES, HEAD_DIM, HEADS, HIDDEN, LAYERS, SEQ2SEQ_ARCHITECTURES, VOCAB,
+                      load_exact, make_model)
 from gqakit.cli import convert_main
 
 

@@ -118,7 +118,8 @@ def test_fsdp_equals_one_process_step_by_step(setup, n):
     one_rows, one_weights = setup["one"]
     _same(rows, one_rows, 1e-5)
     _weights_close(weights, one_weights, 1e-5)
-    assert not torch.equal(weights["model.norm.weight"], load_file(setup["model"] / "model.safetensors")["model.norm.weight"])
+    assert not torch.equal(weights["model.norm.weight"],
+                           load_file(setup["model"] / "model.safetensors")["model.norm.weight"])
 
 
 def test_fsdp_bf16_mixed_precision(setup):
@@ -260,4 +261,5 @@ def test_fsdp_trains_latent_attention_alone_as_one_process_does(setup):
     start = load_file(mla / "model.safetensors")
     moved = sorted(k for k in start if not torch.equal(start[k], weights[k]))
     assert moved and all(".self_attn." in k for k in moved), moved
-    assert all(float(r["loss"]) < 20 for r in rows if r["loss"])  # finite and sane: the latent's bias value does not blow up
+    # finite and sane: the latent's bias value does not blow up
+    assert all(float(r["loss"]) < 20 for r in rows if r["loss"])

@@ -1,12 +1,12 @@
 """`gqakit sample`: calibration text drawn from the model itself, for when no text of its training domain is at hand.
 
-A merge fitted or trained on calibration windows learns the original attention on the inputs those windows give
-it; with one K/V head for many query heads it cannot keep everything, and what it keeps follows the calibration
-text's domain. SmolLM2-135M trained on *Pride and Prejudice* reproduces its original attention on held-out Austen
-far better than on Wikipedia (docs/results/transfer.md, "Calibration text"). The model's own samples are the nearest thing to
-its training distribution that needs no data at all: each sample starts a new document (the tokenizer's BOS, or
-its EOS where it has none) and draws `length` tokens at temperature 1 from the model's full distribution (top-p 1),
-as data-free distillation does (LLM-QAT, arXiv 2305.17888, samples its own training data the same way).
+A merge fitted or trained on calibration windows learns the original attention on the inputs those windows give it; with
+one K/V head for many query heads it cannot keep everything, and what it keeps follows the calibration text's domain.
+SmolLM2-135M trained on *Pride and Prejudice* reproduces its original attention on held-out Austen far better than on
+Wikipedia (docs/results/transfer.md, "Calibration text"). The model's own samples are the nearest thing to its training
+distribution that needs no data at all: each sample starts a new document (the tokenizer's BOS, or its EOS where it has
+none) and draws `length` tokens at temperature 1 from the model's full distribution (top-p 1), as data-free distillation
+does (LLM-QAT, arXiv 2305.17888, samples its own training data the same way).
 
 The output is one JSON-lines file, one `{"text": ...}` row per sample, that `convert-gqa --calibration` (and
 `gqakit eval`'s `--dataset`) reads as documents; it is written under the hidden working name of

@@ -7,15 +7,15 @@ per head). The shared key is the principal component k' = u^H z of their covaria
 u), each head's key is taken as u_m k', and query head h
 of group m reads k' through conj(u_m) q_h, exactly where the keys are rank one per pair.
 
-Position-free part: the other d - D dims of each head (its lowest frequencies, which turn least over a context) are
-the per-head `nope` keys, read without rotation. Latent: one rank-R factorisation of every group's nope keys and
-values, Y = [K_nope; V] ~ B A, weighted where the errors land: nope keys by what their query heads read
-(sum_h Wq_h Wq_h^T), values by what o_proj makes of them (sum_h O_h^T O_h), each block scaled to unit energy; the
-best such factorisation is an SVD of L Y (B = L^-1 U_R, A = U_R^T L Y). From the weights alone every input direction
-weighs alike; a calibrated fit (`inputs`: the metric S of the layer's attention inputs, `input_metric`) weighs
-them as the calibration text uses them: the shared key per pair is the top eigenvector of W S W^H, and the latent
-an SVD of L Y S^1/2 (still B = L^-1 U_R, A = U_R^T L Y: the best rank-R fit in that metric; the key and value
-blocks of L then scaled to unit energy on Y S^1/2). kv_b_proj expands the latent per head; the latent's RMSNorm is cancelled as for the exact form
+Position-free part: the other d - D dims of each head (its lowest frequencies, which turn least over a context) are the
+per-head `nope` keys, read without rotation. Latent: one rank-R factorisation of every group's nope keys and values, Y =
+[K_nope; V] ~ B A, weighted where the errors land: nope keys by what their query heads read (sum_h Wq_h Wq_h^T), values
+by what o_proj makes of them (sum_h O_h^T O_h), each block scaled to unit energy; the best such factorisation is an SVD
+of L Y (B = L^-1 U_R, A = U_R^T L Y). From the weights alone every input direction weighs alike; a calibrated fit
+(`inputs`: the metric S of the layer's attention inputs, `input_metric`) weighs them as the calibration text uses them:
+the shared key per pair is the top eigenvector of W S W^H, and the latent an SVD of L Y S^1/2 (still B = L^-1 U_R, A =
+U_R^T L Y: the best rank-R fit in that metric; the key and value blocks of L then scaled to unit energy on Y S^1/2).
+kv_b_proj expands the latent per head; the latent's RMSNorm is cancelled as for the exact form
 (`hf.architectures.latent`), its realised scale divided out of kv_b_proj.
 
 Memory (the 7B layer shape: 32 heads of 128, hidden 4096): everything is float64, but held a head or a group at a
@@ -84,10 +84,11 @@ def shared_rope_key(k: torch.Tensor, k_bias: torch.Tensor | None, groups: int, h
 def fit_latent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, shape: LatentShape,
                dtype: torch.dtype, k_bias: torch.Tensor | None = None, v_bias: torch.Tensor | None = None,
                errors: dict | None = None, inputs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """The target's attention tensors (names under `latent.ATTENTION`) fitted to a layer's q (H*d, n), k and v
-    (G*d, n), o (n, H*d) and optional k/v biases: from the weights alone, or with `inputs` (n, n; `input_metric`)
-    in the metric of the layer's attention inputs. `errors` gets the relative errors ||W - W'|| / ||W|| of the keys and values the latent layer holds (the keys'
-    rotary part as u_m k', their position-free part and the values from the latent), as the card reports them."""
+    """The target's attention tensors (names under `latent.ATTENTION`) fitted to a layer's q (H*d, n), k and v (G*d, n),
+    o (n, H*d) and optional k/v biases: from the weights alone, or with `inputs` (n, n; `input_metric`) in the metric of
+    the layer's attention inputs. `errors` gets the relative errors ||W - W'|| / ||W|| of the keys and values the latent
+    layer holds (the keys' rotary part as u_m k', their position-free part and the values from the latent), as the card
+    reports them."""
     heads, d, D, N, r = shape.heads, shape.v_dim, shape.rope_dim, shape.nope_dim, shape.rank
     groups, n = k.shape[0] // d, k.shape[1]
     rope_rows, rope_bias, u = shared_rope_key(k, k_bias, groups, d, D, inputs)

@@ -92,8 +92,8 @@ def _columns(moment, start: int, stop: int) -> torch.Tensor:
     return moment.rows(start, stop).T
 
 
-def moment_metric(moment: "torch.Tensor | RowBlocks", with_bias: bool, cross: torch.Tensor | None = None, corner: float = 1.0,
-                  ridge: float = 1e-6) -> Metric:
+def moment_metric(moment: "torch.Tensor | RowBlocks", with_bias: bool, cross: torch.Tensor | None = None,
+                  corner: float = 1.0, ridge: float = 1e-6) -> Metric:
     """The metric [[M, cross], [cross^T, corner]] (the bias block only `with_bias`) of a second moment M (n, n),
     kept in its stored dtype, plus a ridge of `ridge` times its mean diagonal: a moment from fewer
     calibration tokens than dimensions is singular, one stored in float32 slightly indefinite."""

@@ -100,8 +100,8 @@ def shape_refusal(shape: LatentShape, kv_heads: int, config: dict) -> str | None
     rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     kind = rope.get("rope_type", rope.get("type"))
     if shape.rope_dim < d and kind not in (None, "default", "linear"):
-        return (f"{opt('rope_dim', shape.rope_dim)} keeps the highest RoPE frequencies by a new rope_theta, which {kind} "
-                f"scaling does not allow; use {opt('rope_dim', d)}")
+        return (f"{opt('rope_dim', shape.rope_dim)} keeps the highest RoPE frequencies by a new rope_theta, "
+                f"which {kind} scaling does not allow; use {opt('rope_dim', d)}")
     return None
 
 

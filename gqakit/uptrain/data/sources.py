@@ -207,7 +207,8 @@ def iter_pieces(source: Source, text_column: str = "text", chunk_bytes: int = CH
             raise _column_error(source.entry, text_column, table.column_names)
         yield from _rows(lambda: table.select_columns([text_column]).iter(batch_size=ROWS_PER_BATCH), source.entry,
                          text_column)
-    elif source.kind == "hub":  # needs the network; tokenize it once (gqakit tokenize hf:NAME -o TOKENS) to train offline
+    elif source.kind == "hub":
+        # needs the network; tokenize it once (gqakit tokenize hf:NAME -o TOKENS) to train offline
         name = source.entry[len(HUB):]
         yield from _rows(lambda: datasets.load_dataset(name, split="train", streaming=True).iter(
             batch_size=ROWS_PER_BATCH), f"hub dataset {name}", text_column)

@@ -203,7 +203,8 @@ def open_cache(path: str | Path, *, fingerprint: str | None = None, tokenizer_na
         actual = (path / name).stat().st_size if (path / name).is_file() else None
         if actual != expected:
             raise CacheProblem(f"{path}/{name} holds {actual} bytes but {HEADER} promises {expected}; the cache is "
-                               f"truncated or corrupted: {redo}", f"has a {name} of the wrong size (truncated or corrupted)")
+                               f"truncated or corrupted: {redo}",
+                               f"has a {name} of the wrong size (truncated or corrupted)")
     if fingerprint is not None and header["tokenizer"]["fingerprint"] != fingerprint:
         raise CacheProblem(
             f"{path} was tokenised by another tokenizer ({header['tokenizer']['name']}, fingerprint "

@@ -37,7 +37,8 @@ def _card(source: Path, record: dict) -> str:
         f"| budget | {budget['steps']} steps x {budget['tokens_per_step']:,} tokens = {budget['tokens']:,} tokens "
         f"({budget['source']}) |",
         f"| data | {', '.join(cfg['data'])} |",
-        "| loss | " + (f"(1 - w) x cross-entropy + w x T^2 x KL(teacher &#124;&#124; student), w={cfg['distill_weight']}, "
+        "| loss | " + (f"(1 - w) x cross-entropy + w x T^2 x KL(teacher &#124;&#124; student), "
+                       f"w={cfg['distill_weight']}, "
                        f"T={cfg['distill_temperature']}, teacher `{cfg['teacher']}`"
                        + (f", the teacher's top {cfg['distill_top_k']} logits per position"
                           if cfg.get("distill_top_k") else "") if cfg.get("teacher")

@@ -22,9 +22,9 @@ MODEL_ENTRIES = ("config.json", "generation_config.json", "model*.safetensors", 
                  "vocab.json", "merges.txt", "pretraining.json")
 # Keys that may change between an interrupted run and its resumption without changing the run. The
 # process layout may change too (DCP reshards): `shape` then checks that the global batch is the same.
-RESUME_FREE = {"progress", "force", "threads", "checkpoint_every", "keep_checkpoints", "delete_checkpoints", "log_every",
-               "batch_size", "gradient_accumulation_steps", "context_parallel", "num_processes", "sharding",
-               "cache_dir", "num_proc", "device_memory"}
+RESUME_FREE = {"progress", "force", "threads", "checkpoint_every", "keep_checkpoints", "delete_checkpoints",
+               "log_every", "batch_size", "gradient_accumulation_steps", "context_parallel", "num_processes",
+               "sharding", "cache_dir", "num_proc", "device_memory"}
 # What the launch must keep for a resumed run to continue the same run: steps and tokens per step.
 SAME_RUN = ("steps", "tokens_per_step")
 
