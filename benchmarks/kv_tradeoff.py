@@ -37,16 +37,17 @@ def evaluate(models: list[str], cache: str, args, folder: Path) -> list[dict]:
     return [{**r, "cache": cache, "path": m} for r, m in zip(rows, models)]
 
 
-def from_reports(folders: list[str]) -> list[dict]:
-    """The rows of `gqakit eval ppl` reports already made (each folder's results.json), in order; the first report's
-    first row is the reference. A report without --kv-cache (one plain forward per window) is a dense row: its bytes
-    are what a dense cache holds at the compute dtype (`kv_bytes_per_token`), which the dense cache's measured bytes
-    equal (checked by the tests)."""
+def from_reports(reports: list[str]) -> list[dict]:
+    """The rows of `gqakit eval ppl` reports already made (a report folder, or its results.json as kept under
+    docs/results/), in order; the first report's first row is the reference. A report without --kv-cache (one plain
+    forward per window) is a dense row: its bytes are what a dense cache holds at the compute dtype
+    (`kv_bytes_per_token`), which the dense cache's measured bytes equal (checked by the tests)."""
     rows = []
-    for folder in folders:
-        report = json.loads((Path(folder) / "results.json").read_text(encoding="utf-8"))
+    for given in reports:
+        path = Path(given) / "results.json" if Path(given).is_dir() else Path(given)
+        report = json.loads(path.read_text(encoding="utf-8"))
         if report.get("kind") != "ppl":
-            raise SystemExit(f"kv_tradeoff: {folder} is not a `gqakit eval ppl` report")
+            raise SystemExit(f"kv_tradeoff: {given} is not a `gqakit eval ppl` report")
         for r in report["results"]["rows"]:
             held = r["kv_bytes_held_per_token"]
             cache = r["kv_cache"] if r["kv_cache"] != "none" else "dense"
@@ -75,12 +76,18 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    from matplotlib import colormaps
+
     from gqakit.common.plots import new_figure
 
     fig = new_figure(7.5, 4.5)
     ax = fig.add_subplot()
     markers = dict(zip(CACHES, "osD^"))
-    colours = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(r["model"] for r in rows))}
+    # one colour per model from tab20's dark then light shades, without its greys: the cache-kind legend is grey
+    tab20 = colormaps["tab20"].colors
+    palette = [c for i, c in enumerate([*tab20[::2], *tab20[1::2]]) if i not in (7, 17)]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    colours = {m: palette[i % len(palette)] for i, m in enumerate(models)}
     for r in rows:
         ax.errorbar(r["kv_bytes_held_per_token"], r["perplexity"],
                     yerr=[[r["perplexity"] - r["ppl_ci_low"]], [r["ppl_ci_high"] - r["perplexity"]]],
@@ -102,8 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("models", nargs="*", help="model folders; the first is the reference (its dense row: 1x)")
     p.add_argument("--text", help="the evaluation text")
-    p.add_argument("--reports", nargs="+", help="instead of evaluating: the report folders of `gqakit eval ppl` runs "
-                                                "already made (the first report's model is the reference)")
+    p.add_argument("--reports", nargs="+", help="instead of evaluating: `gqakit eval ppl` reports already made, "
+                                                "folders or their results.json (the first report's model is the "
+                                                "reference)")
     p.add_argument("--caches", nargs="+", default=list(CACHES[:3]), choices=CACHES, help="cache kinds")
     p.add_argument("--max-tokens", type=int, default=0, help="tokens scored (0: the whole text)")
     p.add_argument("--max-length", type=int, default=2048, help="window length (disjoint windows)")

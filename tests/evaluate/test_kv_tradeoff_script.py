@@ -1,0 +1,44 @@
+"""benchmarks/kv_tradeoff.py --reports: the equal-bytes table from reports already made, given as report folders
+or as the results.json files kept under docs/results/ (the form its documented command uses)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+KEPT = REPO / "docs" / "results" / "kv-bytes"
+
+
+def tradeoff(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "kv_tradeoff.py"), *args], capture_output=True,
+                          text=True)
+
+
+def table_rows(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("| smollm2")]
+
+
+def test_a_results_file_reads_as_its_folder(tmp_path):
+    files = [KEPT / "smollm2-original-wholetest.json", KEPT / "smollm2-original-int4-wholetest.json"]
+    folders = []
+    for i, f in enumerate(files):
+        (tmp_path / str(i)).mkdir()
+        folders.append(shutil.copy(f, tmp_path / str(i) / "results.json"))
+    by_file = tradeoff("--reports", *map(str, files))
+    by_folder = tradeoff("--reports", *(str(Path(f).parent) for f in folders))
+    assert by_file.returncode == 0 and by_folder.returncode == 0, by_file.stderr + by_folder.stderr
+    assert table_rows(by_file.stdout) == table_rows(by_folder.stdout)
+    original = json.loads(files[0].read_text())["results"]["rows"][0]
+    dense = [r for r in table_rows(by_file.stdout) if "| dense |" in r]
+    assert len(table_rows(by_file.stdout)) == 2 and len(dense) == 1
+    assert f"| {original['perplexity']:.2f} |" in dense[0] and "1.0x fewer" in dense[0]
+
+
+def test_a_report_of_another_kind_is_refused(tmp_path):
+    other = tmp_path / "stream.json"
+    other.write_text(json.dumps({"kind": "stream", "results": {}}))
+    done = tradeoff("--reports", str(other))
+    assert done.returncode != 0 and "is not a `gqakit eval ppl` report" in done.stderr
