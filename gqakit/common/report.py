@@ -7,10 +7,11 @@ Every `gqakit eval` run writes one folder:
     results.csv    the same rows as a flat table (one row per model, position bucket or passkey cell)
     *.png          a plot where a person would rather look
 
-The default folder is `runs/eval-<kind>-<YYYYmmdd-HHMMSS>` under the current directory. An existing
-folder is refused unless `force=True`; the check runs before the (possibly long) evaluation and again
-at the end. Files go into a hidden temporary folder beside the target, renamed into place at the end:
-an error or Ctrl-C leaves no half-written report (and, with force, the old one intact until then).
+The default folder is `runs/eval-<kind>-<YYYYmmdd-HHMMSS>` under the current directory; runs that start in the same
+second (several evaluations launched together) get `-2`, `-3`, ... after it, also when another run takes the name while
+this one evaluates. A folder given with --output that exists is refused unless `force=True`; the check runs before the
+(possibly long) evaluation and again at the end. Files go into a hidden temporary folder beside the target, renamed into
+place at the end: an error or Ctrl-C leaves no half-written report (and, with force, the old one intact until then).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import datetime
 import json
 import math
 import platform
+import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,9 +43,23 @@ def default_output(kind: str, now: datetime.datetime | None = None) -> Path:
     return Path("runs") / f"eval-{kind}-{now:%Y%m%d-%H%M%S}"
 
 
+def free_default(target: Path) -> Path:
+    """A default report folder `target` (runs/eval-<kind>-<timestamp>[-N]) if no file or folder holds its name,
+    else the first free of <timestamp>-2, -3, ..."""
+    found = re.fullmatch(r"(eval-[\w-]+-\d{8}-\d{6})(?:-\d+)?", target.name)
+    base = target.with_name(found.group(1)) if found else target
+    candidate, n = target, 2
+    while candidate.exists() or candidate.is_symlink():
+        candidate, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return candidate
+
+
 def prepare_output(output: str | Path | None, kind: str, force: bool) -> Path:
-    """The report folder for this run; refuses an existing one without `force` (before any work is done)."""
-    target = Path(output) if output else default_output(kind)
+    """The report folder for this run; refuses an existing one given as `output` without `force` (before any work
+    is done). Without `output`, a free default name."""
+    if not output:
+        return free_default(default_output(kind))
+    target = Path(output)
     if target.exists() and not force:
         raise GqakitError(_EXISTS.format(target, opt("force")))
     if target.exists() and not target.is_dir():
@@ -86,11 +103,17 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def write_report(target: Path, *, kind: str, command: str, config: dict, results: dict, rows: list[dict],
-                 plots: dict[str, Callable[[Path], None]] | None = None, force: bool = False) -> Path:
-    """Write results.json, results.csv and the plots into `target`, atomically; returns `target`."""
+                 plots: dict[str, Callable[[Path], None]] | None = None, force: bool = False,
+                 default: bool = False) -> Path:
+    """Write results.json, results.csv and the plots into `target`, atomically; returns the folder written:
+    `target`, or with `default` (a name `prepare_output` chose, no --output) the next free one if another run
+    took `target` meanwhile (said on stderr)."""
     target = Path(target)
     if target.exists() and not force:  # it may have appeared while we evaluated
-        raise GqakitError(_EXISTS.format(target, opt("force")))
+        if not default:
+            raise GqakitError(_EXISTS.format(target, opt("force")))
+        taken, target = target, free_default(target)
+        print(f"gqakit: {taken} was written by another run meanwhile; this report goes to {target}", file=sys.stderr)
     with atomic_output(target, force) as tmp:
         record = {"kind": kind, "command": command,
                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

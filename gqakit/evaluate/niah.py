@@ -180,6 +180,6 @@ def run_niah(cfg: NiahConfig, command: str = "", out=None, generate: Generate | 
             drawings[file] = (lambda p, grid=grid, title=f"{name}: {task} ({hay})":
                               plots.passkey_heatmap(lengths, depths, grid, p, title=title))
     written = report.write_report(target, kind="niah", command=command, config=dataclasses.asdict(cfg),
-                                  results=record, rows=cells, force=cfg.force, plots=drawings)
+                                  results=record, rows=cells, force=cfg.force, default=not cfg.output, plots=drawings)
     print(f"wrote {written}", file=out)
     return record

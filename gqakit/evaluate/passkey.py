@@ -208,6 +208,7 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
               "overall_accuracy": overall, "cells": cells, "cases": results}
     written = report.write_report(
         target, kind="passkey", command=command, config=dataclasses.asdict(cfg), results=record, rows=cells,
-        force=cfg.force, plots={"passkey_heatmap.png": lambda p: plots.passkey_heatmap(lengths, depths, acc, p)})
+        force=cfg.force, default=not cfg.output,
+        plots={"passkey_heatmap.png": lambda p: plots.passkey_heatmap(lengths, depths, acc, p)})
     print(f"wrote {written}", file=out)
     return record

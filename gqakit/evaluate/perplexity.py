@@ -391,7 +391,7 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     csv_rows = [{k: v for k, v in r.items() if k not in _JSON_ONLY} for r in rows]
     plotted = rows if not cfg.kv_cache else [{**r, "kv_bytes_per_token": r["kv_bytes_held_per_token"]} for r in rows]
     written = report.write_report(target, kind="ppl", command=command, config=dataclasses.asdict(cfg),
-                                  results=record, rows=csv_rows, force=cfg.force,
+                                  results=record, rows=csv_rows, force=cfg.force, default=not cfg.output,
                                   plots={"ppl_vs_kv_bytes.png": lambda p: plots.ppl_vs_kv_bytes(plotted, p)})
     print(f"wrote {written}", file=out)
     return record

@@ -282,7 +282,7 @@ def run_stream(cfg: StreamConfig, command: str = "", out=None) -> dict:
     curves = {p: s["buckets"] for p, s in summary.items()}
     written = report.write_report(
         target, kind="stream", command=command, config={**dataclasses.asdict(cfg), "recompute_every": every},
-        results=record, rows=rows, force=cfg.force,
+        results=record, rows=rows, force=cfg.force, default=not cfg.output,
         plots={"ppl_vs_position.png": lambda p: plots.ppl_vs_position(curves, p, marks)})
     print(f"wrote {written}", file=out)
     return record

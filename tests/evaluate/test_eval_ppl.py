@@ -138,6 +138,30 @@ def test_report_is_atomic(tmp_path):
     assert report.default_output("ppl").parts[0] == "runs"
 
 
+def test_default_report_names_never_collide(tmp_path, monkeypatch, capsys):
+    """Evaluations launched together start in the same second: the default name gets -2, -3, ..., chosen at the
+    start and again at the end if another run took it meanwhile; a name given with --output is still refused."""
+    base = tmp_path / "runs" / "eval-ppl-20261128-001500"
+    monkeypatch.setattr(report, "default_output", lambda kind, now=None: base)
+    assert report.prepare_output(None, "ppl", False) == base
+    base.mkdir(parents=True)
+    assert report.prepare_output(None, "ppl", False) == base.with_name(base.name + "-2")
+    base.with_name(base.name + "-2").mkdir()
+    assert report.prepare_output(None, "ppl", False) == base.with_name(base.name + "-3")
+
+    def write(target, default):
+        return report.write_report(target, kind="ppl", command="x", config={}, results={"n": 1}, rows=[{"a": 1}],
+                                   default=default)
+    taken = base.with_name(base.name + "-3")
+    taken.mkdir()  # another run published the name this one chose
+    written = write(taken, default=True)
+    assert written == base.with_name(base.name + "-4") and report.read_report(written)["results"] == {"n": 1}
+    assert f"{taken} was written by another run meanwhile; this report goes to {written}" in capsys.readouterr().err
+    assert list(taken.iterdir()) == []  # the other run's folder untouched
+    with pytest.raises(GqakitError, match="already exists; pass"):
+        write(taken, default=False)
+
+
 def test_dataset_rows_joined_with_eos(tmp_path, tok):
     rows = ["It is a truth.", "Emma walks to the village.", "  "]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"body": r, "n": i}) for i, r in enumerate(rows)))
