@@ -6,16 +6,24 @@ the few that are not run here are listed in NOT_RUN with the reason.
 
 Each command that writes an uptraining run names its own output_dir, so the commands also work when a
 reader follows them literally in order (a folder that holds a finished run is refused): no `force=true`
-is appended to hide a clash."""
+is appended to hide a clash.
+
+Commands run side by side (one thread each, as many as the machine has cores, up to 4) where the order allows:
+a command waits for every earlier one that writes a path it names, that names a path it writes, or that writes
+what it writes; a command whose outputs cannot be told from its words (training, the set-up scripts) runs
+alone, after everything before it and before everything after it (`dependencies`)."""
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import tempfile
 
 import pytest
 
@@ -143,7 +151,7 @@ def test_every_readme_command_runs(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(clone),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "GQAKIT_CACHE_DIR": str(tmp_path / "token-caches"), "HF_HUB_OFFLINE": "1"}
-    failed, ran, skipped = [], [], []
+    failed, ran, skipped, jobs = [], [], [], []
     for page, command in page_commands():
         reason = next((why for prefix, why in NOT_RUN.items() if command.startswith(prefix)), None)
         if reason is None and "../shared" in command + _recipe_text(clone, command) and not SHARED.is_dir():
@@ -155,14 +163,114 @@ def test_every_readme_command_runs(tmp_path):
             continue
         run = tiny(command).replace("python ", f"{sys.executable} ", 1) if command.startswith("python ") \
             else tiny(command)
-        start = time.perf_counter()
-        done = subprocess.run(run, shell=True, cwd=clone, env=env, capture_output=True, text=True, timeout=900)
-        ran.append(f"{time.perf_counter() - start:5.1f} s  {page}: {command}")
-        if done.returncode:
-            failed.append(f"{page}: {run}\n  exit {done.returncode}: {done.stderr.strip()[-1500:]}")
+        jobs.append((page, command, run))
+    deps = dependencies([command for _, command, _ in jobs],
+                        [command + "\n" + _recipe_text(clone, command) for _, command, _ in jobs])
+    workers = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()))
+    results = run_side_by_side([run for _, _, run in jobs], deps, workers, cwd=clone, env=env)
+    for (page, command, run), (code, seconds, err) in zip(jobs, results):
+        ran.append(f"{seconds:5.1f} s  {page}: {command}")
+        if code:
+            failed.append(f"{page}: {run}\n  exit {code}: {err.strip()[-1500:]}")
     print("ran:", *ran, "not run:", *skipped, sep="\n  ")
     assert not failed, "documented commands that fail:\n" + "\n".join(failed)
     assert len(ran) >= 15  # the embedded-model commands at least
+
+
+# What a command writes, by its first words: "-o" its -o / --output / --output-dir value (None without one), "" nothing
+# (or names no later command can guess: `gqakit eval` without -o picks a free runs/eval-<kind>-<time>), or a flag.
+WRITES = [
+    (r"^(convert-gqa|gqakit convert) .*--dry-run", ""),
+    (r"^(convert-gqa|gqakit convert|gqakit sample|gqakit tokenize) ", "-o"),
+    (r"^gqakit eval ", "-o or nothing"),
+    (r"^gqakit generate ", ""),
+    (r"^python -m gqakit.uptrain.run.metrics ", "-o"),
+    (r"^python benchmarks/paired.py ", ""),
+    (r"^python benchmarks/kv_tradeoff.py ", "--plot --keep"),
+    (r"^(tail|head|cat) ", ""),  # only its redirection, if any
+    (r"^cp ", "last"),
+]
+
+
+def writes(command: str) -> set[str] | None:
+    """The paths `command` writes, as it spells them; None when its words do not tell (then it runs alone)."""
+    words = shlex.split(command)
+    written = set()
+    if ">" in words:  # a redirection: the file after it
+        written.add(words[words.index(">") + 1])
+        words = words[:words.index(">")]
+    rule = next((how for pattern, how in WRITES if re.search(pattern, command)), None)
+    if rule is None:
+        return None
+    if rule == "last":
+        return written | {words[-1]}
+    flags = {"-o", "--output", "--output-dir"} if rule.startswith("-o") else set(rule.split())
+    named = {words[i + 1] for i, w in enumerate(words[:-1]) if w in flags}
+    if rule == "-o" and not named:
+        return None  # a default output name, next to its input
+    return written | named
+
+
+def names(text: str, path: str) -> bool:
+    """Does `text` name `path` (or something inside it)?"""
+    return re.search(rf"(?<![\w./-]){re.escape(path.rstrip('/'))}(?![\w.-])", text) is not None
+
+
+def dependencies(commands: list[str], texts: list[str]) -> list[set[int]]:
+    """For each command, the earlier ones it must wait for (`texts`: each command with its recipe's text)."""
+    out = [writes(c) for c in commands]
+    deps = []
+    for i, text in enumerate(texts):
+        deps.append({j for j in range(i) if out[i] is None or out[j] is None
+                     or any(names(text, w) for w in out[j]) or any(names(texts[j], w) for w in out[i])
+                     or out[i] & out[j]})
+    return deps
+
+
+def run_side_by_side(jobs: list[str], deps: list[set[int]], workers: int, **popen) -> list[tuple[int, float, str]]:
+    """Run the shell commands `jobs` (each after its `deps`, at most `workers` at once); per job its exit status,
+    seconds and stderr, in the jobs' order. A job past 900 s is killed (status -9)."""
+    done: dict[int, tuple[int, float, str]] = {}
+    running: dict[int, tuple[subprocess.Popen, float, object]] = {}
+    pending = list(range(len(jobs)))
+    while pending or running:
+        for i in [i for i in pending if deps[i] <= done.keys()][:max(0, workers - len(running))]:
+            pending.remove(i)
+            err = tempfile.TemporaryFile(mode="w+")
+            running[i] = (subprocess.Popen(jobs[i], shell=True, stdout=subprocess.DEVNULL, stderr=err, **popen),
+                          time.perf_counter(), err)
+        time.sleep(0.05)
+        for i, (proc, start, err) in list(running.items()):
+            if proc.poll() is None and time.perf_counter() - start > 900:
+                proc.kill()
+            if proc.poll() is not None:
+                err.seek(0)
+                done[i] = (proc.returncode, time.perf_counter() - start, err.read())
+                err.close()
+                del running[i]
+    return [done[i] for i in range(len(jobs))]
+
+
+def test_dependencies_follow_the_paths_commands_name():
+    commands = ["convert-gqa --groups 1 runs/a -o runs/b",            # 0
+                "gqakit eval ppl runs/b --text t.txt -o runs/b-eval",  # 1: reads 0's output
+                "gqakit eval ppl runs/a --text t.txt",                  # 2: writes no name another reads
+                "python benchmarks/paired.py runs/b-eval x y",          # 3: reads 1's report
+                "convert-gqa --groups 2 runs/a -o runs/bb",             # 4: runs/b is not runs/bb
+                "gqakit uptrain recipes/x.yaml",                        # 5: cannot tell: alone
+                "tail -n 2 runs/b-evalx > runs/c.txt",                  # 6: after the barrier
+                "convert-gqa --groups 1 runs/c.txt -o runs/a"]          # 7: overwrites what 0, 2, 4 read
+    deps = dependencies(commands, commands)
+    assert deps[:5] == [set(), {0}, set(), {1}, set()]
+    assert deps[5] == {0, 1, 2, 3, 4} and deps[6] == {5} and deps[7] == {0, 2, 4, 5, 6}
+    assert writes(commands[2]) == set() and writes(commands[6]) == {"runs/c.txt"} and writes(commands[5]) is None
+
+
+def test_side_by_side_keeps_the_order_that_matters(tmp_path):
+    """Job 1 reads what job 0 writes after a pause; job 2 is free and finishes first."""
+    jobs = ["sleep 0.5 && echo a > first.txt", "cat first.txt >&2", "echo free >&2", "exit 3"]
+    results = run_side_by_side(jobs, [set(), {0}, set(), set()], 2, cwd=tmp_path)
+    assert [(code, err.strip()) for code, _, err in results] == [(0, ""), (0, "a"), (0, "free"), (3, "")]
 
 
 def _recipe_text(clone: Path, command: str) -> str:
