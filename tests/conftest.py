@@ -34,3 +34,13 @@ def token_cache_root(tmp_path_factory):
         os.environ.pop("GQAKIT_CACHE_DIR", None)
     else:
         os.environ["GQAKIT_CACHE_DIR"] = before
+
+
+# The longest test (it runs every documented command) goes first: when the suite runs in parallel processes
+# (pytest -n 2 --dist worksteal, the README's command), the other worker takes the rest around it instead of
+# one worker finishing it alone at the end.
+FIRST = ("tests/test_readme_commands.py::test_every_readme_command_runs",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.nodeid not in FIRST)  # stable: every other test keeps its place

@@ -134,6 +134,14 @@ def test_no_two_commands_write_one_folder():
         seen[folder] = f"{page}: {command}"
 
 
+def test_ci_runs_the_readmes_test_command():
+    """CI (.ci/run) runs the test command that README.md gives: the two cannot drift apart."""
+    readme = [c for c in readme_commands((REPO / "README.md").read_text()) if c.startswith("python -m pytest")]
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line.strip().startswith("python -m pytest")]
+    assert len(readme) == 1 and ci == readme, (readme, ci)
+
+
 def test_readme_has_no_placeholders_in_bash_blocks():
     for page, command in page_commands():
         assert not re.search(r"\b(MODEL|RECIPE|FILE|DIR)\b|\[--", command), \
