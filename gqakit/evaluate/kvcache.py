@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import inspect
 
 import torch
 
 from gqakit.common.errors import GqakitError, opt
 from gqakit.evaluate.cache_kinds import DEFAULT_KV_CHUNK as DEFAULT_CHUNK, KV_CACHES  # noqa: F401 (one declaration)
+from gqakit.hf.compat import cache_kwargs
+
 # KIVI (arXiv 2402.02750): keys quantized per channel (quanto's axis -1: each group is 64 tokens of one channel),
 # values per token (axis 0: each group is 64 channels of one token); groups of 64, the last 128 tokens kept whole.
 # transformers' defaults quantize keys per token too (axis 0), which an outlier channel ruins (checked here: 20x the
@@ -138,8 +139,6 @@ def chunked_window_nll(model, window: torch.Tensor, targets_from: int, chunk: in
     through a fresh `kind` cache in chunks of `chunk` tokens; column j is predicted by column j - 1's logits."""
     length = window.shape[1]
     cache = make_cache(kind, model.config)
-    # transformers 5.24 names the argument `cache` (`past_key_values` is deprecated); older 5.x take only the latter
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     total = 0.0
     for start in range(0, length, chunk):
         end = min(start + chunk, length)
@@ -148,7 +147,7 @@ def chunked_window_nll(model, window: torch.Tensor, targets_from: int, chunk: in
         fix = (f"choose {opt('max_length')}, {opt('max_tokens')} and {opt('kv_chunk')} so that every chunk and "
                f"window ends on a multiple")
         with whole_groups(kind, end, fix):
-            logits = model(input_ids=window[:, start:end], **{name: cache}, use_cache=True,
+            logits = model(input_ids=window[:, start:end], **cache_kwargs(model, cache), use_cache=True,
                            logits_to_keep=keep).logits[0].float()  # (keep, V)
         if first < min(end, length - 1):
             last = min(end, length - 1)  # the window's last column predicts nothing inside it
