@@ -112,7 +112,8 @@ def _tokenizer():
 
 
 def _output():
-    return option(None, flag="-o/--output", help="report folder", default_text="runs/eval-<kind>-<YYYYmmdd-HHMMSS>")
+    return option(None, flag="-o/--output", help="report folder",
+                  default_text="runs/eval-<kind>-<YYYYmmdd-HHMMSS>, then -2, -3, ... if taken")
 
 
 def _force():
