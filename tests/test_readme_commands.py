@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -201,8 +202,17 @@ WRITES = [
 
 
 def writes(command: str) -> set[str] | None:
-    """The paths `command` writes, as it spells them; None when its words do not tell (then it runs alone)."""
-    words = shlex.split(command)
+    """The paths `command` writes, as it spells them; None when its words do not tell (then it runs alone): an
+    unknown program, shell operators other than one plain `>`, or an output given as --output=X or -oX."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)  # shell operators apart, even unspaced
+    lexer.whitespace_split = True
+    try:
+        words = list(lexer)
+    except ValueError:  # unbalanced quotes: let the shell say so, alone
+        return None
+    if (any(re.fullmatch(r"[|&;<>()]+", w) and w != ">" for w in words) or words.count(">") > 1
+            or any(re.match(r"(--output(-dir)?=|-o.)", w) for w in words)):
+        return None
     written = set()
     if ">" in words:  # a redirection: the file after it
         written.add(words[words.index(">") + 1])
@@ -211,17 +221,17 @@ def writes(command: str) -> set[str] | None:
     if rule is None:
         return None
     if rule == "last":
-        return written | {words[-1]}
+        return {w.removeprefix("./") for w in written | {words[-1]}}
     flags = {"-o", "--output", "--output-dir"} if rule.startswith("-o") else set(rule.split())
     named = {words[i + 1] for i, w in enumerate(words[:-1]) if w in flags}
     if rule == "-o" and not named:
         return None  # a default output name, next to its input
-    return written | named
+    return {w.removeprefix("./") for w in written | named}
 
 
 def names(text: str, path: str) -> bool:
-    """Does `text` name `path` (or something inside it)?"""
-    return re.search(rf"(?<![\w./-]){re.escape(path.rstrip('/'))}(?![\w.-])", text) is not None
+    """Does `text` name `path` (or something inside it), with or without a leading ./?"""
+    return re.search(rf"(?<![\w./-])(\./)?{re.escape(path.rstrip('/'))}(?![\w.-])", text) is not None
 
 
 def dependencies(commands: list[str], texts: list[str]) -> list[set[int]]:
@@ -235,28 +245,44 @@ def dependencies(commands: list[str], texts: list[str]) -> list[set[int]]:
     return deps
 
 
-def run_side_by_side(jobs: list[str], deps: list[set[int]], workers: int, **popen) -> list[tuple[int, float, str]]:
+def run_side_by_side(jobs: list[str], deps: list[set[int]], workers: int, timeout: float = 900,
+                     **popen) -> list[tuple[int, float, str]]:
     """Run the shell commands `jobs` (each after its `deps`, at most `workers` at once); per job its exit status,
-    seconds and stderr, in the jobs' order. A job past 900 s is killed (status -9)."""
+    seconds and stderr, in the jobs' order. A job past `timeout` seconds is killed with everything it started
+    (status -9), as is every job still running if this function fails."""
     done: dict[int, tuple[int, float, str]] = {}
     running: dict[int, tuple[subprocess.Popen, float, object]] = {}
     pending = list(range(len(jobs)))
-    while pending or running:
-        for i in [i for i in pending if deps[i] <= done.keys()][:max(0, workers - len(running))]:
-            pending.remove(i)
-            err = tempfile.TemporaryFile(mode="w+")
-            running[i] = (subprocess.Popen(jobs[i], shell=True, stdout=subprocess.DEVNULL, stderr=err, **popen),
-                          time.perf_counter(), err)
-        time.sleep(0.05)
-        for i, (proc, start, err) in list(running.items()):
-            if proc.poll() is None and time.perf_counter() - start > 900:
-                proc.kill()
-            if proc.poll() is not None:
-                err.seek(0)
-                done[i] = (proc.returncode, time.perf_counter() - start, err.read())
-                err.close()
-                del running[i]
+    try:
+        while pending or running:
+            for i in [i for i in pending if deps[i] <= done.keys()][:max(0, workers - len(running))]:
+                pending.remove(i)
+                err = tempfile.TemporaryFile(mode="w+")
+                running[i] = (subprocess.Popen(jobs[i], shell=True, stdout=subprocess.DEVNULL, stderr=err,
+                                               start_new_session=True, **popen), time.perf_counter(), err)
+            time.sleep(0.05)
+            for i, (proc, start, err) in list(running.items()):
+                if proc.poll() is None and time.perf_counter() - start > timeout:
+                    _kill_group(proc)
+                if proc.poll() is not None:
+                    err.seek(0)
+                    done[i] = (proc.returncode, time.perf_counter() - start, err.read())
+                    err.close()
+                    del running[i]
+    finally:
+        for proc, _, err in running.values():
+            _kill_group(proc)
+            err.close()
     return [done[i] for i in range(len(jobs))]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill a job's shell and everything it started (its own session), and reap the shell."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def test_dependencies_follow_the_paths_commands_name():
@@ -272,6 +298,12 @@ def test_dependencies_follow_the_paths_commands_name():
     assert deps[:5] == [set(), {0}, set(), {1}, set()]
     assert deps[5] == {0, 1, 2, 3, 4} and deps[6] == {5} and deps[7] == {0, 2, 4, 5, 6}
     assert writes(commands[2]) == set() and writes(commands[6]) == {"runs/c.txt"} and writes(commands[5]) is None
+    for unclear in ("gqakit eval ppl runs/b --text t.txt --output=runs/d", "gqakit eval ppl runs/b -oruns/d",
+                    "tail -n 2 t.txt >> runs/d", "tail t.txt | tee runs/d", "cp a b && cp b c", "tail 'a > b",
+                    "tail t.txt 2>&1 >runs/d", "cp a b;cp b c"):
+        assert writes(unclear) is None, unclear
+    assert writes("cp t.txt ./runs/e") == {"runs/e"} and names("gqakit eval ppl ./runs/e", "runs/e")
+    assert writes("tail t.txt >runs/f") == {"runs/f"}
 
 
 def test_side_by_side_keeps_the_order_that_matters(tmp_path):
@@ -279,6 +311,20 @@ def test_side_by_side_keeps_the_order_that_matters(tmp_path):
     jobs = ["sleep 0.5 && echo a > first.txt", "cat first.txt >&2", "echo free >&2", "exit 3"]
     results = run_side_by_side(jobs, [set(), {0}, set(), set()], 2, cwd=tmp_path)
     assert [(code, err.strip()) for code, _, err in results] == [(0, ""), (0, "a"), (0, "free"), (3, "")]
+
+
+def test_a_killed_job_takes_what_it_started_with_it(tmp_path):
+    """Past its time a job's shell and the program it started both go (status -9), not the shell alone."""
+    [(code, _, _)] = run_side_by_side(["sleep 60 & echo $! > pid; wait"], [set()], 1, timeout=1, cwd=tmp_path)
+    pid = int((tmp_path / "pid").read_text())
+    stat = Path(f"/proc/{pid}/stat")
+    for _ in range(100):  # killed at once; a zombie waits for its new parent to reap it
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the job's child {pid} outlived the kill")
+    assert code == -9
 
 
 def _recipe_text(clone: Path, command: str) -> str:

@@ -15,6 +15,7 @@ OUT from two machines at once.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -132,6 +133,10 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+class OutputTaken(GqakitError):
+    """The output appeared while the run worked (no --force): another run published it first."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so that the same cleanup runs (exit status 143, not 130)."""
 
@@ -213,11 +218,17 @@ def _interrupts_held() -> Iterator[None]:
 
 def _publish(tmp: Path, out: Path, force: bool) -> Path | None:
     """Rename `tmp` to `out`; an existing `out` is moved aside first. Returns what was moved aside."""
+    taken = OutputTaken(f"{out} already exists; pass {opt('force')} to replace it or choose another -o")
     if not os.path.lexists(out):
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError as e:  # published by another process since the check (a folder that is not empty)
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and not force:
+                raise taken from None
+            raise
         return None
     if not force:  # it appeared while we worked
-        raise GqakitError(f"{out} already exists; pass {opt('force')} to replace it or choose another -o")
+        raise taken
     old = sibling(out, "old")
     os.replace(out, old)  # a symlink is moved as a link: the folder it points to is not touched
     try:

@@ -19,13 +19,14 @@ import csv
 import datetime
 import json
 import math
+import os
 import platform
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from gqakit.common.atomic import atomic_output, check_replaceable
+from gqakit.common.atomic import OutputTaken, atomic_output, check_replaceable
 from gqakit.common.errors import GqakitError, opt
 
 RESULTS_JSON = "results.json"
@@ -107,21 +108,31 @@ def write_report(target: Path, *, kind: str, command: str, config: dict, results
                  default: bool = False) -> Path:
     """Write results.json, results.csv and the plots into `target`, atomically; returns the folder written:
     `target`, or with `default` (a name `prepare_output` chose, no --output) the next free one if another run
-    took `target` meanwhile (said on stderr)."""
-    target = Path(target)
-    if target.exists() and not force:  # it may have appeared while we evaluated
-        if not default:
-            raise GqakitError(_EXISTS.format(target, opt("force")))
-        taken, target = target, free_default(target)
-        print(f"gqakit: {taken} was written by another run meanwhile; this report goes to {target}", file=sys.stderr)
-    with atomic_output(target, force) as tmp:
-        record = {"kind": kind, "command": command,
-                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "versions": versions(), "config": config, "results": results}
-        (tmp / RESULTS_JSON).write_text(json.dumps(_jsonable(record), indent=2) + "\n", encoding="utf-8")
-        _write_csv(tmp / RESULTS_CSV, rows)
-        for name, draw in (plots or {}).items():
-            draw(tmp / name)
+    took `target` meanwhile, up to the moment of publishing (said on stderr). A default name is never forced:
+    another run's report stays."""
+    chosen = Path(target)
+    target = chosen
+    while True:
+        if os.path.lexists(target) and (default or not force):  # it may have appeared while we evaluated
+            if not default:
+                raise GqakitError(_EXISTS.format(target, opt("force")))
+            target = free_default(target)
+        try:
+            with atomic_output(target, force and not default) as tmp:
+                record = {"kind": kind, "command": command,
+                          "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                          "versions": versions(), "config": config, "results": results}
+                (tmp / RESULTS_JSON).write_text(json.dumps(_jsonable(record), indent=2) + "\n", encoding="utf-8")
+                _write_csv(tmp / RESULTS_CSV, rows)
+                for name, draw in (plots or {}).items():
+                    draw(tmp / name)
+        except OutputTaken:
+            if not default:
+                raise
+            continue  # published by another run while we wrote: the next free name
+        break
+    if target != chosen:
+        print(f"gqakit: {chosen} was written by another run meanwhile; this report goes to {target}", file=sys.stderr)
     return target
 
 

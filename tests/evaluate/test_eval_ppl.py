@@ -162,6 +162,29 @@ def test_default_report_names_never_collide(tmp_path, monkeypatch, capsys):
         write(taken, default=False)
 
 
+def test_a_default_report_name_taken_while_writing_moves_on(tmp_path, capsys):
+    """Another run may publish the name between the last check and the rename (while the plots are drawn); --force
+    without -o never replaces another run's report; a dangling link holds its name."""
+    base = tmp_path / "eval-ppl-20261128-001500"
+
+    def other_run_publishes(path):
+        if not base.exists():
+            base.mkdir()
+            (base / "results.json").write_text("theirs")
+    written = report.write_report(base, kind="ppl", command="x", config={}, results={}, rows=[{"a": 1}],
+                                  plots={"p.png": other_run_publishes}, default=True)
+    assert written == base.with_name(base.name + "-2") and (base / "results.json").read_text() == "theirs"
+    assert f"this report goes to {written}" in capsys.readouterr().err
+    forced = report.write_report(base, kind="ppl", command="x", config={}, results={}, rows=[{"a": 1}],
+                                 force=True, default=True)
+    assert forced == base.with_name(base.name + "-3") and (base / "results.json").read_text() == "theirs"
+    dangling = tmp_path / "eval-ppl-20261128-001501"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert report.write_report(dangling, kind="ppl", command="x", config={}, results={}, rows=[{"a": 1}],
+                               default=True) == dangling.with_name(dangling.name + "-2")
+    assert dangling.is_symlink() and not dangling.exists()
+
+
 def test_dataset_rows_joined_with_eos(tmp_path, tok):
     rows = ["It is a truth.", "Emma walks to the village.", "  "]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"body": r, "n": i}) for i, r in enumerate(rows)))
