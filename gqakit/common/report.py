@@ -50,7 +50,7 @@ def free_default(target: Path) -> Path:
     found = re.fullmatch(r"(eval-[\w-]+-\d{8}-\d{6})(?:-\d+)?", target.name)
     base = target.with_name(found.group(1)) if found else target
     candidate, n = target, 2
-    while candidate.exists() or candidate.is_symlink():
+    while os.path.lexists(candidate):
         candidate, n = base.with_name(f"{base.name}-{n}"), n + 1
     return candidate
 
@@ -110,27 +110,31 @@ def write_report(target: Path, *, kind: str, command: str, config: dict, results
     `target`, or with `default` (a name `prepare_output` chose, no --output) the next free one if another run
     took `target` meanwhile, up to the moment of publishing (said on stderr). A default name is never forced:
     another run's report stays."""
+    record = {"kind": kind, "command": command,
+              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "versions": versions(), "config": config, "results": results}
+
+    def publish(folder: Path, replace: bool) -> None:
+        with atomic_output(folder, replace) as tmp:
+            (tmp / RESULTS_JSON).write_text(json.dumps(_jsonable(record), indent=2) + "\n", encoding="utf-8")
+            _write_csv(tmp / RESULTS_CSV, rows)
+            for name, draw in (plots or {}).items():
+                draw(tmp / name)
+
     chosen = Path(target)
+    if not default:
+        if os.path.lexists(chosen) and not force:  # it may have appeared while we evaluated
+            raise GqakitError(_EXISTS.format(chosen, opt("force")))
+        publish(chosen, force)
+        return chosen
     target = chosen
-    while True:
-        if os.path.lexists(target) and (default or not force):  # it may have appeared while we evaluated
-            if not default:
-                raise GqakitError(_EXISTS.format(target, opt("force")))
-            target = free_default(target)
+    while True:  # a default name is never forced: another run's report stays
+        target = free_default(target)
         try:
-            with atomic_output(target, force and not default) as tmp:
-                record = {"kind": kind, "command": command,
-                          "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                          "versions": versions(), "config": config, "results": results}
-                (tmp / RESULTS_JSON).write_text(json.dumps(_jsonable(record), indent=2) + "\n", encoding="utf-8")
-                _write_csv(tmp / RESULTS_CSV, rows)
-                for name, draw in (plots or {}).items():
-                    draw(tmp / name)
-        except OutputTaken:
-            if not default:
-                raise
-            continue  # published by another run while we wrote: the next free name
-        break
+            publish(target, False)
+            break
+        except OutputTaken:  # published by another run while we wrote: the next free name
+            continue
     if target != chosen:
         print(f"gqakit: {chosen} was written by another run meanwhile; this report goes to {target}", file=sys.stderr)
     return target
