@@ -1,8 +1,6 @@
 """tiled_attention against the eager reference: outputs, lse and gradients, per dtype and mask kind."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -231,14 +229,19 @@ def test_fused_steps_equal_one_block_per_step():
         tiled_attention(q, k, v, scale=0.25, span_k=64)
 
 
-def test_long_forward_is_quick():
+def test_long_forward_matches_reference_rows():
+    # A 4k causal forward (what a timed test used to guard) checked for what it computes: rows at the start,
+    # the middle and the end against a direct softmax over their own row of keys, in float64.
     T = 4096
     q, k, v = make_inputs(1, 2, 2, T, T, 16)
-    start = time.perf_counter()
     with torch.no_grad():
         out = tiled_attention(q, k, v, scale=0.25, block_q=128, block_k=128)
-    assert time.perf_counter() - start < 20  # ~1 s when the machine is idle
-    assert torch.isfinite(out).all()
+    rows = torch.tensor([0, 1, 127, 128, 2047, 2048, T - 129, T - 1])
+    qd, kd, vd = (t.detach().double() for t in (q, k, v))
+    scores = qd[:, :, rows] @ kd.transpose(-1, -2) * 0.25                       # (1, 2, rows, T)
+    scores = scores.masked_fill(torch.arange(T)[None, :] > rows[:, None], NEG_INF)
+    expected = torch.softmax(scores, dim=-1) @ vd
+    torch.testing.assert_close(out[:, :, rows].double(), expected, rtol=1e-5, atol=1e-6)  # fp32 sums
 
 
 def test_bad_shapes_are_named():
