@@ -45,7 +45,14 @@ def from_reports(reports: list[str]) -> list[dict]:
     rows = []
     for given in reports:
         path = Path(given) / "results.json" if Path(given).is_dir() else Path(given)
-        report = json.loads(path.read_text(encoding="utf-8"))
+        if not path.is_file():
+            raise SystemExit(f"kv_tradeoff: {path} not found; pass a `gqakit eval ppl` report folder or its "
+                             "results.json")
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise SystemExit(f"kv_tradeoff: {path} is not JSON ({err}); pass a `gqakit eval ppl` report's "
+                             "results.json") from None
         if report.get("kind") != "ppl":
             raise SystemExit(f"kv_tradeoff: {given} is not a `gqakit eval ppl` report")
         for r in report["results"]["rows"]:

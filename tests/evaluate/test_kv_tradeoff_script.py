@@ -42,3 +42,14 @@ def test_a_report_of_another_kind_is_refused(tmp_path):
     other.write_text(json.dumps({"kind": "stream", "results": {}}))
     done = tradeoff("--reports", str(other))
     assert done.returncode != 0 and "is not a `gqakit eval ppl` report" in done.stderr
+
+
+def test_a_missing_or_broken_report_is_one_line(tmp_path):
+    for given, said in ((tmp_path / "typo.json", "not found"), (tmp_path, "not found")):
+        done = tradeoff("--reports", str(given))
+        assert done.returncode != 0 and said in done.stderr and "Traceback" not in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+    broken = tmp_path / "results.json"
+    broken.write_text("{not json")
+    done = tradeoff("--reports", str(broken))
+    assert done.returncode != 0 and "is not JSON" in done.stderr and "Traceback" not in done.stderr
