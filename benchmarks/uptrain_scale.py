@@ -197,7 +197,7 @@ def worker(spec_path: str) -> None:
     torch.set_num_threads(1)
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from gqakit.common.options import load_recipe
+    from gqakit.common.recipes import load_recipe
     from gqakit.uptrain import UptrainConfig, uptrain
 
     spec = json.loads(Path(spec_path).read_text())

@@ -91,7 +91,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_uptrain(args: argparse.Namespace, command: str) -> None:
-    from gqakit.common.options import load_recipe
+    from gqakit.common.recipes import load_recipe
     from gqakit.uptrain.config import UptrainConfig  # without torch: a bad recipe is refused at once
 
     overrides = list(args.overrides)

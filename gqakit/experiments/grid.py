@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from gqakit.common.errors import GqakitError
-from gqakit.common.options import check_fields, from_dict, load_recipe, option, to_dict
+from gqakit.common.options import check_fields, option
+from gqakit.common.recipes import from_dict, load_recipe, to_dict
 from gqakit.convert import methods
 from gqakit.uptrain.config import UptrainConfig, check, pretraining_tokens
 

@@ -5,7 +5,7 @@ import csv
 import json
 from pathlib import Path
 
-from gqakit.common.options import to_dict
+from gqakit.common.recipes import to_dict
 from gqakit.convert import methods
 
 FIELDS = ("name", "groups", "method", "alpha", "distill", "perplexity", "vs_mha", "steps", "tokens",

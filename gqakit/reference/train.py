@@ -24,7 +24,8 @@ import torch
 
 from gqakit.common.atomic import atomic_output
 from gqakit.common.errors import GqakitError
-from gqakit.common.options import check_fields, load_recipe, option, to_dict
+from gqakit.common.options import check_fields, option
+from gqakit.common.recipes import load_recipe, to_dict
 from gqakit.uptrain.modeling import lr_factor
 from gqakit.reference.tokenizer import EOS, train_bpe
 

@@ -17,7 +17,8 @@ from gqakit.attention import kinds as attention_kinds
 from gqakit.common import dtypes
 from gqakit.common.atomic import inside
 from gqakit.common.errors import GqakitError
-from gqakit.common.options import check_fields, option, to_dict
+from gqakit.common.options import check_fields, option
+from gqakit.common.recipes import to_dict
 from gqakit.uptrain import sharding
 
 TRAINABLE = ("all", "attention", "kv")

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from gqakit.common.errors import GqakitError
-from gqakit.hf.config_defaults import SIZES, decoder_sizes
+from gqakit.hf.config_defaults import decoder_sizes
 from gqakit.uptrain.config import TRAINABLE
 from gqakit.uptrain.trainable import trains as trains_by_name
 

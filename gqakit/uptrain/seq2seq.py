@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from gqakit.attention.kinds import position_bias_refusal
 from gqakit.common.errors import GqakitError
 from gqakit.common.span_corruption import corrupt_rows, corrupted_lengths, sentinel_ids
 from gqakit.uptrain.loss import IGNORE, INPUT_PAD

@@ -2,7 +2,7 @@
 import pytest
 
 from gqakit.common.errors import GqakitError
-from gqakit.common.options import load_recipe
+from gqakit.common.recipes import load_recipe
 from gqakit.uptrain.config import UptrainConfig
 
 
@@ -125,8 +125,9 @@ def test_defaults_can_be_left_to_the_help_strings():
 # --- nested options: a field that holds another options dataclass, its flags prefixed ---------------------------
 
 from gqakit.common.errors import opt, spelled  # noqa: E402
-from gqakit.common.options import (check_fields, flags, from_args, from_dict, options_given, replace,  # noqa: E402
-                                   to_dict, typed, typed_values)
+from gqakit.common.options import (check_fields, flags, from_args, options_given, replace,  # noqa: E402
+                                   typed, typed_values)
+from gqakit.common.recipes import from_dict, to_dict  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

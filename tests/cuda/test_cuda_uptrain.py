@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from devices import DEVICES
-from gqakit.common.options import load_recipe
+from gqakit.common.recipes import load_recipe
 from gqakit.uptrain import UptrainConfig
 from uptrain_tiny import make_text, make_uptrain_model, write_recipe
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from gqakit.common.errors import GqakitError
-from gqakit.common.options import from_dict
+from gqakit.common.recipes import from_dict
 from gqakit.experiments.grid import GridConfig, run_grid
 from gqakit.experiments.grid_report import grid_table
 from uptrain_tiny import make_text, make_uptrain_model

@@ -313,7 +313,7 @@ def test_tokenize_cli_end_to_end_and_its_refusals(files, tok, tmp_path, capsys):
 
 
 def test_uptrain_trains_on_a_token_cache(files, tmp_path, capsys):
-    from gqakit.common.options import load_recipe
+    from gqakit.common.recipes import load_recipe
     from gqakit.uptrain import UptrainConfig, uptrain
 
     tokens, held = tmp_path / "tokens", tmp_path / "held"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gqakit.common.options import load_recipe
+from gqakit.common.recipes import load_recipe
 from gqakit.uptrain import UptrainConfig, uptrain
 from gqakit.uptrain.data.batches import BatchOrder, pack
 from gqakit.uptrain.loss import IGNORE, cross_entropy_sum, distillation_sum, teacher_top_k, top_k_distillation_sum
@@ -362,7 +362,7 @@ def test_bf16_autocast_trains_fp32_weights(tiny, tmp_path):
 def test_every_shipped_recipe_maps_onto_its_dataclass():
     from pathlib import Path
 
-    from gqakit.common.options import from_dict
+    from gqakit.common.recipes import from_dict
     from gqakit.reference.train import PretrainConfig
     from gqakit.experiments.grid import GridConfig
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gqakit.common.options import load_recipe
+from gqakit.common.recipes import load_recipe
 from gqakit.uptrain import UptrainConfig, uptrain
 from uptrain_tiny import make_pairs, make_t5_model, make_text, make_uptrain_model, write_recipe
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from gqakit.common.options import load_recipe
+from gqakit.common.recipes import load_recipe
 from gqakit.uptrain import UptrainConfig, uptrain
 from gqakit.uptrain.fsdp import full_tensor
 

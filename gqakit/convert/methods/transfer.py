@@ -33,7 +33,6 @@ faulted in anew at every step (1.5x the step's time).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import tempfile
