@@ -27,10 +27,10 @@ brings that dataclass's flags into the command's as `--transfer-steps`, `--trans
 takes long flags only; its `flag`, if any, gets the prefix too). Everywhere but the command line a nested option
 is named by its dotted path, "transfer.steps": the key of `flags` (so `errors.opt("transfer.steps")` is
 --transfer-steps on the command line), what `typed` and `options_given` return, the `field` of a FieldError. While
-`from_args` or `from_dict` builds the nested dataclass, its own messages' `opt("steps")` names that path too
-(`errors.renamed`). A recipe writes nested options as a mapping under the field's name, `transfer: {steps: 10}`,
-as `to_dict` writes them; a dotted key, `transfer.steps: 10` or the override `transfer.steps=10`, lays one value
-over it. A command that refuses an option its other choices would ignore reads `options_given(cfg, typed)`: the
+`from_args` or `recipes.from_dict` builds the nested dataclass, its own messages' `opt("steps")` names that path
+too (`errors.renamed`). A recipe writes nested options as a mapping under the field's name, `transfer: {steps: 10}`,
+as `recipes.to_dict` writes them; a dotted key, `transfer.steps: 10` or the override `transfer.steps=10`, lays one
+value over it. A command that refuses an option its other choices would ignore reads `options_given(cfg, typed)`: the
 options typed on the command line (the `remember` ones even at their default value) or set to another value than
 their default.
 """
