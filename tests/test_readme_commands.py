@@ -11,7 +11,12 @@ is appended to hide a clash.
 Commands run side by side (one thread each, as many as the machine has cores, up to 4) where the order allows:
 a command waits for every earlier one that writes a path it names, that names a path it writes, or that writes
 what it writes; a command whose outputs cannot be told from its words (training, the set-up scripts) runs
-alone, after everything before it and before everything after it (`dependencies`)."""
+alone, after everything before it and before everything after it (`dependencies`).
+
+`gqakit` and `convert-gqa` in a command are forked from a server that imported torch and transformers once
+(tests/support/fork_cli.py, tested in tests/test_fork_cli.py): the commands run through the shell as written, with
+the real entry points, without paying about 4 s of imports each; a command whose environment differs from the
+server's runs the real console script. The console scripts themselves run in tests/test_cli.py and the fault tests."""
 from __future__ import annotations
 
 import os
@@ -21,12 +26,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import tempfile
-
 import pytest
+
+from fork_cli import serving
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -176,7 +182,8 @@ def test_every_readme_command_runs(tmp_path):
     deps = dependencies([command for _, command, _ in jobs],
                         [command + "\n" + _recipe_text(clone, command) for _, command, _ in jobs])
     workers = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()))
-    results = run_side_by_side([run for _, _, run in jobs], deps, workers, cwd=clone, env=env)
+    with serving(env, tmp_path) as env:  # `gqakit` / `convert-gqa` forked from one import of torch (see fork_cli)
+        results = run_side_by_side([run for _, _, run in jobs], deps, workers, cwd=clone, env=env)
     for (page, command, run), (code, seconds, err) in zip(jobs, results):
         ran.append(f"{seconds:5.1f} s  {page}: {command}")
         if code:
