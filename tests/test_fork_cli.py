@@ -28,14 +28,15 @@ def base_env():
 
 def test_served_commands_say_what_the_real_scripts_say(tmp_path, base_env):
     commands = ["convert-gqa --help", "gqakit --version", "gqakit eval ppl --no-such-flag",
-                "convert-gqa --groups 2 no-such-folder -o out", "gqakit --version > version.txt && cat version.txt"]
+                "convert-gqa --groups 2 no-such-folder -o out", "gqakit --version > version.txt && cat version.txt",
+                "convert-gqa --help | head -2", "convert-gqa --groups 2 \"$(printf 'caf\\351')\" -o out"]
     real = [shell(c.replace("gqakit", console_script("gqakit"), 1).replace(
                 "convert-gqa", console_script("convert-gqa"), 1), base_env, tmp_path) for c in commands]
     with serving(base_env, tmp_path) as env:
         served = [shell(c, env, tmp_path) for c in commands]
     for command, a, b in zip(commands, real, served):
         assert (b.returncode, b.stdout, b.stderr) == (a.returncode, a.stdout, a.stderr), command
-    assert [r.returncode for r in served] == [0, 0, 2, 2, 0] and served[4].stdout.startswith("gqakit ")
+    assert [r.returncode for r in served] == [0, 0, 2, 2, 0, 0, 2] and served[4].stdout.startswith("gqakit ")
 
 
 def test_the_child_runs_in_the_server_unless_the_environment_differs(tmp_path, base_env):
@@ -47,6 +48,8 @@ def test_the_child_runs_in_the_server_unless_the_environment_differs(tmp_path, b
         assert server_argv[1].endswith(b"support/fork_cli.py")  # forked by the server, not started by the shell
         fallback = shell("SOMETHING_NEW=1 gqakit --version", env, tmp_path)  # the real gqakit, not the test entry
         assert fallback.returncode == 0 and fallback.stdout.startswith("gqakit ")
+    assert (tmp_path / "fork-cli.log").read_text().splitlines() == [
+        "served gqakit pids 0 3", "real gqakit --version: its environment differs in SOMETHING_NEW"]
 
 
 def test_a_killed_command_takes_its_child_with_it(tmp_path, base_env):

@@ -6,11 +6,15 @@ to a dry run (counted with tokenizer.json, or left to the conversion), and the m
 leaves fields to the class's defaults, with its weights or alone."""
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from fork_cli import PRELOAD, serving
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED = str(REPO / "gqakit" / "assets" / "austen-mha-8h")
@@ -18,19 +22,43 @@ RECIPE = str(REPO / "recipes" / "uptrain_embedded.yaml")
 HEAVY = ("torch", "transformers")
 
 _RUN = """import sys
-{preload}from gqakit.cli import convert_main, main
+from gqakit.cli import convert_main, main
 rc = (convert_main if sys.argv[1] == "convert-gqa" else main)(sys.argv[2:])
 print("LOADED", *[m for m in {heavy!r} if m in sys.modules], file=sys.stderr)
 sys.exit(rc)
 """
 
 
-def _run(argv: list[str], preload: bool, cwd: Path) -> tuple[str, list[str]]:
-    code = _RUN.format(preload="import torch, transformers\n" if preload else "", heavy=HEAVY)
+def _run(argv: list[str], cwd: Path) -> tuple[str, list[str]]:
+    """The command's output in a fresh process, and which of HEAVY it had imported at the end."""
+    code = _RUN.format(heavy=HEAVY)
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=cwd, timeout=300)
     assert done.returncode == 0, done.stderr
     loaded = [line for line in done.stderr.splitlines() if line.startswith("LOADED")][-1].split()[1:]
     return done.stdout, loaded
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """The console scripts forked from a process that has torch and transformers loaded (tests/support/fork_cli.py,
+    whose PRELOAD they lead), and the server's log."""
+    assert PRELOAD[:2] == HEAVY
+    folder = Path(tempfile.mkdtemp(prefix="plans-loaded-"))
+    try:
+        with serving({**os.environ, "OMP_NUM_THREADS": "1"}, folder) as env:
+            yield env, folder / "fork-cli.log"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_loaded(argv: list[str], cwd: Path, loaded) -> str:
+    """The command's output with torch and transformers already loaded."""
+    env, log = loaded
+    done = subprocess.run([shutil.which(argv[0], path=env["PATH"]), *argv[1:]], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().splitlines()[-1] == f"served {' '.join(argv)}"  # not the real script, fresh
+    return done.stdout
 
 
 TEXT = str(REPO / "gqakit" / "assets" / "heldout_emma.txt")
@@ -106,12 +134,11 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
-def test_plan_loads_neither_torch_nor_transformers_and_prints_the_same(name, tmp_path, models):
+def test_plan_loads_neither_torch_nor_transformers_and_prints_the_same(name, tmp_path, models, loaded):
     argv = [arg.format(**models) if arg.startswith("{") or "={" in arg else arg for arg in PLANS[name]]
-    light, loaded = _run(argv, preload=False, cwd=tmp_path)
-    assert loaded == [], f"{name}: the plan imported {loaded}"
-    heavy, loaded = _run(argv, preload=True, cwd=tmp_path)
-    assert loaded == list(HEAVY)
+    light, imported = _run(argv, cwd=tmp_path)
+    assert imported == [], f"{name}: the plan imported {imported}"
+    heavy = _run_loaded(argv, tmp_path, loaded)
     assert light == heavy and light.strip()
     assert SAYS.get(name, "") in light
     assert list(tmp_path.iterdir()) == []  # nothing written

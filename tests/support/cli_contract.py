@@ -1,16 +1,27 @@
-"""The command-line contract for user errors, checked through the real console scripts:
+"""The command-line contract for user errors, checked through the console scripts' entry points:
 exit code 2, exactly one line on stderr (`PROG: error: ...`), no traceback, nothing written.
 
     result, changed = run_refused(tmp_path, "convert-gqa", "--groups", "2", str(model))
     assert "--groups" in result.stderr
+
+`run_cli` runs the command forked from a server that imported torch and transformers once per test process
+(tests/support/fork_cli.py: the real entry point, with the arguments, folder, standard streams and environment
+given; an environment other than the server's, e.g. one given with `env=`, runs the real console script). The
+console scripts themselves, and what only a fresh process shows (signals, start-up), are tested with
+`console_script(name)` directly (tests/test_cli.py, the SIGTERM / SIGKILL tests).
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from fork_cli import serving
 
 
 def console_script(name: str) -> str:
@@ -33,11 +44,29 @@ def snapshot(*folders: Path) -> dict[str, tuple[int, int]]:
     return seen
 
 
+_SERVED: dict = {}  # this process's fork server: its environment, started at the first run_cli
+
+
+def _served_env() -> dict:
+    if not _SERVED:
+        base = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # changes with every test
+        folder = Path(tempfile.mkdtemp(prefix="cli-contract-"))
+        stack = contextlib.ExitStack()
+        _SERVED.update(stack.enter_context(serving({**base, "OMP_NUM_THREADS": "1"}, folder)))
+        atexit.register(shutil.rmtree, folder, True)
+        atexit.register(stack.close)  # runs first: the server goes, then its folder
+    return _SERVED
+
+
 def run_cli(prog: str, *args: str | bytes, cwd: Path | None = None, env: dict | None = None,
             stdin: bytes | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run console script `prog` with `args` (bytes for names that are not UTF-8); text is decoded leniently."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    done = subprocess.run([console_script(prog), *args], cwd=cwd, env=full_env, input=stdin,
+    """Run `prog` with `args` (bytes for names that are not UTF-8), forked from the server unless `env` or a
+    changed os.environ differs from its environment; text is decoded leniently."""
+    clients = _served_env()["PATH"].split(os.pathsep)[0]
+    full_env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, "OMP_NUM_THREADS": "1",
+                **(env or {})}
+    full_env["PATH"] = f"{clients}{os.pathsep}{full_env.get('PATH', '')}"
+    done = subprocess.run([os.path.join(clients, prog), *args], cwd=cwd, env=full_env, input=stdin,
                           capture_output=True, timeout=timeout)
     return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(errors="replace"),
                                        done.stderr.decode(errors="replace"))

@@ -14,6 +14,7 @@ A forked child is not a fresh interpreter, so the differences are kept from matt
 - the server imports third-party modules only (torch, transformers, accelerate, ...) and `gqakit.cli`, which the
   console script imports first anyway; the rest of gqakit is imported by the command itself, as in a fresh process;
 - the server never runs a tensor operation and stays single-threaded, so the fork copies no thread pool or lock;
+  it sets no signal handler, so the child's are a fresh interpreter's (SIGPIPE ignored, SIGINT a KeyboardInterrupt);
 - a client that dies (a timed-out job killed with its process group) takes its child with it: the server sees the
   socket close and kills the child's process group (the child starts one of its own, so what it started goes too).
 
@@ -80,9 +81,6 @@ def _child(request: dict, fds: list[int], entry, inherited: list[socket.socket])
         for s in inherited:
             s.close()
         os.setsid()  # a group of its own, so that what it starts is killed with it
-        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -111,8 +109,21 @@ def _same_environment(theirs: dict, ours: dict) -> bool:
     return strip(theirs) == strip(ours)
 
 
-def serve(path: str, entries: dict[str, str]) -> None:
-    """Listen on the Unix socket `path` until standard input closes; one forked child per request."""
+def _why_not(request: dict, fds: list[int], loaded: dict, ours: dict) -> str | None:
+    """Why this request runs the real console script, or None when it is served."""
+    name = os.path.basename(request["real"])
+    if name not in loaded or len(fds) != 3:
+        return f"{name} is not served here" if name not in loaded else "no standard streams came"
+    if not _same_environment(request["env"], ours):
+        theirs = {k: v for k, v in request["env"].items() if k not in SHELL_OWN}
+        return "its environment differs in " + ", ".join(
+            sorted(k for k in (theirs.keys() | ours.keys()) - SHELL_OWN if theirs.get(k) != ours.get(k)))
+    return None
+
+
+def serve(path: str, entries: dict[str, str], log: str) -> None:
+    """Listen on the Unix socket `path` until standard input closes; one forked child per request, and a line per
+    request in the file `log` (served, or why the real script ran)."""
     ours = dict(os.environ)  # before the imports, which may add to it (transformers: TORCHINDUCTOR_CACHE_DIR)
     loaded = {}
     for name, spec in entries.items():
@@ -131,10 +142,17 @@ def serve(path: str, entries: dict[str, str]) -> None:
             break
         if listener in ready:
             conn, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-            request = json.loads(message)
-            name = os.path.basename(request["real"])
-            if name not in loaded or len(fds) != 3 or not _same_environment(request["env"], ours):
+            fds = []
+            try:
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                request = json.loads(message)
+                name, why = os.path.basename(request["real"]), _why_not(request, fds, loaded, ours)
+                said = f"{name} {' '.join(request['args'])}"
+            except Exception as err:  # noqa: BLE001 - a request it cannot read runs the real script
+                why, said = f"the server could not read the request ({err!r})", "?"
+            with open(log, "a", encoding="utf-8", errors="backslashreplace") as out:
+                out.write(f"served {said}\n" if why is None else f"real {said}: {why}\n")
+            if why is not None:
                 conn.send(b"exec")
                 conn.close()
             else:
@@ -169,7 +187,8 @@ def real_script(name: str) -> str:
 
 @contextlib.contextmanager
 def serving(env: dict, folder: Path, entries: dict[str, str] = ENTRIES):
-    """Start the server with `env` (plus the clients' folder first on PATH); yield that environment."""
+    """Start the server with `env` (plus the clients' folder first on PATH); yield that environment. The server
+    writes a line per command to `folder`/fork-cli.log: served, or why the real script ran."""
     bin_dir = folder / "fork-cli-bin"
     bin_dir.mkdir()
     short = tempfile.mkdtemp(prefix="fork-cli-")  # a socket's path is at most 107 bytes
@@ -179,7 +198,8 @@ def serving(env: dict, folder: Path, entries: dict[str, str] = ENTRIES):
         client = bin_dir / name
         client.write_text(CLIENT.format(python=sys.executable, real=real_script(name), socket=sock))
         client.chmod(0o755)
-    server = subprocess.Popen([sys.executable, __file__, sock, json.dumps(entries)], env=env,
+    server = subprocess.Popen([sys.executable, __file__, sock, json.dumps(entries), str(folder / "fork-cli.log")],
+                              env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert server.stdout.readline() == b"ready\n", "the fork server did not start"
@@ -206,4 +226,4 @@ def _test_entry() -> int:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], json.loads(sys.argv[2]))
+    serve(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3])
