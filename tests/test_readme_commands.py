@@ -16,7 +16,7 @@ alone, after everything before it and before everything after it (`dependencies`
 `gqakit` and `convert-gqa` in a command are forked from a server that imported torch and transformers once
 (tests/support/fork_cli.py, tested in tests/test_fork_cli.py): the commands run through the shell as written, with
 the real entry points, without paying about 4 s of imports each; a command whose environment differs from the
-server's runs the real console script. The console scripts themselves run in tests/test_cli.py and the fault tests."""
+server's runs the real console script. The console scripts themselves run in tests/test_cli.py and the signal tests."""
 from __future__ import annotations
 
 import os
