@@ -13,17 +13,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessRaisedException
 
 
 def spawn(world: int, fn: str, payload, tmp: Path) -> list:
     """Run worker `fn` (a name in this module) on `world` gloo ranks; returns the results in rank order."""
     tmp = Path(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
-    init = tmp / "init"
     # fork: the children inherit the parent's imports (torch + transformers take seconds per process);
     # each child runs on one thread, as DataLoader workers do, which keeps fork-after-OpenMP safe.
-    mp.start_processes(_entry, args=(world, str(init), fn, payload, str(tmp)), nprocs=world, join=True,
-                       start_method="fork")
+    for attempt in range(2):
+        try:
+            mp.start_processes(_entry, args=(world, str(tmp / f"init{attempt}"), fn, payload, str(tmp)),
+                               nprocs=world, join=True, start_method="fork")
+            break
+        except ProcessRaisedException as err:
+            # gloo's own rendezvous failing ("connectFullMesh failed ... Connection closed by peer", seen once in
+            # a loaded suite run) happens before any case runs: start the group once more; anything else fails
+            if attempt or "connectFullMesh failed" not in str(err):
+                raise
     results = [torch.load(tmp / f"result{r}.pt", weights_only=False) for r in range(world)]
     errors = [(r, res["error"]) for r, res in enumerate(results) if isinstance(res, dict) and "error" in res]
     if errors:  # lead with the rank that failed first: the others only saw their peer's socket close
