@@ -17,6 +17,7 @@ import errno
 import os
 import shlex
 import sys
+import time
 
 from gqakit import __version__
 from gqakit.convert import methods
@@ -195,7 +196,13 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> in
         with sigterm_as_interrupt(), spelled(flags(args.options) if getattr(args, "options", None) else {}):
             args.func(args, command)  # errors name the flags typed; SIGTERM cleans up as Ctrl-C does
     except GqakitError as e:
-        if int(os.environ.get("RANK", "0") or 0) == 0:  # under torchrun every rank fails alike: rank 0 says it
+        rank = int(os.environ.get("RANK", "0") or 0)
+        if rank:  # under torchrun every rank fails alike and rank 0 says it; but when this rank gets there first and
+            # exits, torchrun stops rank 0 before it can: wait (torchrun stops this rank once rank 0 has exited),
+            # then say it here, so that an error is never silent (one this rank alone meets, or a slow rank 0)
+            time.sleep(_OTHER_RANKS_WAIT_S)
+            _say(f"{parser.prog}: error (rank {rank}): {e}")
+        else:
             _say(f"{parser.prog}: error: {e}")
         return 2
     except OSError as e:
@@ -212,6 +219,7 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> in
 
 
 # Failures of the machine rather than of gqakit: one line with the fix, like any user error.
+_OTHER_RANKS_WAIT_S = 15  # seconds a rank other than 0 waits for rank 0 to say a shared error
 _ENVIRONMENT = {
     errno.ENOSPC: "no space left on the device; free space or write to another disk",
     errno.EDQUOT: "disk quota exceeded; free space or write to another disk",
