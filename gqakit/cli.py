@@ -218,8 +218,9 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> in
     return 0
 
 
-# Failures of the machine rather than of gqakit: one line with the fix, like any user error.
 _OTHER_RANKS_WAIT_S = 15  # seconds a rank other than 0 waits for rank 0 to say a shared error
+
+# Failures of the machine rather than of gqakit: one line with the fix, like any user error.
 _ENVIRONMENT = {
     errno.ENOSPC: "no space left on the device; free space or write to another disk",
     errno.EDQUOT: "disk quota exceeded; free space or write to another disk",
