@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
-import os
 import shlex
 import sys
 import time
 
 from gqakit import __version__
 from gqakit.convert import methods
+from gqakit.common import launcher
 from gqakit.common.atomic import Terminated, sigterm_as_interrupt
 from gqakit.common.errors import GqakitError, spelled
 from gqakit.common.report import counted
@@ -54,7 +54,7 @@ def _run_convert(args: argparse.Namespace, command: str) -> None:
             return_freed_memory_eagerly()
         result = convert(cfg, command=command)
     plan = result["plan"]
-    if int(os.environ.get("RANK", "0") or 0):
+    if launcher.rank():
         return  # under torchrun rank 0 writes the output and reports it
     if cfg.dry_run:
         _report(describe_plan(plan))
@@ -119,7 +119,7 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
 
     if dist.is_available() and dist.is_initialized():  # every rank has passed uptrain's last barrier
         dist.destroy_process_group()  # a rank that exits with the group alive may abort in gloo's teardown
-    if int(os.environ.get("RANK", "0")):
+    if launcher.rank():
         return  # one report per run, from rank 0
     if record.get("final_eval_ppl") is not None and record.get("initial_eval_ppl") is not None:
         print(f"held-out perplexity {record['initial_eval_ppl']:.2f} -> {record['final_eval_ppl']:.2f}")
@@ -196,7 +196,7 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> in
         with sigterm_as_interrupt(), spelled(flags(args.options) if getattr(args, "options", None) else {}):
             args.func(args, command)  # errors name the flags typed; SIGTERM cleans up as Ctrl-C does
     except GqakitError as e:
-        rank = int(os.environ.get("RANK", "0") or 0)
+        rank = launcher.rank()
         if rank:  # under torchrun every rank fails alike and rank 0 says it; but when this rank gets there first and
             # exits, torchrun stops rank 0 before it can: wait (torchrun stops this rank once rank 0 has exited),
             # then say it here, so that an error is never silent (one this rank alone meets, or a slow rank 0)

@@ -98,3 +98,21 @@ def test_help_speaks_to_users():
     done = subprocess.run([console_script("gqakit"), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "Turn multi-head-attention models into grouped-query ones" in done.stdout
     assert "thin layer" not in done.stdout  # no developer's note
+
+
+def test_a_rank_other_than_0_says_its_error_after_waiting(tmp_path, monkeypatch, capsys):
+    """Under torchrun rank 0 says a shared error; another rank waits (torchrun stops it once rank 0 has exited),
+    then says it with its rank, so that an error that only it meets is never silent."""
+    import gqakit.cli as cli
+
+    waits = []
+    monkeypatch.setattr(cli.time, "sleep", waits.append)
+    monkeypatch.setenv("RANK", "1")
+    assert convert_main(["--groups", "2", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert waits == [cli._OTHER_RANKS_WAIT_S] and len(err) == 1
+    assert err[0].startswith("convert-gqa: error (rank 1): ") and "absent" in err[0]
+    monkeypatch.setenv("RANK", "0")
+    assert convert_main(["--groups", "2", str(tmp_path / "absent")]) == 2
+    assert waits == [cli._OTHER_RANKS_WAIT_S]  # rank 0 says it at once
+    assert capsys.readouterr().err.startswith("convert-gqa: error: ")

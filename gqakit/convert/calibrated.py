@@ -5,12 +5,12 @@ layers' training is shared out (`layer_share.py`): every process calibrates, eac
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
 import torch
 
+from gqakit.common import launcher
 from gqakit.common.devices import check_device
 from gqakit.common.errors import GqakitError, opt
 from gqakit.convert.memory import release_freed_memory
@@ -88,7 +88,7 @@ def calibrate_layers(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict
 def calibration_device(cfg: ConvertConfig, share: Share) -> str:
     device = cfg.calibration_device
     if share.world > 1 and device == "cuda":  # one GPU per process, as torchrun numbers them
-        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+        device = f"cuda:{launcher.local_rank()}"
     return device
 
 

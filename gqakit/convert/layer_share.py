@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 from pathlib import Path
 
+from gqakit.common import launcher
 from gqakit.common.errors import GqakitError, opt
 
 WAIT = datetime.timedelta(days=2)  # the slowest process's share of a 70B's layers, with room
@@ -42,8 +42,8 @@ class Share:
 
 def launched_share() -> Share:
     """The share torchrun's environment gives this process (one process: the whole conversion)."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    return Share(int(os.environ.get("RANK", "0") or 0), world) if world > 1 else Share()
+    world = launcher.world_size()
+    return Share(launcher.rank(), world) if world > 1 else Share()
 
 
 def check_share(share: Share, method_transfers: bool, inputs: str, dry_run: bool) -> None:

@@ -75,10 +75,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 from pathlib import Path
 
+from gqakit.common import launcher
 from gqakit.common.errors import GqakitError
 from gqakit.common.sizes import parse_size
 from gqakit.uptrain.config import MIXED_PRECISION, SHARDING, TRAINABLE, UptrainConfig
@@ -375,7 +375,7 @@ def detect_device_memory() -> tuple[int | None, str]:
         import torch
 
         if torch.cuda.is_available():
-            index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            index = launcher.local_rank() % torch.cuda.device_count()
             props = torch.cuda.get_device_properties(index)
             return props.total_memory, f"cuda:{index} ({props.name})"
     try:
@@ -384,7 +384,7 @@ def detect_device_memory() -> tuple[int | None, str]:
         found = None
     if found is None:
         return None, "unknown device memory"
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    local = launcher.local_world_size()
     return int(found.group(1)) * 1024 // local, f"this machine's available memory / {local} local process(es)"
 
 

@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+from gqakit.common import launcher
 from gqakit.common.errors import GqakitError
 from gqakit.uptrain.run.lock import LOCK
 from gqakit.uptrain.run.checkpoints import CHECKPOINTS, checkpoint_dirs
@@ -144,7 +145,7 @@ def _launcher_processes() -> int | None:
 def check_processes(expected: int | None, context_parallel: int) -> int:
     """The world size this process runs in; refuses a silent single-process start and a world the
     context-parallel degree does not divide. Runs before the Accelerator is built."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launcher.world_size()
     asked = _launcher_processes()
     if world == 1 and asked and asked > 1:
         raise GqakitError(f"accelerate launch asked for {asked} processes but started one (accelerate launch --cpu "
