@@ -17,19 +17,10 @@ import contextlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from fork_cli import serving
-
-
-def console_script(name: str) -> str:
-    """The installed console script `name` (gqakit, convert-gqa) of the Python running the tests."""
-    beside = Path(sys.executable).parent / name
-    found = str(beside) if beside.is_file() else shutil.which(name)
-    assert found, f"console script {name} is not installed; pip install -e . first"
-    return found
+from fork_cli import real_script as console_script, serving  # console_script: the name the tests use
 
 
 def snapshot(*folders: Path) -> dict[str, tuple[int, int]]:

@@ -180,9 +180,11 @@ def serve(path: str, entries: dict[str, str], log: str) -> None:
 
 
 def real_script(name: str) -> str:
+    """The installed console script `name` (gqakit, convert-gqa) of the Python running the tests."""
     beside = Path(sys.executable).parent / name
-    assert beside.is_file(), f"console script {name} is not installed beside {sys.executable}; pip install -e ."
-    return str(beside)
+    found = str(beside) if beside.is_file() else shutil.which(name)
+    assert found, f"console script {name} is not installed; pip install -e . first"
+    return found
 
 
 @contextlib.contextmanager
