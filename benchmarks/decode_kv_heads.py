@@ -29,6 +29,7 @@ import time
 import torch
 
 from _measure import cache_bytes, command_line, logger, median_p90
+from gqakit.hf.compat import cache_kwargs
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -99,7 +100,7 @@ def time_decode(model, cache, context: int, steps: int, seed: int) -> list[float
     for step in range(steps + 1):  # the first step is an untimed warm-up
         position = torch.tensor([[context + step]])
         t0 = time.perf_counter()
-        logits = model(token, past_key_values=cache, position_ids=position, use_cache=True).logits
+        logits = model(token, **cache_kwargs(model, cache), position_ids=position, use_cache=True).logits
         token = logits[:, -1:].argmax(-1)
         if step:
             times.append(time.perf_counter() - t0)

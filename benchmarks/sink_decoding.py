@@ -5,7 +5,8 @@ each checkpoint (default 1k, 10k, 20k tokens), then times single-token decode st
 over `--decode` steps, greedy, each step feeding the previous step's argmax) and records the bytes
 held by the cache. Model: the embedded reference model (gqakit/assets/austen-mha-8h) when present,
 else a random Llama of the same shape (8 layers, hidden 256, 8 heads, vocab 4096). Both caches run
-the plain `model(..., past_key_values=cache)` path with the model's default positions.
+the plain `model(..., cache=cache)` path (`past_key_values=` before transformers 5.24) with the model's default
+positions.
 
 DynamicCache beyond the model's max_position_embeddings still measures time and memory faithfully,
 but its outputs there are meaningless (positions the model never saw); SinkCache stays in range.
@@ -26,6 +27,7 @@ import torch
 
 from _measure import cache_bytes, command_line, logger, median_p90
 from gqakit.decode.cache import SinkCache
+from gqakit.hf.compat import cache_kwargs
 
 FLAT_TARGET = 1.5  # SinkCache: latency at the deepest point <= 1.5x latency at the first
 
@@ -61,7 +63,7 @@ def measure(model, make_cache, lengths: list[int], chunk: int, decode: int, seed
         begin = time.perf_counter()
         while fed < target:
             n = min(chunk, target - fed)
-            model(torch.randint(vocab, (1, n), generator=g), past_key_values=cache, use_cache=True,
+            model(torch.randint(vocab, (1, n), generator=g), **cache_kwargs(model, cache), use_cache=True,
                   logits_to_keep=1)
             fed += n
         log(f"  fed {fed:,} tokens ({time.perf_counter() - begin:.1f} s)")
@@ -69,7 +71,7 @@ def measure(model, make_cache, lengths: list[int], chunk: int, decode: int, seed
         times = []
         for _ in range(decode):
             t0 = time.perf_counter()
-            logits = model(token, past_key_values=cache, use_cache=True).logits
+            logits = model(token, **cache_kwargs(model, cache), use_cache=True).logits
             token = logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - t0)
         fed += decode
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():  # untimed warm-up: first-call allocations and kernel selection
         warm = SinkCache(args.sinks, args.window, rope=model)
         for n in (min(args.chunk, 64), 1, 1):
-            model(torch.zeros(1, n, dtype=torch.long), past_key_values=warm, use_cache=True)
+            model(torch.zeros(1, n, dtype=torch.long), **cache_kwargs(model, warm), use_cache=True)
     results = {}
     for name, make in caches.items():
         log(f"{name}: growing a stream to {', '.join(f'{n:,}' for n in lengths)} tokens")

@@ -26,13 +26,14 @@ START=$(date +%s)
 mkdir -p "$OUT"
 
 left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
-wanted() { [[ " $PARTS " == *" $1 "* ]] && echo "$2" || echo 0; }  # wanted NAME BUDGET: its budget, 0 if not in PARTS
+in_parts() { [[ " $PARTS " == *" $1 "* ]]; }
+wanted() { in_parts "$1" && echo "$2" || echo 0; }  # wanted NAME BUDGET: its budget, 0 if not in PARTS
 PYTEST_S=$(wanted pytest "${PYTEST_S:-150}") DECODE_S=$(wanted decode "${DECODE_S:-150}")
 TRAIN_S=$(wanted train "${TRAIN_S:-120}")
 
 part() {  # part NAME BUDGET_S RESERVE_S COMMAND...: run under timeout (leaving RESERVE_S), a line in parts.tsv
     local name=$1 budget=$2 reserve=$3; shift 3
-    if [[ " $PARTS " != *" $name "* ]]; then echo "== $name: not in PARTS"; return; fi
+    if ! in_parts "$name"; then echo "== $name: not in PARTS"; return; fi
     local cap=$(( $(left) - reserve ))
     (( budget > cap )) && budget=$cap
     if (( budget < 15 )); then

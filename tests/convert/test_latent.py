@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from cli_contract import run_refused
 from families import load_exact, make_model
 from gqakit.cli import convert_main
+from gqakit.hf.compat import cache_kwargs
 from gqakit.hf.loading import kv_bytes_per_token
 from tiny_models import make_tiny_llama
 
@@ -60,7 +61,7 @@ def test_the_cache_holds_the_latent_and_one_rope_key_as_counted(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "mla", dtype=torch.float32).eval()
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(IDS[:1], past_key_values=cache, use_cache=True)
+        model(IDS[:1], **cache_kwargs(model, cache), use_cache=True)
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert held / IDS.shape[1] == kv_bytes_per_token(model.config, torch.float32) == 3 * (17 + 16) * 4
     # the bias coordinate sits at about 1 in the cache (not at B): an update of its kv_b_proj column in training, or a
