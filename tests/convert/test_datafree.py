@@ -1,5 +1,6 @@
 """Data-free calibration: `convert-gqa --method fit|transfer` without --calibration calibrates on the model's own
-samples, seeded, said in one line, recorded in the card, and nothing is written outside the output."""
+samples, seeded, said in one line, recorded in the card, and nothing is written outside the output but the kept
+sample (sample_cache.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -37,6 +38,8 @@ def test_fit_without_calibration_samples_the_model_seeded(src, tmp_path):
         assert result.returncode == 0, result.stderr
         notice = [line for line in result.stderr.splitlines() if "sampled from the model itself" in line]
         assert len(notice) == 1 and "256 tokens" in notice[0] and f"seed {seed}" in notice[0], result.stderr
+        reused = "were sampled before; read from" in result.stderr  # b: a's sample, kept (sample_cache)
+        assert reused == (name == "b"), result.stderr
         after = snapshot(tmp_path, src)
         outside = [p for p in set(after) - set(before) if not p.startswith(str(tmp_path / name))]
         assert not outside, f"written outside the output: {outside}"  # no sample file, no scratch beside it
@@ -51,8 +54,8 @@ def test_fit_without_calibration_samples_the_model_seeded(src, tmp_path):
 
 def test_sampled_windows_are_documents_of_the_model(src):
     config = {"max_position_embeddings": 128, "vocab_size": 64}
-    data = sample_calibration(src, config, tokens=200, window=32, seed=3, device="cpu", progress=False)
-    again = sample_calibration(src, config, tokens=200, window=32, seed=3, device="cpu", progress=False)
+    data = sample_calibration(src, config, tokens=200, window=32, seed=3, device="cpu", progress=False, keep=False)
+    again = sample_calibration(src, config, tokens=200, window=32, seed=3, device="cpu", progress=False, keep=False)
     assert data.windows.shape == (6, 32) and data.heldout == 1  # 200 // 32 whole windows, one in eight held out
     assert bool((data.windows[:, 0] == 1).all())  # each window starts a document at the config's BOS
     assert int(data.windows.max()) < 64 and data.path is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
 from pathlib import Path
 
 import torch
@@ -76,20 +77,42 @@ def load_calibration(path: str, model_dir: Path, config: dict, tokens: int, wind
 
 
 def sample_calibration(model_dir: Path, config: dict, tokens: int, window: int | None, seed: int, device: str,
-                       progress: bool = True) -> CalibrationData:
+                       progress: bool = True, keep: bool = True) -> CalibrationData:
     """Data-free calibration: tokens // window windows of the model's own text, each a new document (its start
     token, then window - 1 tokens drawn at temperature 1 from the full distribution: `gqakit sample`'s sampler,
     in its `--dtype auto`), deterministic for a seed on one machine. The model is loaded whole, on `device`, for
-    the sampling."""
+    the sampling. With `keep`, the windows are kept on disk and a later call with the same model, sampling and
+    machine reads them instead of sampling again (`sample_cache`)."""
+    from gqakit.convert.calibration import sample_cache
+
+    window = calibration_window(config, tokens, window)
+    dtype = auto_dtype("auto", device)
+    sampled = {"seed": seed, "temperature": 1.0, "top_p": 1.0, "dtype": dtype}
+    key = sample_cache.sample_key(model_dir, {**sampled, "tokens": tokens, "window": window}, device) if keep else None
+    kept = sample_cache.load_sample(key) if keep else None
+    if kept is not None:
+        windows, path = kept
+        print(f"calibration: the same {windows.numel():,} tokens were sampled before; read from {path}",
+              file=sys.stderr, flush=True)
+    else:
+        windows = _sample_windows(model_dir, tokens // window, window, seed, dtype, device, progress)
+        if keep:
+            sample_cache.store_sample(key, windows)
+    return CalibrationData(
+        path=None, windows=windows, heldout=heldout_count(windows.shape[0]),
+        sha256=hashlib.sha256(windows.to(torch.int64).numpy().tobytes()).hexdigest(), file_sha256=None,
+        sampled=sampled)
+
+
+def _sample_windows(model_dir: Path, count: int, window: int, seed: int, dtype: str, device: str,
+                    progress: bool) -> torch.Tensor:
     from tqdm.auto import tqdm
 
     from gqakit.convert.calibration.sample import BATCH, progress_step, sampled_batches, start_token
     from gqakit.hf.loading import load_model
 
-    window = calibration_window(config, tokens, window)
-    dtype = auto_dtype("auto", device)
     model, _ = load_model(str(model_dir), dtype=dtype, device=device, with_tokenizer=False)  # ids in, ids out
-    start, count = start_token(model.config), tokens // window
+    start = start_token(model.config)
     rows = []
     with tqdm(total=count * window, desc="sample", unit="tok", unit_scale=True, disable=not progress) as bar:
         bar.update(count)  # the start tokens
@@ -97,11 +120,7 @@ def sample_calibration(model_dir: Path, config: dict, tokens: int, window: int |
                                    on_step=progress_step(bar)):
             rows.append(torch.cat([torch.full((ids.shape[0], 1), start, dtype=ids.dtype), ids.cpu()], dim=1))
     del model
-    windows = torch.cat(rows)
-    return CalibrationData(
-        path=None, windows=windows, heldout=heldout_count(windows.shape[0]),
-        sha256=hashlib.sha256(windows.to(torch.int64).numpy().tobytes()).hexdigest(), file_sha256=None,
-        sampled={"seed": seed, "temperature": 1.0, "top_p": 1.0, "dtype": dtype})
+    return torch.cat(rows)
 
 
 def make_windows(ids: torch.Tensor, window: int, tokens: int) -> torch.Tensor:
