@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -65,3 +66,60 @@ def test_a_killed_command_takes_its_child_with_it(tmp_path, base_env):
             time.sleep(0.05)
         else:
             raise AssertionError(f"the served command {pid} or its child {sleep} outlived the killed client")
+
+
+ALL_REDUCE = r"""import os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+sys.stdout.write(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: {total.item()} {sys.argv[1:]} {__name__}\n")
+dist.destroy_process_group()
+sys.exit(int(sys.argv[1]) * int(os.environ["RANK"]))  # rank 1 exits with the code given
+"""
+
+
+def test_torchrun_and_its_workers_are_served_as_the_real_ones_run(tmp_path, base_env):
+    """torchrun forked from the server starts its workers (`python -u SCRIPT`) through the server too, with
+    torchrun's own variables per rank; output and exit status as with the real torchrun."""
+    (tmp_path / "w.py").write_text(ALL_REDUCE)
+    command = "torchrun --nproc_per_node 2 --standalone w.py {code}"
+    real = [shell(command.format(code=code).replace("torchrun", console_script("torchrun"), 1), base_env, tmp_path)
+            for code in (0, 3)]
+    with serving(base_env, tmp_path) as env:
+        served = [shell(command.format(code=code), env, tmp_path) for code in (0, 3)]
+    lines = [sorted(run.stdout.splitlines()) for run in (*real, *served)]
+    assert lines[0] == lines[2] == ["rank 0 of 2: 3.0 ['0'] __main__", "rank 1 of 2: 3.0 ['0'] __main__"], lines
+    assert lines[1] == lines[3] and [run.returncode for run in (*real, *served)] == [0, 1, 0, 1]
+    assert "exitcode  : 3" in served[1].stderr and "exitcode  : 3" in real[1].stderr
+    log = (tmp_path / "fork-cli.log").read_text().splitlines()
+    assert sorted(log) == sorted(["served torchrun --nproc_per_node 2 --standalone w.py 0",
+                                  "served torchrun --nproc_per_node 2 --standalone w.py 3",
+                                  *["served python-worker -u w.py 0"] * 2, *["served python-worker -u w.py 3"] * 2])
+
+
+def test_a_served_worker_gets_the_signals_its_client_is_sent(tmp_path, base_env):
+    """torchrun stops a worker with SIGTERM: the served command gets it, and the client exits with its status."""
+    (tmp_path / "w.py").write_text("import pathlib, signal, sys, time\n"
+                                   "signal.signal(signal.SIGTERM, lambda *_: (print('stopped'), sys.exit(7)))\n"
+                                   "pathlib.Path('ready').write_text('')\n"
+                                   "time.sleep(60)\n")
+    with serving(base_env, tmp_path) as env:
+        client = subprocess.Popen([Path(env["PATH"].split(os.pathsep)[0]) / "python-worker", "-u", "w.py"],
+                                  cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(600):
+            if (tmp_path / "ready").exists():
+                break
+            time.sleep(0.05)
+        client.terminate()
+        out, _ = client.communicate(timeout=30)
+        other = shell("python-worker -c 'print(1)'", env, tmp_path)  # a flag it does not serve: the real python
+        module = shell("python-worker -u -m gqakit.cli --version", env, tmp_path)
+    real = shell(f"{sys.executable} -u -m gqakit.cli --version", base_env, tmp_path)
+    assert (client.returncode, out) == (7, "stopped\n")
+    assert other.returncode == 0 and other.stdout == "1\n"
+    assert (module.returncode, module.stdout, module.stderr) == (real.returncode, real.stdout, real.stderr) == (
+        0, real.stdout, "")  # no runpy warning that the server had imported gqakit.cli
+    log = (tmp_path / "fork-cli.log").read_text().splitlines()
+    assert log[1].startswith("real python-worker -c print(1): ")
+    assert log[2] == "served python-worker -u -m gqakit.cli --version"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from fork_cli import torchrun
 from tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.multiprocess
@@ -31,9 +32,13 @@ def _env() -> dict:
 
 
 def _convert(n: int, *args: str) -> subprocess.CompletedProcess:
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--standalone",
-                 "-m", "gqakit.cli"] if n > 1 else [sys.executable, "-m", "gqakit.cli"])
-    return subprocess.run([*launcher, "convert", *args, "-q"], env=_env(), capture_output=True, text=True,
+    env = _env()
+    if n > 1:  # the launcher and its workers forked from one import of torch (fork_cli)
+        served, env = torchrun(env)
+        launcher = [*served, "--nproc_per_node", str(n), "--standalone", "-m", "gqakit.cli"]
+    else:
+        launcher = [sys.executable, "-m", "gqakit.cli"]
+    return subprocess.run([*launcher, "convert", *args, "-q"], env=env, capture_output=True, text=True,
                           timeout=600)
 
 

@@ -12,15 +12,11 @@ console scripts themselves, and what only a fresh process shows (signals, start-
 """
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
-from fork_cli import real_script as console_script, serving  # console_script: the name the tests use
+from fork_cli import real_script as console_script, shared  # console_script: the name the tests use
 
 
 def snapshot(*folders: Path) -> dict[str, tuple[int, int]]:
@@ -35,17 +31,13 @@ def snapshot(*folders: Path) -> dict[str, tuple[int, int]]:
     return seen
 
 
-_SERVED: dict = {}  # this process's fork server: its environment, started at the first run_cli
+_SERVED: dict = {}  # the environment of this process's server, started at the first run_cli
 
 
 def _served_env() -> dict:
-    if not _SERVED:
+    if not _SERVED:  # one server: a test that changes os.environ afterwards runs the real console script
         base = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # changes with every test
-        folder = Path(tempfile.mkdtemp(prefix="cli-contract-"))
-        stack = contextlib.ExitStack()
-        _SERVED.update(stack.enter_context(serving({**base, "OMP_NUM_THREADS": "1"}, folder)))
-        atexit.register(shutil.rmtree, folder, True)
-        atexit.register(stack.close)  # runs first: the server goes, then its folder
+        _SERVED.update(shared({**base, "OMP_NUM_THREADS": "1"}))
     return _SERVED
 
 

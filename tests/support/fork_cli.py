@@ -1,15 +1,23 @@
-"""The console scripts `gqakit` and `convert-gqa` served from one process that imported torch and transformers once.
+"""The console scripts `gqakit`, `convert-gqa` and `torchrun`, and torchrun's workers, served from one process that
+imported torch and transformers once.
 
-For the documented-commands test, where about 4 s of every command is that import. Each command still runs through
+For the documented-commands test, the CLI-contract helper and the multi-process tests, where about 4 s of every
+command (and of every torchrun worker) is that import. Each command still runs through
 the shell as written; `gqakit ...` in it finds a small client first on PATH, which hands its arguments, working
 folder, environment and standard streams (the file descriptors themselves) to the server and exits with the status
 the server sends back. The server forks; the child takes the streams, folder and environment, sets sys.argv as the
 console script has it, calls the entry point the console script calls (`gqakit.cli:main`, `...:convert_main`), runs
 the exit handlers and exits with the status `sys.exit(main())` would give.
 
+torchrun served sets its `sys.executable` to the `python-worker` client, so the workers it starts (`python -u SCRIPT
+...` or `python -u -m MODULE ...`) are served too, each run as the interpreter runs a script or a module (runpy),
+with torchrun's per-rank variables (RANK, MASTER_PORT, TORCHELASTIC_*, ...: read when a process group starts, never
+at import). A served command's client forwards SIGTERM, SIGINT and SIGHUP to it (torchrun stops workers so).
+
 A forked child is not a fresh interpreter, so the differences are kept from mattering:
-- an environment that differs from the server's in anything but the shell's own variables (a variable read at
-  import time, such as OMP_NUM_THREADS or HF_HUB_OFFLINE, would be stale) makes the client run the real script;
+- an environment that differs from the server's in anything but the shell's and torchrun's own variables (a variable
+  read at import time, such as OMP_NUM_THREADS or HF_HUB_OFFLINE, would be stale) makes the client run the real
+  program;
 - so does a server that is not there;
 - the server imports third-party modules only (torch, transformers, accelerate, ...) and `gqakit.cli`, which the
   console script imports first anyway; the rest of gqakit is imported by the command itself, as in a fresh process;
@@ -39,25 +47,48 @@ import threading
 import traceback
 from pathlib import Path
 
-ENTRIES = {"gqakit": "gqakit.cli:main", "convert-gqa": "gqakit.cli:convert_main"}
+PYTHON = "python"  # the entry that runs `python -u SCRIPT ...` / `python -u -m MODULE ...` (torchrun's workers)
+ENTRIES = {"gqakit": "gqakit.cli:main", "convert-gqa": "gqakit.cli:convert_main",
+           "torchrun": "torch.distributed.run:main", "python-worker": PYTHON}
 PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "transformers.generation", "accelerate",
-           "safetensors.torch", "datasets", "matplotlib.pyplot", "yaml", "tqdm.auto")
+           "safetensors.torch", "datasets", "matplotlib.pyplot", "yaml", "tqdm.auto", "torch.distributed.run",
+           "torch.distributed.fsdp", "transformers.models.llama.modeling_llama")
 SHELL_OWN = {"PWD", "OLDPWD", "SHLVL", "_"}  # what a shell sets in a command's environment by itself
+# What torchrun tells each worker; read when a process group starts, never at import, so they may differ
+LAUNCHER_OWN = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 CLIENT = '''#!{python}
-import json, os, socket, sys
+import json, os, signal, socket, sys
 real = {real!r}
 try:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect({socket!r})
-    socket.send_fds(s, [json.dumps({{"args": sys.argv[1:], "real": real, "cwd": os.getcwd(),
-                                     "env": dict(os.environ)}}).encode()], [0, 1, 2])
+    socket.send_fds(s, [json.dumps({{"name": {name!r}, "args": sys.argv[1:], "real": real, "cwd": os.getcwd(),
+                                     "client": os.path.abspath(sys.argv[0]), "env": dict(os.environ)}}).encode()],
+                    [0, 1, 2])
     reply = s.recv(64)
+    if reply.startswith(b"pid "):  # served: what this process is sent, its command gets (torchrun stops workers so)
+        child = int(reply[4:])
+
+        def forward(signum, frame):
+            try:
+                os.kill(child, signum)
+            except ProcessLookupError:  # it has just exited: its status is on its way
+                pass
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, forward)
+        reply = s.recv(64)
 except OSError:
     reply = b"exec"
 if reply == b"exec":
-    os.execv(real, [real, *sys.argv[1:]])
+    os.execv(real[0], [*real, *sys.argv[1:]])
 sys.exit(int(reply) if reply else "fork_cli: the server went away during the command")
 '''
+
+
+def _launcher_own(name: str) -> bool:
+    return name in LAUNCHER_OWN or name.startswith("TORCHELASTIC_")
 
 
 def _exit_status(entry) -> int:
@@ -85,11 +116,17 @@ def _child(request: dict, fds: list[int], entry, inherited: list[socket.socket])
             os.dup2(fd, target)
             os.close(fd)
         os.chdir(request["cwd"])
-        for name in SHELL_OWN:  # the rest equals the server's own (else the client ran the real script), with
-            os.environ.pop(name, None)  # what the imports added to it, as in a fresh process
-        os.environ.update({k: v for k, v in request["env"].items() if k in SHELL_OWN})
-        sys.argv = [request["real"], *request["args"]]
-        sys.path[0] = os.path.dirname(request["real"])
+        for name in [*os.environ]:  # the rest equals the server's own (else the client ran the real script), with
+            if name in SHELL_OWN or _launcher_own(name):  # what the imports added to it, as in a fresh process
+                os.environ.pop(name)
+        os.environ.update({k: v for k, v in request["env"].items() if k in SHELL_OWN or _launcher_own(k)})
+        if entry == PYTHON:
+            entry = _python(request["args"])
+        else:
+            sys.argv = [request["real"][0], *request["args"]]
+            sys.path[0] = os.path.dirname(request["real"][0])
+        if request["name"] == "torchrun":  # its workers (`sys.executable -u ...`) are served too
+            sys.executable = os.path.join(os.path.dirname(request["client"]), "python-worker")
         code = _exit_status(entry)
         for thread in threading.enumerate():  # as the interpreter does at exit: wait for non-daemon threads
             if thread is not threading.main_thread() and not thread.daemon:
@@ -104,21 +141,44 @@ def _child(request: dict, fds: list[int], entry, inherited: list[socket.socket])
         os._exit(code)
 
 
-def _same_environment(theirs: dict, ours: dict) -> bool:
-    strip = lambda env: {k: v for k, v in env.items() if k not in SHELL_OWN}  # noqa: E731
-    return strip(theirs) == strip(ours)
+def _python(args: list[str]):
+    """The entry point of `python -u SCRIPT ARGS` or `python -u -m MODULE ARGS`, as the interpreter sets them up."""
+    import runpy
+
+    for stream in (sys.stdout, sys.stderr):  # -u
+        stream.reconfigure(write_through=True)
+    if args[1] == "-m":
+        sys.argv, sys.path[0] = [args[2], *args[3:]], os.getcwd()
+
+        def entry() -> None:
+            sys.modules.pop(args[2], None)  # as in a fresh `python -m`, where the server's import had not been
+            runpy.run_module(args[2], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv, sys.path[0] = args[1:], os.path.dirname(os.path.abspath(args[1]))
+
+        def entry() -> None:
+            runpy.run_path(args[1], run_name="__main__")
+    return entry
 
 
-def _why_not(request: dict, fds: list[int], loaded: dict, ours: dict) -> str | None:
-    """Why this request runs the real console script, or None when it is served."""
-    name = os.path.basename(request["real"])
+def _differs(theirs: dict, ours: dict, added: dict) -> list[str]:
+    """The variables in which two environments differ, but for the shell's and the launcher's own, and those the
+    server's imports `added` (as the command's own imports would), when they hold the same value there."""
+    return sorted(k for k in theirs.keys() | ours.keys()
+                  if k not in SHELL_OWN and not _launcher_own(k) and theirs.get(k) != ours.get(k)
+                  and not (k in added and theirs.get(k) == added[k]))
+
+
+def _why_not(request: dict, fds: list[int], loaded: dict, ours: dict, added: dict) -> str | None:
+    """Why this request runs the real program, or None when it is served."""
+    name, args = request["name"], request["args"]
     if name not in loaded or len(fds) != 3:
         return f"{name} is not served here" if name not in loaded else "no standard streams came"
-    if not _same_environment(request["env"], ours):
-        theirs = {k: v for k, v in request["env"].items() if k not in SHELL_OWN}
-        return "its environment differs in " + ", ".join(
-            sorted(k for k in (theirs.keys() | ours.keys()) - SHELL_OWN if theirs.get(k) != ours.get(k)))
-    return None
+    if loaded[name] == PYTHON and not (len(args) >= 2 and args[0] == "-u" and args[1] != "-c"
+                                       and (not args[1].startswith("-") or args[1] == "-m" and len(args) >= 3)):
+        return "python is served only as `python -u SCRIPT ...` or `python -u -m MODULE ...`"
+    differs = _differs(request["env"], ours, added)
+    return f"its environment differs in {', '.join(differs)}" if differs else None
 
 
 def serve(path: str, entries: dict[str, str], log: str) -> None:
@@ -127,10 +187,14 @@ def serve(path: str, entries: dict[str, str], log: str) -> None:
     ours = dict(os.environ)  # before the imports, which may add to it (transformers: TORCHINDUCTOR_CACHE_DIR)
     loaded = {}
     for name, spec in entries.items():
+        if spec == PYTHON:
+            loaded[name] = PYTHON
+            continue
         module, function = spec.split(":")
         loaded[name] = getattr(importlib.import_module(module), function)
     for module in PRELOAD:
         importlib.import_module(module)
+    added = {k: v for k, v in os.environ.items() if k not in ours}  # transformers: TORCHINDUCTOR_CACHE_DIR
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
@@ -146,7 +210,7 @@ def serve(path: str, entries: dict[str, str], log: str) -> None:
             try:
                 message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
                 request = json.loads(message)
-                name, why = os.path.basename(request["real"]), _why_not(request, fds, loaded, ours)
+                name, why = request["name"], _why_not(request, fds, loaded, ours, added)
                 said = f"{name} {' '.join(request['args'])}"
             except Exception as err:  # noqa: BLE001 - a request it cannot read runs the real script
                 why, said = f"the server could not read the request ({err!r})", "?"
@@ -159,6 +223,8 @@ def serve(path: str, entries: dict[str, str], log: str) -> None:
                 pid = os.fork()
                 if pid == 0:
                     _child(request, fds, loaded[name], [listener, conn, *children.values()])
+                with contextlib.suppress(OSError):  # the client forwards the signals it is sent
+                    conn.send(f"pid {pid}".encode())
                 children[pid] = conn
             for fd in fds:
                 os.close(fd)
@@ -177,6 +243,11 @@ def serve(path: str, entries: dict[str, str], log: str) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def real_command(name: str) -> list[str]:
+    """What the client runs when it is not served: the console script, or this Python for `python-worker`."""
+    return [sys.executable] if ENTRIES.get(name) == PYTHON else [real_script(name)]
 
 
 def real_script(name: str) -> str:
@@ -198,7 +269,7 @@ def serving(env: dict, folder: Path, entries: dict[str, str] = ENTRIES):
     env = {**env, "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"}
     for name in entries:
         client = bin_dir / name
-        client.write_text(CLIENT.format(python=sys.executable, real=real_script(name), socket=sock))
+        client.write_text(CLIENT.format(python=sys.executable, name=name, real=real_command(name), socket=sock))
         client.chmod(0o755)
     server = subprocess.Popen([sys.executable, __file__, sock, json.dumps(entries), str(folder / "fork-cli.log")],
                               env=env,
@@ -214,6 +285,30 @@ def serving(env: dict, folder: Path, entries: dict[str, str] = ENTRIES):
             server.kill()
             server.wait()
         shutil.rmtree(short, ignore_errors=True)
+
+
+_SHARED: dict = {}  # this process's servers, by environment: the environment each serves (clients first on PATH)
+
+
+def shared(env: dict) -> dict:
+    """The environment of this process's server for `env`, started at the first call with it and stopped at exit.
+    Commands run with the environment returned find the clients first on PATH."""
+    key = json.dumps(sorted(env.items()))
+    if key not in _SHARED:
+        folder = Path(tempfile.mkdtemp(prefix="fork-cli-shared-"))
+        stack = contextlib.ExitStack()
+        _SHARED[key] = stack.enter_context(serving(env, folder))
+        atexit.register(shutil.rmtree, folder, True)
+        atexit.register(stack.close)  # runs first: the server goes, then its folder
+    return _SHARED[key]
+
+
+def torchrun(env: dict) -> tuple[list[str], dict]:
+    """(argv, environment) for `torchrun ...` with `env`: the launcher and its workers (`python -u ...`) forked
+    from a server that imported torch once, as `gqakit` is (an environment the workers change beyond torchrun's
+    own variables runs them as real processes)."""
+    served = shared(env)
+    return [os.path.join(served["PATH"].split(os.pathsep)[0], "torchrun")], served
 
 
 def _test_entry() -> int:

@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fork_cli import torchrun
 from uptrain_tiny import make_text, make_uptrain_model, write_recipe
 
 pytestmark = pytest.mark.multiprocess
@@ -40,9 +40,11 @@ def _env(**extra) -> dict:
     return env
 
 
-def _command(n: int, recipe: Path, dump: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--standalone",
-            str(WORKERS / "uptrain_worker.py"), str(recipe), str(dump), f"output_dir={dump / 'run'}", *overrides]
+def _command(n: int, recipe: Path, dump: Path, *overrides: str, **extra_env: str) -> tuple[list[str], dict]:
+    """(argv, environment) of a torchrun of the worker, its workers forked from one import of torch (fork_cli)."""
+    launcher, env = torchrun(_env(**extra_env))
+    return [*launcher, "--nproc_per_node", str(n), "--standalone", str(WORKERS / "uptrain_worker.py"), str(recipe),
+            str(dump), f"output_dir={dump / 'run'}", *overrides], env
 
 
 def _rows(dump: Path) -> list[dict]:
@@ -53,8 +55,8 @@ def _rows(dump: Path) -> list[dict]:
 def _launch(dump: Path, n: int, recipe: Path, *overrides: str) -> tuple[list[dict], dict]:
     """Run to the end; (metrics rows, final weights as written to the stock folder)."""
     dump.mkdir(parents=True, exist_ok=True)
-    run = subprocess.run(_command(n, recipe, dump, *overrides), env=_env(), capture_output=True, text=True,
-                         timeout=600)
+    cmd, env = _command(n, recipe, dump, *overrides)
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return _rows(dump), load_file(dump / "run" / "model.safetensors")
 
@@ -63,8 +65,8 @@ def _kill_after(dump: Path, n: int, recipe: Path, step: int, *overrides: str) ->
     """Start a run, wait until every rank has passed step `step` (its checkpoint written), SIGKILL every
     worker and the launcher."""
     dump.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(_command(n, recipe, dump, *overrides), env=_env(GQAKIT_TEST_STALL_AT=str(step)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    cmd, env = _command(n, recipe, dump, *overrides, GQAKIT_TEST_STALL_AT=str(step))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 600
     pids = [dump / f"stalled-{r}.pid" for r in range(n)]
     try:
@@ -189,9 +191,10 @@ def test_sharded_load_with_rows_that_do_not_divide(tmp_path):
                       num_attention_heads=3, num_key_value_heads=1, head_dim=10, tie_word_embeddings=False)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--standalone",
-           str(WORKERS / "fsdp_load_worker.py"), str(tmp_path / "m"), str(tmp_path / "out.json")]
-    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    launcher, env = torchrun(_env())
+    cmd = [*launcher, "--nproc_per_node", "3", "--standalone", str(WORKERS / "fsdp_load_worker.py"),
+           str(tmp_path / "m"), str(tmp_path / "out.json")]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["differ"] == []

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fork_cli import torchrun
 from uptrain_tiny import make_pairs, make_t5_model, make_text, make_uptrain_model, write_recipe
 
 pytestmark = pytest.mark.multiprocess
@@ -25,9 +26,9 @@ def _env() -> dict:
 
 
 def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--standalone",
-           *args]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    launcher, env = torchrun(_env())  # its workers forked from one import of torch (fork_cli)
+    return subprocess.run([*launcher, "--nproc_per_node", str(n), "--standalone", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
 def _one_and_two(tmp_path, recipe) -> tuple[dict, dict, dict]:
