@@ -123,3 +123,19 @@ def test_a_served_worker_gets_the_signals_its_client_is_sent(tmp_path, base_env)
     log = (tmp_path / "fork-cli.log").read_text().splitlines()
     assert log[1].startswith("real python-worker -c print(1): ")
     assert log[2] == "served python-worker -u -m gqakit.cli --version"
+
+
+def test_one_server_per_environment_and_only_the_most_recent_kept(base_env, monkeypatch):
+    """fork_cli.shared: PYTEST_CURRENT_TEST (new in every test) starts no new server; past MOST_SERVERS
+    environments the least recently used server stops (its clients then run the real programs)."""
+    import fork_cli
+
+    monkeypatch.setattr(fork_cli, "MOST_SERVERS", 1)
+    monkeypatch.setattr(fork_cli, "_SHARED", {})
+    first = fork_cli.shared({**base_env, "PYTEST_CURRENT_TEST": "a"})
+    assert fork_cli.shared({**base_env, "PYTEST_CURRENT_TEST": "b"}) is first and "PYTEST_CURRENT_TEST" not in first
+    clients = Path(first["PATH"].split(os.pathsep)[0])
+    second = fork_cli.shared({**base_env, "OTHER": "1"})
+    assert second is not first and not clients.exists() and len(fork_cli._SHARED) == 1
+    fork_cli._stop_all()
+    assert not Path(second["PATH"].split(os.pathsep)[0]).exists()

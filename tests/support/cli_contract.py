@@ -31,14 +31,13 @@ def snapshot(*folders: Path) -> dict[str, tuple[int, int]]:
     return seen
 
 
-_SERVED: dict = {}  # the environment of this process's server, started at the first run_cli
+_BASE: dict = {}  # the commands' default environment, as it was at the first run_cli
 
 
 def _served_env() -> dict:
-    if not _SERVED:  # one server: a test that changes os.environ afterwards runs the real console script
-        base = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # changes with every test
-        _SERVED.update(shared({**base, "OMP_NUM_THREADS": "1"}))
-    return _SERVED
+    if not _BASE:  # one environment: a test that changes os.environ afterwards runs the real console script
+        _BASE.update({k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, OMP_NUM_THREADS="1")
+    return shared(_BASE)
 
 
 def run_cli(prog: str, *args: str | bytes, cwd: Path | None = None, env: dict | None = None,

@@ -287,20 +287,35 @@ def serving(env: dict, folder: Path, entries: dict[str, str] = ENTRIES):
         shutil.rmtree(short, ignore_errors=True)
 
 
-_SHARED: dict = {}  # this process's servers, by environment: the environment each serves (clients first on PATH)
+_SHARED: dict = {}  # this process's servers, by environment: (the environment each serves, its ExitStack)
+MOST_SERVERS = 2  # a server holds ~0.5 GB: past this many environments the least recently used one is stopped
+VARIES = {"PYTEST_CURRENT_TEST"}  # changes with every test and is read by no command: left out of the key
 
 
 def shared(env: dict) -> dict:
-    """The environment of this process's server for `env`, started at the first call with it and stopped at exit.
-    Commands run with the environment returned find the clients first on PATH."""
+    """The environment of this process's server for `env` (less VARIES), started at the first call with it and
+    stopped at exit, or when MOST_SERVERS other environments were asked for since. Commands run with the
+    environment returned find the clients first on PATH."""
+    env = {k: v for k, v in env.items() if k not in VARIES}
     key = json.dumps(sorted(env.items()))
-    if key not in _SHARED:
-        folder = Path(tempfile.mkdtemp(prefix="fork-cli-shared-"))
-        stack = contextlib.ExitStack()
-        _SHARED[key] = stack.enter_context(serving(env, folder))
-        atexit.register(shutil.rmtree, folder, True)
-        atexit.register(stack.close)  # runs first: the server goes, then its folder
-    return _SHARED[key]
+    if key in _SHARED:
+        _SHARED[key] = _SHARED.pop(key)  # most recently used last
+        return _SHARED[key][0]
+    while len(_SHARED) >= MOST_SERVERS:
+        _SHARED.pop(next(iter(_SHARED)))[1].close()
+    folder = Path(tempfile.mkdtemp(prefix="fork-cli-shared-"))
+    stack = contextlib.ExitStack()
+    stack.callback(shutil.rmtree, folder, True)  # runs last: the server goes, then its folder
+    _SHARED[key] = (stack.enter_context(serving(env, folder)), stack)
+    return _SHARED[key][0]
+
+
+def _stop_all() -> None:
+    while _SHARED:
+        _SHARED.popitem()[1][1].close()
+
+
+atexit.register(_stop_all)
 
 
 def torchrun(env: dict) -> tuple[list[str], dict]:
