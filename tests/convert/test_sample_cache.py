@@ -78,3 +78,16 @@ def test_an_unwritable_cache_folder_costs_only_the_keeping(src, tmp_path, monkey
     monkeypatch.setenv("GQAKIT_CACHE_DIR", str(blocker))  # samples/ cannot be made under a file
     assert torch.equal(_sample(src).windows, _sample(src, keep=False).windows)
     assert blocker.read_text() == ""
+
+
+def test_a_failed_write_costs_only_the_keeping_and_leaves_nothing(src, tmp_path, monkeypatch):
+    """A full disk or a quota met while writing: safetensors raises its own error, not an OSError."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert torch.equal(_sample(src).windows, _sample(src, keep=False).windows)
+    assert list((tmp_path / "caches" / "samples").iterdir()) == []  # no working file left

@@ -2,11 +2,12 @@
 draws the model's own text once: the second conversion reads the windows the first one sampled.
 
 A sample is kept under a key that holds everything its token ids depend on, so a kept sample is exactly what
-sampling again would give on this machine: the model (config.json's bytes, and the name, size and modification
-time of every file in its folder: any rewrite of the weights makes a new key), the sampling (tokens, window, seed,
-temperature, top-p, compute dtype), and what decides the arithmetic (the device, with the GPU's name, torch's CPU
-kernel level, the thread count, the torch version). What is not in the key is not kept: a stale sample is never
-read, it is only left for the user to delete.
+sampling again would give on this machine: the model (config.json's bytes, and the name, size, modification and
+change times of every file in its folder: any rewrite of the weights makes a new key), the sampling (tokens, window,
+seed, temperature, top-p, compute dtype), the code that samples (the sampler's source files, the gqakit, torch and
+transformers versions), and what decides the arithmetic (the device, with the GPU's name, or the CPU's model and
+torch's kernel level for it, the thread count). A stale sample is never read, it is only left for the user to
+delete.
 
     $GQAKIT_CACHE_DIR/samples/KEY.safetensors   (default ~/.cache/gqakit/samples/)
 
@@ -20,14 +21,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
+import re
 import tempfile
 from pathlib import Path
 
 import torch
 
+import gqakit
+
 FORMAT = "gqakit-calibration-sample"
 VERSION = 1
 DEFAULT_ROOT = "~/.cache/gqakit/samples"
+SAMPLER = ("gqakit.decode.sampling", "gqakit.decode.streaming", "gqakit.common.cpu_split",
+           "gqakit.convert.calibration.sample", "gqakit.convert.calibration.data")  # the code a sample comes from
 
 
 def cache_root() -> Path:
@@ -36,24 +43,46 @@ def cache_root() -> Path:
     return (Path(root) / "samples" if root else Path(DEFAULT_ROOT)).expanduser()
 
 
+def _cpu_model() -> str | None:
+    try:
+        found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    except OSError:
+        found = None
+    return found.group(1).strip() if found else platform.processor() or None
+
+
+def _code() -> dict:
+    """The versions and the sampler's own source files (an edit of an installed checkout changes no version)."""
+    import importlib.util
+
+    import transformers
+
+    digest = hashlib.sha256()
+    for name in SAMPLER:
+        digest.update(Path(importlib.util.find_spec(name).origin).read_bytes())
+    return {"gqakit": gqakit.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "sampler_sha256": digest.hexdigest()}
+
+
 def _arithmetic(device: str) -> dict:
-    """What decides the bits of a sampled token on this machine besides the model and the seed."""
+    """What decides the bits of a sampled token on this machine besides the model, the seed and the code."""
     kind = torch.device(device).type
-    found = {"device": kind, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    found = {"device": kind, "threads": torch.get_num_threads()}
     if kind == "cuda":
         found["gpu"] = torch.cuda.get_device_name(torch.device(device))
     else:
+        found["cpu"] = _cpu_model()
         found["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     return found
 
 
 def sample_key(model_dir: Path, sampling: dict, device: str) -> dict:
     """The fields a kept sample must match (see the module docstring)."""
-    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model_dir).iterdir()
-                   if p.is_file() and not p.name.startswith("."))
+    stats = [(p.name, p.stat()) for p in Path(model_dir).iterdir() if p.is_file() and not p.name.startswith(".")]
+    files = sorted((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for name, st in stats)
     config = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
     return {"format": FORMAT, "version": VERSION, "config_sha256": config, "files": files, "sampling": sampling,
-            **_arithmetic(device)}
+            **_code(), **_arithmetic(device)}
 
 
 def _path(key: dict, root: Path) -> Path:
@@ -65,13 +94,13 @@ def load_sample(key: dict, root: Path | None = None) -> tuple[torch.Tensor, Path
     """The kept windows of `key` and their file, or None (none kept, or a file that is not what the key says)."""
     from safetensors import SafetensorError, safe_open
 
-    path = _path(key, root or cache_root())
     try:
+        path = _path(key, root or cache_root())  # cache_root: RuntimeError without a home folder
         with safe_open(str(path), framework="pt") as fh:
             if fh.metadata() != {"key": json.dumps(key, sort_keys=True)} or list(fh.keys()) != ["windows"]:
                 return None
             windows = fh.get_tensor("windows")
-    except (OSError, ValueError, SafetensorError):  # absent, unreadable, or not a whole safetensors file
+    except (OSError, ValueError, RuntimeError, SafetensorError):  # absent, unreadable, not a safetensors file
         return None
     expected = (key["sampling"]["tokens"] // key["sampling"]["window"], key["sampling"]["window"])
     if windows.dtype != torch.int64 or tuple(windows.shape) != expected:
@@ -82,10 +111,11 @@ def load_sample(key: dict, root: Path | None = None) -> tuple[torch.Tensor, Path
 def store_sample(key: dict, windows: torch.Tensor, root: Path | None = None) -> Path | None:
     """Keep `windows` under `key`; the file, or None where the cache folder cannot be written (the conversion goes
     on: a cache is an optimisation)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    path = _path(key, root or cache_root())
     try:
+        path = _path(key, root or cache_root())
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
@@ -96,6 +126,6 @@ def store_sample(key: dict, windows: torch.Tensor, root: Path | None = None) -> 
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    except OSError:
+    except (OSError, RuntimeError, SafetensorError):  # no home folder, a full disk, a quota (safetensors' own error)
         return None
     return path
