@@ -139,3 +139,16 @@ def test_one_server_per_environment_and_only_the_most_recent_kept(base_env, monk
     assert second is not first and not clients.exists() and len(fork_cli._SHARED) == 1
     fork_cli._stop_all()
     assert not Path(second["PATH"].split(os.pathsep)[0]).exists()
+
+
+def test_a_served_worker_killed_by_a_signal_looks_so_and_kept_what_it_wrote(tmp_path, base_env):
+    """As `python -u`: the output written before a SIGKILL is kept (unbuffered), and the client dies by the same
+    signal (torchrun reports `Signal 9`, not an exit code)."""
+    (tmp_path / "w.py").write_text("import os, signal\nprint('before')\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    env = {k: v for k, v in base_env.items() if k != "PYTHONUNBUFFERED"}  # -u itself must do it
+    real = subprocess.run([sys.executable, "-u", "w.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    with serving(env, tmp_path) as served_env:
+        served = subprocess.run(["python-worker", "-u", "w.py"], cwd=tmp_path, env=served_env, capture_output=True,
+                                text=True)
+    assert (served.returncode, served.stdout) == (real.returncode, real.stdout) == (-9, "before\n"), served.stderr
+    assert (tmp_path / "fork-cli.log").read_text() == "served python-worker -u w.py\n"

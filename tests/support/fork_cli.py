@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
+import io
 import json
 import os
 import select
@@ -68,22 +69,36 @@ try:
                                      "client": os.path.abspath(sys.argv[0]), "env": dict(os.environ)}}).encode()],
                     [0, 1, 2])
     reply = s.recv(64)
-    if reply.startswith(b"pid "):  # served: what this process is sent, its command gets (torchrun stops workers so)
-        child = int(reply[4:])
-
-        def forward(signum, frame):
-            try:
-                os.kill(child, signum)
-            except ProcessLookupError:  # it has just exited: its status is on its way
-                pass
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, forward)
-        reply = s.recv(64)
-except OSError:
+except OSError:  # no server: the real program (never once the command has started: it would run twice)
     reply = b"exec"
 if reply == b"exec":
     os.execv(real[0], [*real, *sys.argv[1:]])
-sys.exit(int(reply) if reply else "fork_cli: the server went away during the command")
+if not reply.startswith(b"pid "):
+    sys.exit("fork_cli: the server went away before the command started")
+child = int(reply[4:])  # served: what this process is sent, its command gets (torchrun stops workers so)
+
+
+def forward(signum, frame):
+    try:
+        os.kill(child, signum)
+    except OSError:  # it has just exited: its status is on its way
+        pass
+
+
+for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(signum, forward)
+try:
+    reply = s.recv(64)
+except OSError:
+    reply = b""
+if not reply:
+    sys.exit("fork_cli: the server went away during the command")
+status = int(reply)
+if status < 0:  # killed by a signal: so is this process, as the command's parent would see it
+    if -status != signal.SIGKILL:
+        signal.signal(-status, signal.SIG_DFL)
+    os.kill(os.getpid(), -status)
+sys.exit(status & 0xFF)
 '''
 
 
@@ -145,8 +160,10 @@ def _python(args: list[str]):
     """The entry point of `python -u SCRIPT ARGS` or `python -u -m MODULE ARGS`, as the interpreter sets them up."""
     import runpy
 
-    for stream in (sys.stdout, sys.stderr):  # -u
-        stream.reconfigure(write_through=True)
+    for name, fd in (("stdout", 1), ("stderr", 2)):  # -u: text written through to an unbuffered file
+        old = getattr(sys, name)
+        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding,
+                                            errors=old.errors, write_through=True))
     if args[1] == "-m":
         sys.argv, sys.path[0] = [args[2], *args[3:]], os.getcwd()
 
@@ -234,9 +251,9 @@ def serve(path: str, entries: dict[str, str], log: str) -> None:
                     os.killpg(pid, signal.SIGKILL)
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                code = os.waitstatus_to_exitcode(status)
-                with contextlib.suppress(OSError):  # killed by signal n: the shell's 128 + n
-                    conn.send(str(code if code >= 0 else 128 - code).encode())
+                code = os.waitstatus_to_exitcode(status)  # -n: killed by signal n, and the client kills itself so
+                with contextlib.suppress(OSError):
+                    conn.send(str(code).encode())
                 conn.close()
                 del children[pid]
     for pid in children:
@@ -306,7 +323,11 @@ def shared(env: dict) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="fork-cli-shared-"))
     stack = contextlib.ExitStack()
     stack.callback(shutil.rmtree, folder, True)  # runs last: the server goes, then its folder
-    _SHARED[key] = (stack.enter_context(serving(env, folder)), stack)
+    try:
+        _SHARED[key] = (stack.enter_context(serving(env, folder)), stack)
+    except BaseException:
+        stack.close()
+        raise
     return _SHARED[key][0]
 
 
