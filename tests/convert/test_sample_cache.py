@@ -91,3 +91,20 @@ def test_a_failed_write_costs_only_the_keeping_and_leaves_nothing(src, tmp_path,
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     assert torch.equal(_sample(src).windows, _sample(src, keep=False).windows)
     assert list((tmp_path / "caches" / "samples").iterdir()) == []  # no working file left
+
+
+def test_what_a_killed_write_left_the_next_write_removes(src, tmp_path, capsys):
+    import subprocess
+
+    from gqakit.common.atomic import sibling
+
+    _sample(src)
+    [path] = _kept(tmp_path)
+    path.unlink()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid whose process has exited, as a SIGKILLed writer's has
+    left = sibling(path, "tmp", pid=gone.pid)
+    left.write_bytes(b"half a file")
+    _sample(src)
+    assert not left.exists() and _kept(tmp_path) == [path]
+    assert f"removed {left.name} left by a stopped run" in capsys.readouterr().err

@@ -12,9 +12,10 @@ delete.
     $GQAKIT_CACHE_DIR/samples/KEY.safetensors   (default ~/.cache/gqakit/samples/)
 
 Each file is one safetensors tensor, `windows` (N, window) int64, with the key's fields as its metadata; it is
-written under a hidden working name and renamed into place, so a reader sees a whole file or none, and two
-processes sampling the same key at once both write the same bytes. A file that does not read back as the key
-says is ignored and sampled anew. Delete the folder to take back the space.
+written under the hidden working name of `common.atomic.sibling` and renamed into place, so a reader sees a whole
+file or none, two processes sampling the same key at once both write the same bytes, and what a killed run left
+the next one writing that key removes. A file that does not read back as the key says is ignored and sampled
+anew. Delete the folder to take back the space.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import json
 import os
 import platform
 import re
-import tempfile
 from pathlib import Path
 
 import torch
@@ -114,18 +114,19 @@ def store_sample(key: dict, windows: torch.Tensor, root: Path | None = None) -> 
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    from gqakit.common.atomic import remove_stale_leftovers, sibling
+
     try:
         path = _path(key, root or cache_root())
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
+        remove_stale_leftovers(path)
+        tmp = sibling(path, "tmp")
         try:
-            save_file({"windows": windows.to(torch.int64).contiguous()}, tmp,
+            save_file({"windows": windows.to(torch.int64).contiguous()}, str(tmp),
                       metadata={"key": json.dumps(key, sort_keys=True)})
             os.replace(tmp, path)
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            tmp.unlink(missing_ok=True)
     except (OSError, RuntimeError, SafetensorError):  # no home folder, a full disk, a quota (safetensors' own error)
         return None
     return path
