@@ -197,6 +197,7 @@ def worker(spec_path: str) -> None:
     torch.set_num_threads(1)
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    from gqakit.common import launcher
     from gqakit.common.recipes import load_recipe
     from gqakit.uptrain import UptrainConfig, uptrain
 
@@ -205,8 +206,7 @@ def worker(spec_path: str) -> None:
     cfg = load_recipe(UptrainConfig, spec["recipe"], spec["overrides"])
     register_optimizer_step_post_hook(rec.optimizer_hook)
     uptrain(cfg, on_step=lambda step, row, model: rec.step_end(step, model))
-    rank = int(os.environ.get("RANK", 0))
-    Path(spec["result"], f"rank-{rank}.json").write_text(json.dumps(rec.res))
+    Path(spec["result"], f"rank-{launcher.rank()}.json").write_text(json.dumps(rec.res))
 
 
 def bare(spec_path: str) -> None:
