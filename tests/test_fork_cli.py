@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cli_contract import console_script
-from fork_cli import serving
+from fork_cli import client as fork_client, serving
 from test_readme_commands import run_side_by_side
 
 TEST_ENTRY = {"gqakit": "fork_cli:_test_entry"}
@@ -105,7 +105,7 @@ def test_a_served_worker_gets_the_signals_its_client_is_sent(tmp_path, base_env)
                                    "pathlib.Path('ready').write_text('')\n"
                                    "time.sleep(60)\n")
     with serving(base_env, tmp_path) as env:
-        client = subprocess.Popen([Path(env["PATH"].split(os.pathsep)[0]) / "python-worker", "-u", "w.py"],
+        client = subprocess.Popen([fork_client(env, "python-worker"), "-u", "w.py"],
                                   cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(600):
             if (tmp_path / "ready").exists():
@@ -134,11 +134,11 @@ def test_one_server_per_environment_and_only_the_most_recent_kept(base_env, monk
     monkeypatch.setattr(fork_cli, "_SHARED", {})
     first = fork_cli.shared({**base_env, "PYTEST_CURRENT_TEST": "a"})
     assert fork_cli.shared({**base_env, "PYTEST_CURRENT_TEST": "b"}) is first and "PYTEST_CURRENT_TEST" not in first
-    clients = Path(first["PATH"].split(os.pathsep)[0])
+    clients = Path(fork_cli.client(first, "gqakit")).parent
     second = fork_cli.shared({**base_env, "OTHER": "1"})
     assert second is not first and not clients.exists() and len(fork_cli._SHARED) == 1
     fork_cli._stop_all()
-    assert not Path(second["PATH"].split(os.pathsep)[0]).exists()
+    assert not Path(fork_cli.client(second, "gqakit")).parent.exists()
 
 
 def test_a_served_worker_killed_by_a_signal_looks_so_and_kept_what_it_wrote(tmp_path, base_env):

@@ -16,7 +16,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from fork_cli import real_script as console_script, shared  # console_script: the name the tests use
+from fork_cli import client, real_script as console_script, shared  # console_script: the name the tests use
 
 
 def snapshot(*folders: Path) -> dict[str, tuple[int, int]]:
@@ -44,11 +44,11 @@ def run_cli(prog: str, *args: str | bytes, cwd: Path | None = None, env: dict | 
             stdin: bytes | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `prog` with `args` (bytes for names that are not UTF-8), forked from the server unless `env` or a
     changed os.environ differs from its environment; text is decoded leniently."""
-    clients = _served_env()["PATH"].split(os.pathsep)[0]
+    served = _served_env()
     full_env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, "OMP_NUM_THREADS": "1",
                 **(env or {})}
-    full_env["PATH"] = f"{clients}{os.pathsep}{full_env.get('PATH', '')}"
-    done = subprocess.run([os.path.join(clients, prog), *args], cwd=cwd, env=full_env, input=stdin,
+    full_env["PATH"] = f"{os.path.dirname(client(served, prog))}{os.pathsep}{full_env.get('PATH', '')}"
+    done = subprocess.run([client(served, prog), *args], cwd=cwd, env=full_env, input=stdin,
                           capture_output=True, timeout=timeout)
     return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(errors="replace"),
                                        done.stderr.decode(errors="replace"))

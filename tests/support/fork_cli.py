@@ -191,8 +191,8 @@ def _why_not(request: dict, fds: list[int], loaded: dict, ours: dict, added: dic
     name, args = request["name"], request["args"]
     if name not in loaded or len(fds) != 3:
         return f"{name} is not served here" if name not in loaded else "no standard streams came"
-    if loaded[name] == PYTHON and not (len(args) >= 2 and args[0] == "-u" and args[1] != "-c"
-                                       and (not args[1].startswith("-") or args[1] == "-m" and len(args) >= 3)):
+    script_or_module = len(args) >= 2 and (not args[1].startswith("-") or args[1] == "-m" and len(args) >= 3)
+    if loaded[name] == PYTHON and not (args[0] == "-u" and script_or_module):
         return "python is served only as `python -u SCRIPT ...` or `python -u -m MODULE ...`"
     differs = _differs(request["env"], ours, added)
     return f"its environment differs in {', '.join(differs)}" if differs else None
@@ -268,7 +268,7 @@ def real_command(name: str) -> list[str]:
 
 
 def real_script(name: str) -> str:
-    """The installed console script `name` (gqakit, convert-gqa) of the Python running the tests."""
+    """The installed console script `name` (gqakit, convert-gqa, torchrun) of the Python running the tests."""
     beside = Path(sys.executable).parent / name
     found = str(beside) if beside.is_file() else shutil.which(name)
     assert found, f"console script {name} is not installed; pip install -e . first"
@@ -344,7 +344,12 @@ def torchrun(env: dict) -> tuple[list[str], dict]:
     from a server that imported torch once, as `gqakit` is (an environment the workers change beyond torchrun's
     own variables runs them as real processes)."""
     served = shared(env)
-    return [os.path.join(served["PATH"].split(os.pathsep)[0], "torchrun")], served
+    return [client(served, "torchrun")], served
+
+
+def client(served: dict, name: str) -> str:
+    """The client `name` in the environment a server serves (its folder is first on PATH)."""
+    return os.path.join(served["PATH"].split(os.pathsep)[0], name)
 
 
 def _test_entry() -> int:
