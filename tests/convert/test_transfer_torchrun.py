@@ -34,8 +34,8 @@ def _env() -> dict:
 def _convert(n: int, *args: str) -> subprocess.CompletedProcess:
     env = _env()
     if n > 1:  # the launcher and its workers forked from one import of torch (fork_cli)
-        served, env = torchrun(env)
-        launcher = [*served, "--nproc_per_node", str(n), "--standalone", "-m", "gqakit.cli"]
+        launch, env = torchrun(n, env)
+        launcher = [*launch, "-m", "gqakit.cli"]
     else:
         launcher = [sys.executable, "-m", "gqakit.cli"]
     return subprocess.run([*launcher, "convert", *args, "-q"], env=env, capture_output=True, text=True,

@@ -339,12 +339,12 @@ def _stop_all() -> None:
 atexit.register(_stop_all)
 
 
-def torchrun(env: dict) -> tuple[list[str], dict]:
-    """(argv, environment) for `torchrun ...` with `env`: the launcher and its workers (`python -u ...`) forked
-    from a server that imported torch once, as `gqakit` is (an environment the workers change beyond torchrun's
-    own variables runs them as real processes)."""
+def torchrun(processes: int, env: dict) -> tuple[list[str], dict]:
+    """(argv, environment) for `torchrun --nproc_per_node N --standalone ...` with `env`: the launcher and its
+    workers (`python -u ...`) forked from a server that imported torch once, as `gqakit` is (an environment the
+    workers change beyond torchrun's own variables runs them as real processes)."""
     served = shared(env)
-    return [client(served, "torchrun")], served
+    return [client(served, "torchrun"), "--nproc_per_node", str(processes), "--standalone"], served
 
 
 def client(served: dict, name: str) -> str:

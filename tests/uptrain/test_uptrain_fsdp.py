@@ -42,9 +42,9 @@ def _env(**extra) -> dict:
 
 def _command(n: int, recipe: Path, dump: Path, *overrides: str, **extra_env: str) -> tuple[list[str], dict]:
     """(argv, environment) of a torchrun of the worker, its workers forked from one import of torch (fork_cli)."""
-    launcher, env = torchrun(_env(**extra_env))
-    return [*launcher, "--nproc_per_node", str(n), "--standalone", str(WORKERS / "uptrain_worker.py"), str(recipe),
-            str(dump), f"output_dir={dump / 'run'}", *overrides], env
+    launcher, env = torchrun(n, _env(**extra_env))
+    return [*launcher, str(WORKERS / "uptrain_worker.py"), str(recipe), str(dump), f"output_dir={dump / 'run'}",
+            *overrides], env
 
 
 def _rows(dump: Path) -> list[dict]:
@@ -191,9 +191,8 @@ def test_sharded_load_with_rows_that_do_not_divide(tmp_path):
                       num_attention_heads=3, num_key_value_heads=1, head_dim=10, tie_word_embeddings=False)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
-    launcher, env = torchrun(_env())
-    cmd = [*launcher, "--nproc_per_node", "3", "--standalone", str(WORKERS / "fsdp_load_worker.py"),
-           str(tmp_path / "m"), str(tmp_path / "out.json")]
+    launcher, env = torchrun(3, _env())
+    cmd = [*launcher, str(WORKERS / "fsdp_load_worker.py"), str(tmp_path / "m"), str(tmp_path / "out.json")]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "out.json").read_text())

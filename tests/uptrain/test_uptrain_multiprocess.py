@@ -26,9 +26,8 @@ def _env() -> dict:
 
 
 def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
-    launcher, env = torchrun(_env())  # its workers forked from one import of torch (fork_cli)
-    return subprocess.run([*launcher, "--nproc_per_node", str(n), "--standalone", *args], env=env,
-                          capture_output=True, text=True, timeout=300)
+    launcher, env = torchrun(n, _env())  # its workers forked from one import of torch (fork_cli)
+    return subprocess.run([*launcher, *args], env=env, capture_output=True, text=True, timeout=300)
 
 
 def _one_and_two(tmp_path, recipe) -> tuple[dict, dict, dict]:
