@@ -16,6 +16,7 @@ from gqakit.hf.architectures.latent import LatentShape, fitted_shape, host_refus
 from gqakit.hf.headers import CODES, ITEMSIZES, DerivedTensor, TensorInfo, assign_shards, shard_names
 from gqakit.hf.architectures.refused import refusal
 from gqakit.hf.architectures.rehost import Rehosted, find_rehost, rehost, rehosted_architectures
+from gqakit.hf.config_defaults import rope_of
 from gqakit.hf.fields import ModelFields, architecture_of, positive_int, read_fields
 from gqakit.convert import methods
 from gqakit.convert.latent.ops import latent_tensors
@@ -324,9 +325,8 @@ def check_alignable(spec: ArchSpec, arch: str, config: dict, groups: int, kv_hea
     merges heads: refuse, in one line, a model or a G it cannot handle exactly."""
     why = spec.alignable
     if why is None:
-        # transformers 5 keeps both inside rope_parameters; older configs at the top level / in rope_scaling
-        rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-        factor = config.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
+        rope = rope_of(config)  # transformers 5 keeps both inside rope_parameters, with the class's defaults
+        factor = rope.get("partial_rotary_factor")
         if factor not in (None, 1, 1.0):
             why = f"rotates only part of each head (partial_rotary_factor {factor})"
         elif rope.get("rope_type") == "longrope":
@@ -348,7 +348,7 @@ def check_family(config: dict) -> ArchSpec | None:
     arch = architecture_of(config)
     if (why := refusal(arch, config)) is not None:  # a variant of a supported family may be refused too (Falcon)
         raise GqakitError(f"cannot convert: {why}")
-    spec = find_family(arch)
+    spec = find_family(arch, config)
     if spec is None and find_rehost(arch) is None:
         known = sorted({*supported_architectures(), *rehosted_architectures()})
         raise GqakitError(f"architecture {arch} is not supported; gqakit converts {', '.join(known)}")

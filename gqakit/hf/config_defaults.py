@@ -75,13 +75,37 @@ def _heads(kv: bool, head_dim: bool) -> Callable[[dict, dict], None]:
     return derive
 
 
+def _partial_rope(default: float) -> Callable[[dict, dict], None]:
+    """The standardisation of a class whose RoPE turns only part of each head by default (Phi, Nemotron, StableLM):
+    rope_parameters, else rope_scaling, gains the top-level rope_theta and partial_rotary_factor, else the class's
+    defaults, where it does not say them itself."""
+    def derive(out: dict, config: dict) -> None:
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", config.get("rope_theta", 10_000.0))
+        rope.setdefault("partial_rotary_factor", config.get("partial_rotary_factor", default))
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        out["rope_parameters"] = rope
+    return derive
+
+
+_ROPE_KEYS = ("partial_rotary_factor", "rope_theta", "rope_scaling")  # what _partial_rope folds into rope_parameters
+
+
 def _lm(vocab: int, hidden: int, heads: int, kv: int | None, layers: int, inter: int, tie: bool, *,
-        derives: str = "", **more) -> ConfigClass:
+        derives: str = "", partial_rotary: float | None = None, **more) -> ConfigClass:
     """A decoder's count fields (vocab_size, hidden_size, heads, K/V heads, layers, intermediate_size, tied head),
-    `more` (head_dim where the class declares it) and what it derives from null ones (`derives`: "kv", "head_dim")."""
+    `more` (head_dim where the class declares it), what it derives from null ones (`derives`: "kv", "head_dim") and
+    its rope_parameters where its RoPE is partial by default (`partial_rotary`: the class's fraction)."""
+    steps = ([_heads("kv" in derives, "head_dim" in derives)] if derives else []) + \
+        ([_partial_rope(partial_rotary)] if partial_rotary is not None else [])
+
+    def derive(out: dict, config: dict) -> None:
+        for step in steps:
+            step(out, config)
     return ConfigClass(dict(vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
                             num_hidden_layers=layers, intermediate_size=inter, tie_word_embeddings=tie, **more),
-                       derive=_heads("kv" in derives, "head_dim" in derives) if derives else None)
+                       consumed=() if partial_rotary is None else _ROPE_KEYS,
+                       derive=derive if steps else None)
 
 
 _GPT2_NAMES = (("hidden_size", "n_embd"), ("max_position_embeddings", "n_positions"),
@@ -137,13 +161,13 @@ CLASSES: dict[str, ConfigClass] = {
     "phi3": _lm(32064, 3072, 32, None, 32, 8192, False, derives="kv"),
     "olmo": _lm(50304, 4096, 32, None, 32, 11008, False, attention_bias=False, derives="kv"),
     "olmo2": _lm(50304, 4096, 32, None, 32, 11008, False, attention_bias=False, derives="kv"),
-    "phi": _lm(51200, 2048, 32, None, 24, 8192, False, qk_layernorm=False, derives="kv"),
+    "phi": _lm(51200, 2048, 32, None, 24, 8192, False, qk_layernorm=False, derives="kv", partial_rotary=0.5),
     "starcoder2": _lm(49152, 3072, 24, 2, 30, 12288, True, use_bias=True),
     "granite": _lm(32000, 4096, 32, None, 32, 11008, False, attention_bias=False, mlp_bias=False, derives="kv"),
     "nemotron": _lm(256000, 6144, 48, None, 32, 24576, False, head_dim=None, attention_bias=False, mlp_bias=False,
-                    derives="head_dim"),  # its K/V heads may stay null
+                    derives="head_dim", partial_rotary=0.5),  # its K/V heads may stay null
     "stablelm": _lm(50304, 2560, 32, 32, 32, 6912, False, qk_layernorm=False, use_qkv_bias=False,
-                    use_parallel_residual=False),
+                    use_parallel_residual=False, partial_rotary=0.25),
     # Falcon has no num_key_value_heads (its num_kv_heads is read by its modules alone) and derives head_dim
     "falcon": ConfigClass(dict(vocab_size=65024, hidden_size=4544, num_attention_heads=71, num_hidden_layers=32,
                                tie_word_embeddings=True)),
@@ -176,6 +200,20 @@ def filled(config: dict, common_names: bool = False) -> dict | None:
         else:
             out.pop(common, None)
     return out
+
+
+def rope_of(config: dict) -> dict:
+    """config.json's RoPE parameters as its class holds them: rope_scaling's and rope_parameters' keys, with the
+    class's defaults where config.json leaves them out (Phi turns half of each head unless told), and the top-level
+    partial_rotary_factor where neither dict says it."""
+    try:
+        known = filled(config) or config
+    except GqakitError:
+        known = config
+    rope = {**(known.get("rope_scaling") or {}), **(known.get("rope_parameters") or {})}
+    if "partial_rotary_factor" in known:
+        rope.setdefault("partial_rotary_factor", known["partial_rotary_factor"])
+    return rope
 
 
 SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers",

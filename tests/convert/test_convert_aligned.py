@@ -77,6 +77,24 @@ def test_families_whose_keys_cannot_be_rotated_are_refused(tmp_path, family, met
                 "--method", method, *calibration, needles=(f"--method {method} cannot convert", why))
 
 
+@pytest.mark.parametrize("case", ["phi qk_layernorm", "phi default rotary", "nemotron default rotary"])
+def test_what_a_config_leaves_to_its_class_is_refused_as_if_written(tmp_path, case):
+    """Phi's key LayerNorm (qk_layernorm) and the partial RoPE of Phi and Nemotron by their class's default (no
+    partial_rotary_factor in config.json) are refused as when config.json spells them out."""
+    from families import make_model
+
+    family = case.split()[0]
+    src = make_model(family, tmp_path / "src", **({"qk_layernorm": True} if "qk" in case else {}))
+    if "default" in case:
+        config = json.loads((src / "config.json").read_text())
+        config.pop("partial_rotary_factor", None)
+        config.get("rope_parameters", {}).pop("partial_rotary_factor", None)
+        (src / "config.json").write_text(json.dumps(config))
+    why = "normalises keys" if "qk" in case else "partial_rotary_factor 0.5"
+    run_refused(tmp_path, "convert-gqa", "--groups", "2", str(src), "-o", str(tmp_path / "o"), "--method", "aligned",
+                needles=("--method aligned cannot convert", why))
+
+
 def test_scaled_rotations_are_what_the_transforms_accept():
     a, b = torch.tensor([2.0]), torch.tensor([0.5])
     assert torch.equal(scaled_rotation(a, b)[0], torch.tensor([[2.0, -0.5], [0.5, 2.0]]))

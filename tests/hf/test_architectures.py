@@ -270,3 +270,18 @@ def test_falcon_plan_and_card_say_its_runtime_caches_every_head(tmp_path, capsys
     with torch.no_grad():
         cache = model(input_ids=INPUT_IDS, use_cache=True).past_key_values
     assert cache.layers[0].keys.shape[1] == HEADS  # every query head's copy, not the 1 K/V head
+
+
+@pytest.mark.parametrize("family, qk_layernorm", [("stablelm", False), ("phi", True)])
+def test_a_key_norm_is_read_from_the_config_that_switches_it(family, qk_layernorm, tmp_path):
+    """Phi and StableLM have a key norm only with qk_layernorm (StableLM's per K/V head, pooled; Phi's one LayerNorm
+    shared by every head, kept): a StableLM without it converts and pools exactly, a Phi with it converts, pools and
+    says in its card that pooling normalises the mean key."""
+    src = make_model(family, tmp_path / "mha", qk_layernorm=qk_layernorm)
+    original = load_exact(src)
+    convert(src, tmp_path / "g2", 2)
+    converted = load_exact(tmp_path / "g2")
+    torch.testing.assert_close(logits(converted), logits(reference_model(original, family, HEADS, 2)),
+                               atol=1e-5, rtol=0)
+    card = (tmp_path / "g2" / "README.md").read_text()
+    assert ("exact only for identical heads" in card) == qk_layernorm

@@ -41,6 +41,14 @@ EDGES = [
     {"model_type": "llama", "num_key_value_heads": None, "head_dim": None},
     {"model_type": "qwen2", "head_dim": 64},
     {"model_type": "falcon", "num_kv_heads": 8, "new_decoder_architecture": True},
+    # partial RoPE by default: the fraction where config.json leaves it out, and wherever it says it
+    {"model_type": "phi", "partial_rotary_factor": 0.4},
+    {"model_type": "phi", "rope_parameters": {"rope_type": "default", "rope_theta": 5.0}},
+    {"model_type": "phi", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.0}, "rope_theta": 3.0},
+    {"model_type": "phi", "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "partial_rotary_factor": 0.75},
+    {"model_type": "nemotron", "rope_parameters": {"rope_type": "default", "rope_theta": 5.0}},
+    {"model_type": "stablelm", "rope_theta": 7.0},
+    {"model_type": "stablelm", "partial_rotary_factor": 1.0, "qk_layernorm": True},
 ]
 # turned into torch dtypes, rewritten, or integer-keyed by the class: fields gqakit never reads
 _NOT_COMPARED = {"dtype", "torch_dtype", "transformers_version", "id2label", "label2id"}

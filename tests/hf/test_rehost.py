@@ -121,6 +121,23 @@ def test_rehosted_conversion(source, groups, tmp_path):
     assert "re-hosted" in card and FAMILY[name] in card
 
 
+def test_every_gptj_rotary_width_survives_phis_rounding(tmp_path):
+    """Phi turns int(head_dim * partial_rotary_factor) dims; rotary_dim / head_dim rounds below rotary_dim for some
+    pairs (30 of 44): the factor written must give it back for every even width, and a GPT-J of such a pair
+    converts to the very same logits."""
+    from gqakit.hf.architectures.rehost.gptj import rotary_fraction
+
+    assert all(int(d * rotary_fraction(r, d)) == r for d in range(2, 513) for r in range(2, d + 1, 2))
+    assert int(44 * (30 / 44)) == 29  # the rounding this guards against
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(SOURCES["gptj"](n_embd=88, n_head=2, n_layer=1, rotary_dim=30),
+                                             attn_implementation="eager", dtype=torch.float32)
+    perturb_(model)
+    model.save_pretrained(tmp_path / "mha")
+    assert convert_main([str(tmp_path / "mha"), "--groups", "2", "-o", str(tmp_path / "out"), "--quiet"]) == 0
+    torch.testing.assert_close(logits(load_exact(tmp_path / "out")), logits(model.eval()), atol=1e-5, rtol=0)
+
+
 def test_dry_run_names_the_mapping(source, capsys):
     name, path, _ = source
     capsys.readouterr()

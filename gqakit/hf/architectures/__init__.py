@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from gqakit.hf.architectures.spec import ArchSpec, KNorm
 from gqakit.hf.architectures.table import FAMILIES
+from gqakit.common.errors import GqakitError
+from gqakit.hf.config_defaults import filled
 
 __all__ = ["ArchSpec", "KNorm", "FAMILIES", "find_family", "supported_architectures"]
 
@@ -16,9 +18,16 @@ def supported_architectures() -> list[str]:
     return sorted(a for spec in FAMILIES for a in spec.architectures)
 
 
-def find_family(architecture: str) -> ArchSpec | None:
-    """The table for a `config.architectures[0]` value, or None when gqakit does not support it."""
+def find_family(architecture: str, config: dict | None = None) -> ArchSpec | None:
+    """The table for a `config.architectures[0]` value, or None when gqakit does not support it; with `config`
+    (config.json), as that model has it (a key norm its config switches off is gone: `ArchSpec.for_config`)."""
     for spec in FAMILIES:
         if architecture in spec.architectures:
-            return spec
+            if config is None or spec.k_norm_key is None:
+                return spec
+            try:
+                known = filled(config) or config
+            except GqakitError:  # a field of the wrong type: the plan's field checks name it, in their words
+                known = config
+            return spec.for_config(known)
     return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from gqakit.common.errors import opt
+from gqakit.hf.config_defaults import rope_of
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
@@ -118,10 +119,10 @@ def host_refusal(family: str, config: dict) -> str | None:
     if family not in HOSTS:
         return (f"is a {family} model, whose layers the stock DeepseekV3 class cannot compute (it has RMSNorms, a "
                 f"SiLU-gated MLP and sequential residuals); latent attention hosts {', '.join(HOSTS)}")
-    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    rope = rope_of(config)
     if rope.get("rope_type", rope.get("type")) not in ROPE_TYPES:
         return f"uses {rope.get('rope_type', rope.get('type'))} RoPE scaling, which DeepseekV3 applies differently"
-    factor = config.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
+    factor = rope.get("partial_rotary_factor")
     if factor not in (None, 1, 1.0):
         return f"rotates only part of each head (partial_rotary_factor {factor})"
     for key, what in (("attention_bias", "biases on q/k/v/o"), ("mlp_bias", "MLP biases")):

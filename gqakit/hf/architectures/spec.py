@@ -38,6 +38,9 @@ class ArchSpec:
     k_norm_weight: str | None = None
     # Extra weights of each per-head norm module (e.g. a LayerNorm bias), same template scheme.
     k_norm_extra: tuple[str, ...] = ()
+    # The boolean config.json key that switches the key norm on (Phi's and StableLM's qk_layernorm; its class's
+    # default where config.json leaves it out): off, the family has no key norm. None: always as declared.
+    k_norm_key: str | None = None
     notes: str = ""
     # config.json keys this family spells its own way: (transformers' common name, this family's key)
     config_names: tuple[tuple[str, str], ...] = ()
@@ -68,6 +71,13 @@ class ArchSpec:
     # Why the layer-wise methods (aligned, fit, transfer) cannot convert this family, when a reason other than
     # fused projections or key norms applies
     not_layerwise: str | None = None
+
+    def for_config(self, known: dict) -> ArchSpec:
+        """The table as the model of this config has it (`known`: config.json with its class's defaults filled
+        in): without the key norm where `k_norm_key` switches it off."""
+        if self.k_norm_key is None or known.get(self.k_norm_key):
+            return self
+        return dataclasses.replace(self, k_norm=KNorm.NONE, k_norm_weight=None, k_norm_extra=(), k_norm_key=None)
 
     @property
     def fused(self) -> bool:

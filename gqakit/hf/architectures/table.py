@@ -27,6 +27,8 @@ FAMILIES: tuple[ArchSpec, ...] = (
         k_norm=KNorm.SPANS_HEADS, k_norm_weight="model.layers.{i}.self_attn.k_norm.weight",
     ),
     ArchSpec("phi", ("PhiForCausalLM",), o_proj="model.layers.{i}.self_attn.dense",
+             k_norm=KNorm.SHARED_PER_HEAD, k_norm_weight="model.layers.{i}.self_attn.k_layernorm.weight",
+             k_norm_key="qk_layernorm",
              notes="Phi-1/1.5/2 (and GPT-NeoX / GPT-J re-hosted on it); partial rotary"),
     ArchSpec("starcoder2", ("Starcoder2ForCausalLM",)),
     ArchSpec(
@@ -81,5 +83,6 @@ FAMILIES: tuple[ArchSpec, ...] = (
         k_norm=KNorm.ONE_PER_HEAD,
         k_norm_weight="model.layers.{i}.self_attn.k_layernorm.norms.{h}.weight",
         k_norm_extra=("model.layers.{i}.self_attn.k_layernorm.norms.{h}.bias",),
+        k_norm_key="qk_layernorm",
     ),
 )

@@ -8,6 +8,8 @@ Exact (a permutation and renames).
 """
 from __future__ import annotations
 
+import math
+
 from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures.spec import ArchSpec
 from gqakit.hf.architectures.rehost.base import Rehost, head_dim_of, source_config, token_ids, unused_check
@@ -18,6 +20,15 @@ from gqakit.hf.headers import TensorInfo
 def rotary_order(head_dim: int, rotary_dim: int) -> list[int]:
     """Row order of one head that turns interleaved rotary pairs into halves: [0, 2, .., 1, 3, .., rest]."""
     return [*range(0, rotary_dim, 2), *range(1, rotary_dim, 2), *range(rotary_dim, head_dim)]
+
+
+def rotary_fraction(rotary_dim: int, head_dim: int) -> float:
+    """The partial_rotary_factor from which Phi's int(head_dim * factor) gives back `rotary_dim`: rotary_dim /
+    head_dim rounds below it for some pairs (30 / 44 gives 29), so the next float up where it does."""
+    factor = rotary_dim / head_dim
+    while int(head_dim * factor) < rotary_dim:
+        factor = math.nextafter(factor, math.inf)
+    return factor
 
 
 def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
@@ -65,7 +76,8 @@ def build(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str,
         "num_attention_heads": H, "num_key_value_heads": H, "hidden_act": src.activation_function,
         "max_position_embeddings": src.n_positions, "initializer_range": src.initializer_range,
         "layer_norm_eps": src.layer_norm_epsilon, "use_cache": True, "tie_word_embeddings": src.tie_word_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rot / d},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": rotary_fraction(rot, d)},
         "attention_dropout": src.attn_pdrop, "resid_pdrop": src.resid_pdrop, "embd_pdrop": src.embd_pdrop,
         "qk_layernorm": False, **token_ids(src),
     }
