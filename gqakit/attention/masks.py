@@ -49,7 +49,7 @@ def dropout_refusal(module, kernel: str) -> str:
     return f"{kernel} has no attention dropout; set config.{name} = 0.0 to train with it"
 
 
-def _index(name: str, value, allow_none: bool = False):
+def int_field(name: str, value, allow_none: bool = False):
     """An int field (numpy / torch ints accepted), or a one-line error naming it."""
     if value is None and allow_none:
         return None
@@ -76,17 +76,17 @@ class MaskSpec:
 
     def __post_init__(self) -> None:
         # Normalise so that specs hash and compare by value: ints, a sorted tuple of globals, flat parts.
-        object.__setattr__(self, "window", _index("window", self.window, allow_none=True))
-        object.__setattr__(self, "dilation", _index("dilation", self.dilation))
-        object.__setattr__(self, "sinks", _index("sinks", self.sinks))
-        object.__setattr__(self, "chunk", _index("chunk", self.chunk, allow_none=True))
+        object.__setattr__(self, "window", int_field("window", self.window, allow_none=True))
+        object.__setattr__(self, "dilation", int_field("dilation", self.dilation))
+        object.__setattr__(self, "sinks", int_field("sinks", self.sinks))
+        object.__setattr__(self, "chunk", int_field("chunk", self.chunk, allow_none=True))
         object.__setattr__(self, "global_tokens",
-                           tuple(sorted({_index("global_tokens", g) for g in self.global_tokens})))
+                           tuple(sorted({int_field("global_tokens", g) for g in self.global_tokens})))
         if self.summary is not None:
             if len(tuple(self.summary)) != 2:
                 raise AttentionOptionError(f"mask summary={self.summary!r} must be a pair (l, c): the last c positions "
                                            "of every l")
-            object.__setattr__(self, "summary", tuple(_index("summary", x) for x in self.summary))
+            object.__setattr__(self, "summary", tuple(int_field("summary", x) for x in self.summary))
         flat: list[MaskSpec] = []
         for p in self.parts:
             if not isinstance(p, MaskSpec):
@@ -124,6 +124,19 @@ class MaskSpec:
             if p.causal != self.causal:
                 raise AttentionOptionError(f"mask parts must share causal={self.causal}, got a part with "
                                            f"causal={p.causal}; build every part with the same causal flag")
+
+    @property
+    def anchored(self) -> str | None:
+        """What of the pattern sits at absolute positions rather than distances (sinks, global tokens, chunk or
+        summary blocks), for a message; None where it is all distances (causal, window, dilation)."""
+        for atom in self.atoms():
+            if atom.sinks:
+                return f"its {atom.sinks} attention sinks"
+            if atom.global_tokens:
+                return f"global tokens {list(atom.global_tokens)}"
+            if atom.chunk is not None or atom.summary is not None:
+                return "blocks that start at position 0"
+        return None
 
     def atoms(self) -> tuple["MaskSpec", ...]:
         """The OR'ed pieces: this spec without its parts, then each part."""

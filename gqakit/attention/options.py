@@ -13,7 +13,7 @@ import difflib
 import functools
 
 from gqakit.attention import patterns
-from gqakit.attention.masks import AttentionOptionError, MaskSpec
+from gqakit.attention.masks import AttentionOptionError, MaskSpec, int_field
 from gqakit.attention.kinds import CONFIG_KEY, DEFAULTS, KINDS, LAYERED, OPTIONS, SPARSE_PATTERNS
 from gqakit.common.errors import opt
 
@@ -54,7 +54,7 @@ def normalise_options(kind: str, options: dict, config=None) -> dict:
         if isinstance(merged["global_tokens"], (int, str)):
             raise AttentionOptionError(f"global_tokens={merged['global_tokens']!r} must be a list of positions, "
                                        f"e.g. global_tokens=[0]")
-        merged["global_tokens"] = tuple(int(g) for g in merged["global_tokens"])
+        merged["global_tokens"] = tuple(int_field("global_tokens", g) for g in merged["global_tokens"])
         limit = getattr(text, "max_position_embeddings", None)
         beyond = [g for g in merged["global_tokens"] if limit is not None and g >= limit]
         if beyond:

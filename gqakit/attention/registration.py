@@ -12,6 +12,7 @@ additive float mask, and flash-style `cu_seq_lens_q/_k` packing. What they do no
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 
 import torch
 from transformers import AttentionInterface
@@ -33,8 +34,15 @@ UNSUPPORTED = {
     "position_bias": "an additive position bias",
     "alibi": "ALiBi position biases",
     "head_mask": "a head mask",
+    "indices": "a sparse indexer's choice of keys per query (DeepSeek sparse attention)",
+    "block_indices": "a choice of key blocks per query",
 }
 _FIX = "load the model with attn_implementation='sdpa' or 'eager' instead of gqakit attention"
+
+# The configs (by id) whose generate() is running under `use(model, "sinks")`: their bounded SinkCache holds the
+# policy (the first S real tokens and the W latest, at in-cache positions), so the kernel attends causally over
+# what it holds instead of applying the sinks mask again to the cache's slots.
+_CACHE_HOLDS_SINKS: ContextVar[frozenset[int]] = ContextVar("gqakit_cache_holds_sinks", default=frozenset())
 
 
 def _refuse_unsupported(module: torch.nn.Module, attention_mask, kwargs: dict) -> None:
@@ -135,8 +143,15 @@ def _make_attention(kind: str):
             if attention_mask is not None:  # a caller's 4-D mask: the whole pattern for 'tiled', as in eager
                 dense = attention_mask
                 causal = causal and kind != "tiled"
-        spec, model_mask = layer_spec(kind, options, module, query.shape[1], mask, causal,
+        pattern = "tiled" if kind == "sinks" and id(module.config) in _CACHE_HOLDS_SINKS.get() else kind
+        spec, model_mask = layer_spec(pattern, options, module, query.shape[1], mask, causal,
                                       kwargs.get("sliding_window") if attention_mask is None else None)
+        anchored = next(filter(None, (one.anchored for one in (spec if isinstance(spec, tuple) else (spec,)))), None)
+        if anchored and mask.shifted_rows:
+            raise AttentionOptionError(
+                f"{type(module).__name__}: attention kind '{kind}' places {anchored} at absolute positions, but a row "
+                "of this batch is left-padded, where they would fall on its padding; pad on the right (or run the "
+                "rows one at a time)")
         extra = _and(model_mask, _document_mask(module, query, key, mask, kwargs))
         s_aux = kwargs.get("s_aux")
         if s_aux is not None and tuple(s_aux.shape) != (query.shape[1],):
@@ -177,6 +192,10 @@ def check_model(model, kind: str = "tiled") -> None:
             f"be plugged in; keep its own attention ({opt('attention', DEFAULT)}: sdpa or eager), or use a model "
             "family that does (Llama, Mistral, Qwen2, ...)")
     config = model.config
+    if getattr(getattr(config, "text_config", None) or config, "index_topk", None) is not None:
+        raise AttentionOptionError(f"{name} picks each query's keys with a learned indexer (DeepSeek sparse "
+                                   "attention), which reads the mask as a tensor and gqakit attention does not "
+                                   "implement; keep its own attention (sdpa or eager)")
     if uses_alibi(config):
         raise AttentionOptionError(f"{name} uses ALiBi position biases, which gqakit attention does not implement; "
                                    "keep its own attention (sdpa or eager)")
@@ -203,11 +222,14 @@ def use(model, kind: str, **options):
 def _bound_generate(model, options: dict) -> None:
     """After `use(model, "sinks")`, `model.generate()` decodes with the bounded `SinkCache` of those
     options (StreamingLLM), not a growing cache: given no cache it makes one per call (passing the
-    call's attention_mask, for left padding); another kind of cache is refused."""
+    call's attention_mask, for left padding); another kind of cache is refused. The cache holds the
+    policy, so while it runs the kernel attends causally over the keys the cache returns (the sinks
+    mask on the cache's slots would drop the sinks once they move up to the window)."""
     from gqakit.decode.cache import SinkCache
     from gqakit.hf.compat import cache_keyword, cache_kwargs
 
     original = getattr(model.generate, "gqakit_original", model.generate)  # a second use() wraps the stock one
+    configs = frozenset(id(c) for c in (model.config, getattr(model.config, "text_config", None)) if c is not None)
 
     def generate(*args, past_key_values=None, cache=None, **kwargs):
         past_key_values = cache if cache is not None else past_key_values  # either name, as transformers takes
@@ -219,7 +241,11 @@ def _bound_generate(model, options: dict) -> None:
                 f"use(model, 'sinks') decodes with a bounded SinkCache, but generate() got a "
                 f"{type(past_key_values).__name__}; pass {cache_keyword(model)}=SinkCache({options['sinks']}, "
                 f"{options['window']}, rope=model) or none")
-        return original(*args, **cache_kwargs(model, past_key_values), **kwargs)
+        held = _CACHE_HOLDS_SINKS.set(_CACHE_HOLDS_SINKS.get() | configs)
+        try:
+            return original(*args, **cache_kwargs(model, past_key_values), **kwargs)
+        finally:
+            _CACHE_HOLDS_SINKS.reset(held)
 
     generate.gqakit_original = original
     generate.__doc__ = original.__doc__

@@ -366,7 +366,7 @@ def test_sink_fold_is_exact_and_differentiable():
         torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("kind, options", [("sliding", dict(window=5, global_tokens=(0,))), ("tiled", {})])
+@pytest.mark.parametrize("kind, options", [("sliding", dict(window=5, dilation=2)), ("tiled", {})])
 def test_registry_attention_runs_on_flex_and_sdpa_in_a_tiny_llama(kind, options, monkeypatch,
                                                                      eager_flex_without_dynamo):
     """What the registry change does on CUDA, forced on CPU (no grad): the model's own arguments (offsets, key

@@ -374,7 +374,7 @@ def test_per_layer_windows_and_per_head_dilation_in_a_llama():
     model = _tiny(LlamaConfig, "sdpa", **LLAMA)
     ids = torch.randint(3, 64, (2, 27), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    mask[1, :5] = 0
+    mask[1, -5:] = 0  # right padding: a global token at position 0 is each row's first token
     options = dict(window=[3, 6, [9, 9, 9, 9]], dilation=[1, 1, [1, 1, 2, 2]], global_tokens=[0])
     specs, tiled = _check_against_reference(model, options, "sliding", ids, mask, mask.bool())
     assert specs[0] == MaskSpec(window=3, global_tokens=(0,))

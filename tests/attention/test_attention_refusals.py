@@ -5,6 +5,7 @@ Soft-capping, sink logits, bidirectional attention, a caller's 4-D mask and cu_s
 refused here and are now implemented: tests/attention/test_attention_features.py checks them against eager."""
 from __future__ import annotations
 
+import copy
 import types
 
 import pytest
@@ -122,6 +123,67 @@ def test_generate_after_use_sinks_keeps_a_bounded_sink_cache():
     keyword = cache_keyword(model)  # cache from transformers 5.24 on, else past_key_values
     with pytest.raises(GqakitError, match=rf"pass {keyword}=SinkCache\(2, 6, rope=model\)"):
         model.generate(_ids(), max_new_tokens=2, **cache_kwargs(model, transformers.DynamicCache()))
+
+
+def test_generate_after_use_sinks_equals_plain_attention_over_the_same_sink_cache():
+    """The SinkCache holds the policy: past eviction, generate() under use(model, "sinks") must score every step as
+    sdpa does over an explicit SinkCache of the same sizes (before the fix the sinks mask, applied again to the
+    cache's slots, dropped the sinks: 2e-2 off from step 4 on)."""
+    from gqakit.decode.cache import SinkCache
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**SMALL, max_position_embeddings=256, eos_token_id=None, pad_token_id=0)
+    reference = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    model = copy.deepcopy(reference)
+    use(model, "sinks", sinks=2, window=6)
+    ids = _ids()[:, :5]
+    run = dict(max_new_tokens=16, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    got = model.generate(ids, **run)
+    want = reference.generate(ids, **run, **cache_kwargs(reference, SinkCache(2, 6, rope=reference)))
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=1e-5, rtol=1e-5)
+    plain = reference.generate(ids, **run)  # a growing cache: the comparison above saw eviction
+    assert (torch.stack(plain.scores) - torch.stack(want.scores)).abs().max() > 1e-3
+
+
+def test_patterns_at_absolute_positions_refuse_left_padded_rows():
+    """Sinks, global tokens and the fixed pattern's blocks sit at positions that a left-padded row has shifted onto
+    its pads: refused in one line; right padding and patterns of distances only (a window) run."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**SMALL, max_position_embeddings=256)
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    left = torch.ones(2, 12, dtype=torch.long)
+    left[1, :5] = 0
+    right = left.flip(-1)
+    for kind, options in (("sinks", dict(sinks=2, window=4)), ("sliding", dict(window=4, global_tokens=[0])),
+                          ("sparse", dict(pattern="fixed", stride=4, summary=1))):
+        model = use(transformers.AutoModelForCausalLM.from_config(cfg).eval(), kind, **options)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=right)
+            with pytest.raises(GqakitError, match="left-padded.*pad on the right"):
+                model(input_ids=ids, attention_mask=left)
+    model = use(transformers.AutoModelForCausalLM.from_config(cfg).eval(), "sliding", window=4, dilation=2)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=left)
+
+
+def test_sparse_indexer_models_and_arguments_are_refused():
+    """DeepSeek sparse attention picks keys per query from the mask tensor (`indices`): refused at use(), and the
+    argument itself in the kernel."""
+    cfg = transformers.DeepseekV32Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                         num_hidden_layers=1, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16,
+                                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, index_topk=3,
+                                         n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1)
+    with pytest.raises(GqakitError, match="learned indexer"):
+        use(transformers.AutoModelForCausalLM.from_config(cfg), "tiled")
+    with pytest.raises(GqakitError, match="passes indices"):
+        _make_attention("tiled")(_Attn(), *_qkv(), None, indices=torch.zeros(1, 8, 3, dtype=torch.long))
+
+
+def test_global_tokens_must_be_integers():
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL))
+    with pytest.raises(GqakitError, match="global_tokens=1.7 must be an integer"):
+        use(model, "sliding", window=4, global_tokens=[1.7])
 
 
 @pytest.mark.parametrize("make", [

@@ -70,7 +70,7 @@ def sinks_on_cpu():
 
     tokenizer = AutoTokenizer.from_pretrained(reference_model_path())
     prompt = tokenizer(Path(HELDOUT_TEXT).read_text(encoding="utf-8")[:900], return_tensors="pt").input_ids[:, :160]
-    assert prompt.shape[1] == 160  # longer than S + W: eviction and re-rotation happen during the prompt already
+    assert prompt.shape[1] == 160  # longer than S + W: the cache evicts and re-rotates from the first new token
     return prompt, *sink_generate("cpu", prompt, 48)
 
 
