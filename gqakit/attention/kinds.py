@@ -64,12 +64,11 @@ def attention_options(kind: str | None, given: dict, extra: dict | None = None, 
 
     An option the kind does not take is refused, never dropped; `flag(name)` spells an option as the user
     wrote it (`--window` on the command line, `window` in a recipe) and `kind_flag` the kind's choice."""
-    given = dict(given)
-    for name, value in (extra or {}).items():
+    given = {name: value for name, value in given.items() if value is not None}  # None: the flag was not given
+    for name, value in (extra or {}).items():  # named by the user: checked even without a value
         if name in given:
             raise GqakitError(f"set {flag(name)} itself, not inside {extra_name}")
         given[name] = value
-    given = {name: value for name, value in given.items() if value is not None}
     kind = kind or DEFAULT
     if kind not in CHOICES:
         raise GqakitError(f"unknown {kind_flag.strip()} {kind!r}; choose one of {', '.join(CHOICES)}")
@@ -87,6 +86,10 @@ def attention_options(kind: str | None, given: dict, extra: dict | None = None, 
             where = f"it applies with {kind_flag}{' or '.join(takers)}" if takers else "no kind takes it"
             raise GqakitError(f"{kind_flag}{kind} takes no {flag(name)} ({where}); it takes "
                               f"{', '.join(flag(n) for n in sorted(OPTIONS[kind]))}")
+    empty = [name for name, value in given.items() if value is None]
+    if empty:
+        raise GqakitError(f"{extra_name} {empty[0]} has no value; write {empty[0]}=VALUE, or in a YAML mapping "
+                          f"{{{empty[0]}: VALUE}} (a space after the colon)")
     return given
 
 

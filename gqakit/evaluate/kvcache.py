@@ -23,7 +23,8 @@ from gqakit.evaluate.cache_kinds import DEFAULT_KV_CHUNK as DEFAULT_CHUNK, KV_CA
 from gqakit.hf.compat import cache_kwargs
 
 # KIVI (arXiv 2402.02750): keys quantized per channel (quanto's axis -1: each group is 64 tokens of one channel),
-# values per token (axis 0: each group is 64 channels of one token); groups of 64, the last 128 tokens kept whole.
+# values per token (axis 0: each group is 64 consecutive values of one head's cache, one token at head_dim 64 but
+# two at head_dim 32: quanto groups the flattened tensor); groups of 64, the last 128 tokens kept whole.
 # transformers' defaults quantize keys per token too (axis 0), which an outlier channel ruins (checked here: 20x the
 # error on the other channels of a key with one channel 100x larger).
 QUANTO = {"axis_key": -1, "axis_value": 0, "q_group_size": 64, "residual_length": 128}

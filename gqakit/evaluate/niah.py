@@ -101,6 +101,9 @@ def _check(cfg: NiahConfig) -> None:
         raise GqakitError(f"{opt('samples')} must be >= 1, got {cfg.samples}")
     if cfg.new_tokens is not None and cfg.new_tokens < 1:
         raise GqakitError(f"{opt('new_tokens')} must be >= 1, got {cfg.new_tokens}")
+    if cfg.haystack_text is not None and "text" not in cfg.haystacks:
+        raise GqakitError(f"{opt('haystack_text')} is the text haystack's words, but {opt('haystacks')} is "
+                          f"{','.join(cfg.haystacks)}; add {opt('haystacks', 'text')} (or drop {opt('haystack_text')})")
     from gqakit.evaluate.kvcache import check_options
 
     check_options(cfg.kv_cache, cfg.kv_chunk, cfg.attention)

@@ -210,6 +210,9 @@ def _check(cfg: PplConfig) -> None:
     check_options(cfg.kv_cache, cfg.kv_chunk, cfg.attention)
     if cfg.max_length is not None and cfg.max_length < 2:
         raise GqakitError(f"{opt('max_length', cfg.max_length)} is too short; a window needs at least 2 positions")
+    if cfg.text_column != "text" and cfg.dataset is None:
+        raise GqakitError(f"{opt('text_column')} names a column of a {opt('dataset')}, and {opt('text')} has none; "
+                          f"pass {opt('dataset', 'FILE.jsonl')} or drop {opt('text_column')}")
     if cfg.target_column is not None and cfg.dataset is None:
         raise GqakitError(f"{opt('target_column')} reads the input/target rows of a {opt('dataset')}; pass "
                           f"{opt('dataset', 'FILE.jsonl')}")

@@ -204,6 +204,12 @@ def _check(cfg: StreamConfig) -> tuple[str, ...]:
     if cfg.sinks < 0:
         raise GqakitError(f"{opt('sinks')} must be >= 0, got {cfg.sinks}; use {opt('policies', 'window')} for no "
                           "sinks")
+    if cfg.text_column != "text" and cfg.dataset is None:
+        raise GqakitError(f"{opt('text_column')} names a column of a {opt('dataset')}, and {opt('text')} has none; "
+                          f"pass {opt('dataset', 'FILE.jsonl')} or drop {opt('text_column')}")
+    if cfg.recompute_every is not None and "recompute" not in policies:
+        raise GqakitError(f"{opt('recompute_every')} is how often {opt('policies', 'recompute')} rebuilds; add it "
+                          f"to {opt('policies')} or drop {opt('recompute_every')}")
     if not cfg.fluent_within > 0:
         raise GqakitError(f"{opt('fluent_within')} must be > 0 (a fraction, e.g. 0.1 for 10%), got "
                           f"{cfg.fluent_within}")

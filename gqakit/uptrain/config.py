@@ -211,9 +211,17 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
             why = "fuses them with Q" if spec is not None else "is not in gqakit's architecture tables"
             raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} {why}; use "
                               "trainable=attention or trainable=all")
-    if cfg.teacher is None and cfg.distill_top_k is not None:
-        raise GqakitError(f"distill_top_k={cfg.distill_top_k} needs a teacher to distil from; set teacher=PATH "
-                          "(the model the student was converted from) or drop distill_top_k")
+    defaults = {f.name: f.default for f in dataclasses.fields(UptrainConfig)}
+    for key in ("distill_top_k", "distill_weight", "distill_temperature"):
+        if cfg.teacher is None and getattr(cfg, key) != defaults[key]:
+            raise GqakitError(f"{key}={getattr(cfg, key)} needs a teacher to distil from; set teacher=PATH (the model "
+                              f"the student was converted from) or drop {key}")
+    if cfg.teacher is not None and cfg.distill_weight == 0:
+        raise GqakitError("distill_weight=0 gives the teacher no part in the loss, yet it would be loaded and run; "
+                          "drop teacher, or give distill_weight a share (e.g. 0.5)")
+    if cfg.text_column != defaults["text_column"] and all(str(d).endswith(".txt") for d in cfg.data):
+        raise GqakitError(f"text_column={cfg.text_column} names a column of .jsonl / .json / .parquet data, and the "
+                          "recipe's data are .txt files; drop text_column")
     if cfg.teacher is not None:
         from gqakit.hf.folder import model_folder
 

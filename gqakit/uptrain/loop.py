@@ -227,6 +227,10 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     model, teacher, attention_options, (trainable, total_params) = _models(cfg, sp, accelerator)
     optimizer = modeling.make_optimizer(model, cfg.lr, cfg.betas, cfg.weight_decay)
     warmup = modeling.warmup_steps(budget.steps, cfg.warmup_steps, cfg.warmup_fraction)
+    if warmup > budget.steps:
+        _Say(is_main)(f"uptrain: warning: warmup_steps={warmup} is longer than the run's {budget.steps} steps, so the "
+                      f"learning rate never reaches lr={cfg.lr:g} (it peaks at {budget.steps / warmup:.0%} of it); "
+                      "lower warmup_steps, or set warmup_steps=0 for warmup_fraction")
     scheduler = modeling.make_scheduler(optimizer, budget.steps, warmup, cfg.min_lr_ratio)
     model, optimizer = how.prepare(accelerator, model, optimizer)
     if is_main:

@@ -48,6 +48,21 @@ def test_window_and_sinks_are_refused_inside_the_extra_options(tmp_path):
                     ).use_options()  # what uptrain's check() and the model loader call
 
 
+def test_an_extra_option_without_a_value_is_named_not_dropped(tmp_path):
+    """`{dilation:2}` in YAML is the key 'dilation:2' with no value, and `--attention-option dilation=` gives none:
+    the name is checked and the missing value refused, where both used to be dropped unseen."""
+    from gqakit.attention.kinds import command_attention_options
+
+    with pytest.raises(GqakitError, match=r"takes no dilation:2 \(no kind takes it\)"):
+        load_recipe(UptrainConfig, _recipe(tmp_path, "attention: sliding\nwindow: 8\nattention_options: {dilation:2}\n")
+                    ).use_options()
+    with pytest.raises(GqakitError, match=r"^--attention-option dilation has no value; write dilation=VALUE"):
+        command_attention_options("sliding", 8, None, ("dilation=",))
+    with pytest.raises(GqakitError, match=r"takes no --attention-option bogus"):
+        command_attention_options("sparse", None, None, ("bogus=",))
+    assert command_attention_options("sliding", 8, None, ("dilation=2",)) == {"window": 8, "dilation": 2}
+
+
 # --- the help: each flag's default printed from its field -------------------------------------------------------
 
 import argparse  # noqa: E402

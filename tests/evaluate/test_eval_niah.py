@@ -159,6 +159,8 @@ def test_a_length_past_the_context_is_refused_by_the_console_script(tmp_path):
     (["--haystack", "text", "--haystack-text", "/nonexistent.txt", "--lengths", "256"],
      "--haystack-text /nonexistent.txt: cannot read"),
     (["--haystack", "essay"], "--haystack: unknown haystack 'essay'"),
+    (["--haystack-text", "/nonexistent.txt", "--lengths", "256"],
+     "--haystack-text is the text haystack's words, but --haystack is filler; add --haystack text"),
 ])
 def test_bad_input_is_one_line(tmp_path, argv, needle):
     code, out, err = run_eval("niah", EMBEDDED, *argv, "-q", "-o", tmp_path / "never")

@@ -208,6 +208,7 @@ def test_dataset_rows_joined_with_eos(tmp_path, tok):
     (lambda d: ["--dataset", d / "rows.jsonl"], "has no column 'text'"),
     (lambda d: ["--dataset", d / "rows.jsonl", "--text-column", "body", "--text", d / "text.txt"], "exactly one of"),
     (lambda d: ["--text", d / "rows.jsonl"], "pass it with --dataset"),
+    (lambda d: ["--text", d / "text.txt", "--text-column", "body"], "--text-column names a column of a --dataset"),
     (lambda d: ["--text", d / "text.txt", "--window", 8], "--window only applies with --attention sliding or sinks"),
     (lambda d: ["--text", d / "text.txt", "--attention", "sliding", "--window", 0], "window=0 must be a positive"),
     (lambda d: ["--text", d / "text.txt", "--max-length", 1], "too short"),

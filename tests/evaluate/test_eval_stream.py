@@ -166,6 +166,8 @@ def test_cli_compares_policies_with_a_verdict(files):
     (["--window", 0], "--window must be at least 1"),
     (["--sinks", -1], "--sinks must be >= 0"),
     (["--chunk", 0], "--chunk must be at least 1"),
+    (["--policy", "dense", "--recompute-every", 8], "--recompute-every is how often --policy recompute rebuilds"),
+    (["--text-column", "body"], "--text-column names a column of a --dataset"),
 ])
 def test_bad_input_is_one_line(files, argv, needle):
     code, out, err = run_eval("stream", files["model"], "--text", files["text"], "--tokens", 100, *argv, "-q",

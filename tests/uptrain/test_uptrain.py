@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -409,3 +410,29 @@ def test_bf16_on_a_cpu_without_fast_bf16_says_what_it_costs(tiny, tmp_path, caps
     uptrain(_cfg(tiny, tmp_path, steps=1, mixed_precision="bf16", progress=False))
     err = capsys.readouterr().err
     assert ("uptrain: warning: mixed_precision=bf16 on this CPU" in err) is warned, err
+
+
+@pytest.mark.parametrize("warmup, warned", [(3, True), (2, False)])
+def test_a_warmup_longer_than_the_run_is_named(tiny, tmp_path, capsys, warmup, warned):
+    """warmup_steps > steps: the rate never reaches lr, which the run says (it still trains as asked); a warmup as
+    long as the run reaches it at the last step."""
+    uptrain(_cfg(tiny, tmp_path, steps=2, warmup_steps=warmup, progress=False))
+    err = capsys.readouterr().err
+    assert ("uptrain: warning: warmup_steps=3 is longer than the run's 2 steps" in err) is warned, err
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(distill_temperature=2.0), "distill_temperature=2.0 needs a teacher"),
+    (dict(distill_weight=0.9), "distill_weight=0.9 needs a teacher"),
+    (dict(teacher="MODEL", distill_weight=0.0), "distill_weight=0 gives the teacher no part in the loss"),
+    (dict(text_column="body"), "text_column=body names a column of .jsonl / .json / .parquet data"),
+])
+def test_a_recipe_key_that_would_change_nothing_is_refused(tiny, tmp_path, fields, needle):
+    """Keys that only act with another (a teacher, column data) are refused before any work, not ignored."""
+    from gqakit.common.errors import GqakitError
+
+    fields = {k: str(tiny["model"]) if v == "MODEL" else v for k, v in fields.items()}
+    with pytest.raises(GqakitError, match=re.escape(needle)):
+        uptrain(_cfg(tiny, tmp_path, steps=1, **fields))
+    assert not (tmp_path / "run").exists()
+
