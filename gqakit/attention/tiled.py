@@ -242,10 +242,16 @@ def _unfold_q(x: torch.Tensor, B: int, H: int, T: int) -> torch.Tensor:
     return x.reshape(B, H, T, *rest)
 
 
-def _sink_rows(s_aux: torch.Tensor, B: int, G: int, Tq: int) -> torch.Tensor:
-    """Per-head sink logits (H,) -> one fp32 value per folded query row (B*G, Tq*r)."""
+def accumulation_dtype(q: torch.Tensor) -> torch.dtype:
+    """What the kernel computes in: fp32 for fp32 / bf16 / fp16 inputs, float64 for float64 ones (checks and
+    gradcheck at float64 get float64 arithmetic, not fp32 returned as float64)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _sink_rows(s_aux: torch.Tensor, B: int, G: int, Tq: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-head sink logits (H,) -> one value per folded query row (B*G, Tq*r), in the accumulation dtype."""
     H = s_aux.shape[0]
-    return _fold_q(s_aux.float().view(1, H, 1).expand(B, H, Tq), G)
+    return _fold_q(s_aux.to(dtype).view(1, H, 1).expand(B, H, Tq), G)
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -255,10 +261,11 @@ class _TiledAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, s_aux, scale: float, tiles: _Tiles):
         B, H, Tq, d = q.shape
         G, r, dv = k.shape[1], H // k.shape[1], v.shape[3]
-        qf = _fold_q(q.float() * scale, G)  # (B*G, Tq*r, d), pre-scaled
-        kf = k.float().reshape(B * G, -1, d)  # (B*G, Tk, d)
-        vf = v.float().reshape(B * G, -1, dv)  # (B*G, Tk, dv)
-        sink = _sink_rows(s_aux, B, G, Tq) if s_aux is not None else None  # (B*G, Tq*r)
+        acc_dtype = accumulation_dtype(q)
+        qf = _fold_q(q.to(acc_dtype) * scale, G)  # (B*G, Tq*r, d), pre-scaled
+        kf = k.to(acc_dtype).reshape(B * G, -1, d)  # (B*G, Tk, d)
+        vf = v.to(acc_dtype).reshape(B * G, -1, dv)  # (B*G, Tk, dv)
+        sink = _sink_rows(s_aux, B, G, Tq, acc_dtype) if s_aux is not None else None  # (B*G, Tq*r)
         out = qf.new_zeros(B * G, Tq * r, dv)  # rows no block visits stay 0, lse -inf (or the sink)
         lse = sink.clone() if sink is not None else qf.new_full(qf.shape[:2], _NEG_INF)  # (B*G, Tq*r)
 
@@ -307,7 +314,7 @@ class _TiledAttention(torch.autograd.Function):
             rows = slice(q0 * r, q1 * r)
             shares = run_split(lambda blocks: attend(q0, q1, blocks, start(rows, with_sink=False)), runs)
             finish(rows, _merge([start(rows)] + shares))
-        out32 = _unfold_q(out, B, H, Tq)  # (B, H, Tq, dv) fp32
+        out32 = _unfold_q(out, B, H, Tq)  # (B, H, Tq, dv) fp32 (float64 for float64 inputs)
         lse_q = _unfold_q(lse, B, H, Tq)  # (B, H, Tq)
         # The backward's D = rowsum(dO * O) cancels when one key dominates; O rounded to bf16 would cost
         # it ~2^-8 relative, so the fp32 output is kept (the returned one is rounded to q's dtype).
@@ -329,13 +336,14 @@ def _backward(q, k, v, out, lse, dout, dlse, scale: float, tiles: _Tiles, s_aux=
     this block is part of (ring attention), the same formulas give this block's exact share of the gradients."""
     B, H, Tq, d = q.shape
     G, r, dv_dim = k.shape[1], H // k.shape[1], v.shape[3]
-    qf = _fold_q(q.float() * scale, G)  # (B*G, Tq*r, d)
-    kf = k.float().reshape(B * G, -1, d)  # (B*G, Tk, d)
-    vf = v.float().reshape(B * G, -1, dv_dim)  # (B*G, Tk, dv)
-    dof = _fold_q(dout.float(), G)  # (B*G, Tq*r, dv)
+    acc_dtype = accumulation_dtype(q)
+    qf = _fold_q(q.to(acc_dtype) * scale, G)  # (B*G, Tq*r, d)
+    kf = k.to(acc_dtype).reshape(B * G, -1, d)  # (B*G, Tk, d)
+    vf = v.to(acc_dtype).reshape(B * G, -1, dv_dim)  # (B*G, Tk, dv)
+    dof = _fold_q(dout.to(acc_dtype), G)  # (B*G, Tq*r, dv)
     # dS = P * (dP - D) with D = rowsum(dO * O); an lse gradient adds P * dlse to dS.
-    delta = (dof * _fold_q(out.float(), G)).sum(dim=2) - _fold_q(dlse.float(), G)  # (B*G, Tq*r)
-    lse_f = _fold_q(lse, G)  # (B*G, Tq*r)
+    delta = (dof * _fold_q(out.to(acc_dtype), G)).sum(dim=2) - _fold_q(dlse.to(acc_dtype), G)  # (B*G, Tq*r)
+    lse_f = _fold_q(lse.to(acc_dtype), G)  # (B*G, Tq*r)
     lse_safe = lse_f.masked_fill(lse_f == _NEG_INF, float("inf"))  # dead rows: exp(s - inf) = 0
     dq = torch.zeros_like(qf)
 
@@ -367,7 +375,7 @@ def _backward(q, k, v, out, lse, dout, dlse, scale: float, tiles: _Tiles, s_aux=
         dv.add_(dv_part)
     ds_aux = None
     if s_aux is not None:  # the sink's probability exp(s_aux - lse), its dP is 0: dS_sink = -P_sink * D
-        sink = _sink_rows(s_aux, B, G, Tq)  # (B*G, Tq*r)
+        sink = _sink_rows(s_aux, B, G, Tq, acc_dtype)  # (B*G, Tq*r)
         ds_rows = (sink - lse_safe).exp_().mul_(delta).neg_()
         ds_aux = _unfold_q(ds_rows, B, H, Tq).sum(dim=(0, 2)).to(s_aux.dtype)  # (H,)
     dq = _unfold_q(dq.mul_(scale), B, H, Tq).to(q.dtype)
@@ -402,11 +410,11 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     bool (True = attend) or additive float (see `masks.dense_allowed`); it is ANDed in (a float one is
     also added) and read tile by tile. `softcap` c caps each logit to c * tanh(logit / c) before any
     mask (Gemma2). `s_aux` (H,) are per-head sink logits: a key with value 0 in every softmax (gpt-oss).
-    Accumulates in fp32 and returns out (B, H, Tq, dv) in q's dtype, plus with `return_lse` the fp32
-    log-sum-exp (B, H, Tq), sink included. Fully masked query rows give 0 and lse -inf (with a sink:
-    0 and lse = s_aux). Differentiable in q, k, v and s_aux. `span_k` caps the keys of one fused step:
-    adjacent visited blocks of the same kind run as one matmul of up to block_q x span_k scores (None: no
-    cap; block_k: one block per step); the result does not depend on it beyond rounding.
+    Accumulates in fp32 (float64 for float64 inputs) and returns out (B, H, Tq, dv) in q's dtype, plus with
+    `return_lse` the log-sum-exp (B, H, Tq) in that accumulation dtype, sink included. Fully masked query rows
+    give 0 and lse -inf (with a sink: 0 and lse = s_aux). Differentiable in q, k, v and s_aux. `span_k` caps
+    the keys of one fused step: adjacent visited blocks of the same kind run as one matmul of up to block_q x
+    span_k scores (None: no cap; block_k: one block per step); the result does not depend on it beyond rounding.
     """
     check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k, span_k)
     Tq, Tk = q.shape[2], k.shape[2]
