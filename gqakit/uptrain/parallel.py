@@ -68,8 +68,11 @@ class RingSequenceParallel(SequenceParallel):
         self.seq_len = seq_len
         self.spec = MaskSpec()
         self.layout = RingLayout.for_spec(P, self.groups.ring_rank, seq_len, self.spec)
+        self.blocks = {"block_q": 128, "block_k": 128}  # the ring kernel's tiles: the recipe's, once the model says
 
     def prepare_model(self, model) -> None:
+        options = getattr(model.config, CONFIG_KEY, None) or {}
+        self.blocks = {name: options.get(name, default) for name, default in self.blocks.items()}
         spec = ring_spec(model)
         if spec != self.spec:  # the recipe's sliding window / sinks, inside the ring
             self.spec = spec
@@ -85,7 +88,7 @@ class RingSequenceParallel(SequenceParallel):
         return self.layout.shard(inputs, 1, 0), self.layout.shard(targets, 1, IGNORE), positions
 
     def attention(self):
-        return ring_context(self.layout, self.groups.ring, self.spec)
+        return ring_context(self.layout, self.groups.ring, self.spec, **self.blocks)
 
 
 def sequence_parallel(context_parallel: int, seq_len: int, accelerator) -> SequenceParallel:

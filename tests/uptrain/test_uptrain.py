@@ -436,3 +436,26 @@ def test_a_recipe_key_that_would_change_nothing_is_refused(tiny, tmp_path, field
         uptrain(_cfg(tiny, tmp_path, steps=1, **fields))
     assert not (tmp_path / "run").exists()
 
+
+
+def test_the_ring_kernel_takes_the_recipes_block_sizes(monkeypatch):
+    """context_parallel > 1: the ring attention gets the block_q / block_k the recipe gave (the record says them;
+    they were dropped for the kernel's defaults of 128, changing its peak memory unseen)."""
+    import types
+
+    import transformers
+
+    from gqakit.attention import use
+    from gqakit.uptrain import parallel
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2))
+    use(model, "sliding", window=8, block_q=8, block_k=16)
+    seen = {}
+    monkeypatch.setattr(parallel, "ring_context", lambda layout, group, spec, **blocks: seen.update(blocks, spec=spec))
+    monkeypatch.setattr(parallel, "ring_groups", lambda P: types.SimpleNamespace(ring=None, ring_rank=0, data_rank=0))
+    ring = parallel.RingSequenceParallel(2, 32, 2)
+    ring.prepare_model(model)
+    ring.attention()
+    assert seen == {"block_q": 8, "block_k": 16, "spec": parallel.MaskSpec(window=8)}
