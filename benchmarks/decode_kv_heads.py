@@ -156,7 +156,12 @@ def main(argv=None) -> int:
           f"{args.dtype}, sdpa, "
           f"{torch.get_num_threads()} CPU thread(s), torch {torch.__version__}. Median (p90) of {args.decode} "
           f"single-token steps; sinks: SinkCache(S={args.sinks}, W={args.window}).\n")
-    print("| K/V heads | cache | context | tokens/s, median (p90) | vs MHA, same cache and context | "
+    def name(kv) -> str:
+        return "MLA" if kv == "mla" else "MHA" if kv == heads else ("MQA" if kv == 1 else f"GQA-{kv}")
+
+    # the ratios are against MHA where it was measured, else the first head count given (the header says which)
+    base_kv = heads if heads in kv_list else next((kv for kv in kv_list if kv != "mla"), kv_list[0])
+    print(f"| K/V heads | cache | context | tokens/s, median (p90) | vs {name(base_kv)}, same cache and context | "
           "cache MiB | positions held |")
     print("|---|---|---|---|---|---|---|")
     for context in contexts:
@@ -165,12 +170,11 @@ def main(argv=None) -> int:
                 r = results.get((kv, sink, context))
                 if r is None:
                     continue
-                base = results[kv_list[0], sink, context]
-                name = "MLA" if kv == "mla" else "MHA" if kv == heads else ("MQA" if kv == 1 else f"GQA-{kv}")
-                label = "latent + RoPE key (MLA)" if kv == "mla" else f"{kv} ({name})"
+                base = results.get((base_kv, sink, context))  # MLA has no sinks row
+                ratio = f"{base['median'] / r['median']:.2f}x" if base else "-"
+                label = "latent + RoPE key (MLA)" if kv == "mla" else f"{kv} ({name(kv)})"
                 print(f"| {label} | {'sinks' if sink else 'full'} | {context:,} | {1 / r['median']:.1f} "
-                      f"({1 / r['p90']:.1f}) | {base['median'] / r['median']:.2f}x | {r['bytes'] / 2**20:.1f} | "
-                      f"{r['held']:,} |")
+                      f"({1 / r['p90']:.1f}) | {ratio} | {r['bytes'] / 2**20:.1f} | {r['held']:,} |")
     return 0
 
 
