@@ -53,6 +53,10 @@ def run_demo(output_dir: str | None = None, eval_tokens: int | None = None, keep
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one line per model instead of a loading bar each
+    for name, given in (("keep", keep), ("force", force)):
+        if given and not output_dir:
+            raise GqakitError(f"{opt(name)} acts on the {opt('output_dir')} folder, and none is given; add "
+                              f"{opt('output_dir', 'DIR')} or drop {opt(name)}")
     source = Path(model_dir) if model_dir else reference_model_path()
     out = prepare_output(output_dir, "demo", force) if output_dir else None
     tok = AutoTokenizer.from_pretrained(source)

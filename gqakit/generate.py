@@ -143,8 +143,9 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> str:
     prompt = _prompt(cfg)  # before the heavy imports: a bad prompt file is refused at once
 
     from gqakit.decode import streaming
+    from gqakit.decode.rope import rope_inv_freq
     from gqakit.attention.registration import apply_attention
-    from gqakit.hf.loading import load_model
+    from gqakit.hf.loading import end_token_ids, load_model
 
     kernel = cfg.attention not in (*BOUNDED, attention_kinds.DEFAULT)
     options = attention_kinds.command_attention_options(cfg.attention, None, None, cfg.attention_option) \
@@ -155,13 +156,21 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> str:
     ids = tok(prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         raise GqakitError("the prompt encodes to no tokens with this model's tokenizer; give some text to continue")
-    eos = None if cfg.ignore_eos else tok.eos_token_id
+    eos = None if cfg.ignore_eos else end_token_ids(model, tok) or None  # the model's own, as generate() reads
     if cfg.attention in BOUNDED and is_latent(model.config):
         raise GqakitError(f"{opt('attention', cfg.attention)} re-rotates cached RoPE keys, and a latent-attention "
                           f"model ({type(model).__name__}) caches them beside its latent; use "
                           f"{opt('attention', 'default')} (a full cache)")
     if cfg.attention in BOUNDED:
         sinks = cfg.sinks if cfg.attention == "sinks" else 0
+        if sinks > 0 or ids.shape[1] + cfg.max_new_tokens > sinks + cfg.window:  # the cache will re-rotate keys
+            try:
+                rope_inv_freq(model)
+            except ValueError as e:
+                why = str(e).split(";")[0].split(": ")[0]
+                raise GqakitError(f"{opt('attention', cfg.attention)} keeps a bounded cache whose keys it re-rotates "
+                                  f"by RoPE, but {why}; use {opt('attention', 'default')} (a full cache, within the "
+                                  "model's context)") from None
         pieces = streaming.streaming_generate(
             model, tok, ids, cfg.max_new_tokens, sinks=sinks, window=cfg.window, do_sample=cfg.do_sample,
             temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, eos_token_id=eos)

@@ -20,3 +20,11 @@ def test_demo_converts_and_ranks(tmp_path, capsys):
     assert ppl[(8, "-")] < ppl[(4, "mean")] < ppl[(4, "first")] < ppl[(4, "random")]
     assert (out / "results.csv").is_file()
     assert main(["demo", "--eval-tokens", "1024", "-o", str(out)]) == 2  # refuses to overwrite
+
+
+def test_keep_and_force_without_an_output_folder_are_refused(capsys):
+    """--keep and --force act on -o's folder; without one they would be ignored (the models deleted unseen)."""
+    for flag in ("--keep", "--force"):
+        assert main(["demo", flag]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{flag} acts on the --output-dir folder, and none is given" in err

@@ -24,18 +24,10 @@ import torch
 from gqakit.common.cpu_split import deal, run_split, split_count
 from gqakit.decode.streaming import sampling_probs
 from gqakit.hf.compat import cache_kwargs
+from gqakit.hf.loading import end_token_ids
 
 CACHES = ("static", "dynamic")
 ROW_SEED = 1_000_003  # row r of seed s draws from a generator seeded s * ROW_SEED + r
-
-
-def end_tokens(model) -> list[int]:
-    """The end-of-text ids a row must not sample before its length: the generation config's, else the config's."""
-    for source in (getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if value is not None:
-            return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-    return []
 
 
 def row_generators(seed: int, rows: Sequence[int]) -> list[torch.Generator]:
@@ -112,7 +104,7 @@ def sample_tokens(model, start: int, count: int, length: int, *, temperature: fl
     for a progress bar."""
     if compile and cache != "static":
         raise ValueError("compile=True needs cache='static' (fixed shapes); pass cache='static'")
-    banned = end_tokens(model) if banned is None else list(banned)
+    banned = end_token_ids(model) if banned is None else list(banned)
     generators = row_generators(seed, range(first_row, first_row + count))
     step = torch.compile(_step, dynamic=False) if compile else _step
     parts = deal([1.0] * count, 1 if compile else split or split_count(model.device))
@@ -130,7 +122,7 @@ def sample_tokens(model, start: int, count: int, length: int, *, temperature: fl
 def reference_tokens(model, start: int, count: int, length: int, *, temperature: float = 1.0, top_p: float = 1.0,
                      seed: int = 0, first_row: int = 0, banned: Sequence[int] | None = None) -> torch.Tensor:
     """`sample_tokens` the slow way (for tests): the full forward over the sequence so far at every step."""
-    banned = end_tokens(model) if banned is None else list(banned)
+    banned = end_token_ids(model) if banned is None else list(banned)
     generators = row_generators(seed, range(first_row, first_row + count))
     seq = torch.full((count, 1), start, dtype=torch.long, device=model.device)
     with torch.inference_mode():

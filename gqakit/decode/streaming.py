@@ -19,6 +19,7 @@ import torch
 
 from gqakit.decode.cache import SinkCache
 from gqakit.hf.compat import cache_kwargs
+from gqakit.hf.loading import end_token_ids
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
@@ -71,13 +72,13 @@ def _forward(model, cache: SinkCache, ids: torch.Tensor, limit: int) -> torch.Te
 def stream_tokens(model, input_ids: torch.Tensor, max_new_tokens: int, *, sinks: int = 4,
                   window: int = 1020, attention_mask: torch.Tensor | None = None, chunk_size: int = 256,
                   do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-                  eos_token_id: int | None = None, rebase_every: int | None = None,
+                  eos_token_id: int | list[int] | None = None, rebase_every: int | None = None,
                   cache: SinkCache | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token ids (B,) one step at a time, with a `SinkCache(sinks, window)`.
 
     The prompt `input_ids` (B, T) may be left-padded (give `attention_mask`) and longer than
-    sinks + window: it is fed `chunk_size` columns at a time. A row that produced `eos_token_id`
-    keeps yielding it; the loop ends after `max_new_tokens` steps or when every row has ended.
+    sinks + window: it is fed `chunk_size` columns at a time. A row that produced an `eos_token_id` (one id or
+    a list) keeps yielding it; the loop ends after `max_new_tokens` steps or when every row has ended.
     Sampling is seeded by `seed` (a private generator; the global RNG is untouched). Pass `cache`
     to inspect it (it must be fresh and built for this batch, with rope=model).
     """
@@ -96,11 +97,16 @@ def stream_tokens(model, input_ids: torch.Tensor, max_new_tokens: int, *, sinks:
     for start in range(0, input_ids.shape[1], chunk_size):
         logits = _forward(model, cache, input_ids[:, start:start + chunk_size], limit)
     ended = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    ends = torch.tensor([] if eos_token_id is None else eos_token_id, dtype=torch.long,
+                        device=input_ids.device).reshape(-1)
+    last = torch.full_like(ended, -1, dtype=torch.long)  # the end id each ended row repeats
     for step in range(max_new_tokens):
         token = sample_next(logits, do_sample, temperature, top_p, generator)
-        if eos_token_id is not None:
-            token = torch.where(ended, eos_token_id, token)
-            ended |= token == eos_token_id
+        if ends.numel():
+            token = torch.where(ended, last, token)
+            newly = ~ended & torch.isin(token, ends)
+            last = torch.where(newly, token, last)
+            ended |= newly
         yield token
         if bool(ended.all()) or step == max_new_tokens - 1:
             return
@@ -140,14 +146,15 @@ def streaming_generate(model, tokenizer, prompt_ids: torch.Tensor, max_new_token
                        window: int = 1020, **kwargs) -> Iterator[str]:
     """Yield text pieces of one stream (batch 1) as they are produced; see `stream_tokens` for kwargs.
 
-    Stops at the tokenizer's EOS token; pass `eos_token_id=None` to run all `max_new_tokens`.
+    Stops at the model's end tokens (`end_token_ids`: the generation config's, as `model.generate` reads them);
+    pass `eos_token_id=None` to run all `max_new_tokens`.
     """
     if prompt_ids.dim() == 1:
         prompt_ids = prompt_ids[None, :]
     if prompt_ids.shape[0] != 1:
         raise ValueError(f"streaming_generate streams one text; got batch {prompt_ids.shape[0]} "
                          "(use stream_tokens for batches)")
-    kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
+    kwargs.setdefault("eos_token_id", end_token_ids(model, tokenizer) or None)
     detok = _Detokenizer(tokenizer)
     for token in stream_tokens(model, prompt_ids, max_new_tokens, sinks=sinks, window=window, **kwargs):
         piece = detok.push(int(token[0]))

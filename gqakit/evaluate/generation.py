@@ -77,6 +77,7 @@ class GreedyDecoder:
         from transformers import DynamicCache
 
         from gqakit.evaluate.kvcache import held_bytes, make_cache
+        from gqakit.hf.loading import end_token_ids
 
         new_tokens = new_tokens or self.new_tokens
         device = next(self.model.parameters()).device
@@ -93,10 +94,11 @@ class GreedyDecoder:
                     logits = self._forward(ids[:, start:end], cache, end)
                 self.held_per_token = held_bytes(cache) / length
             out: list[int] = []
+            ends = set(end_token_ids(self.model, self.tokenizer))  # the model's own, as model.generate reads them
             for step in range(new_tokens):
                 token = int(logits.argmax())
                 out.append(token)
-                if token == self.tokenizer.eos_token_id or step == new_tokens - 1:
+                if token in ends or step == new_tokens - 1:
                     break
                 logits = self._forward(torch.tensor([[token]], device=device), cache, length + step + 1)
         return self.tokenizer.decode(out, skip_special_tokens=True)

@@ -152,6 +152,16 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
     return model, tok
 
 
+def end_token_ids(model, tokenizer=None) -> list[int]:
+    """The ids that end a text, as `model.generate` reads them: the generation config's `eos_token_id` (one id or
+    a list: Llama-3-style models end on several), else config.json's, else the tokenizer's; [] when none says."""
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    return []
+
+
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 

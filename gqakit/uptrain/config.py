@@ -219,7 +219,7 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
     if cfg.teacher is not None and cfg.distill_weight == 0:
         raise GqakitError("distill_weight=0 gives the teacher no part in the loss, yet it would be loaded and run; "
                           "drop teacher, or give distill_weight a share (e.g. 0.5)")
-    if cfg.text_column != defaults["text_column"] and all(str(d).endswith(".txt") for d in cfg.data):
+    if cfg.text_column != defaults["text_column"] and all(str(d).lower().endswith(".txt") for d in cfg.data):
         raise GqakitError(f"text_column={cfg.text_column} names a column of .jsonl / .json / .parquet data, and the "
                           "recipe's data are .txt files; drop text_column")
     if cfg.teacher is not None:

@@ -88,3 +88,42 @@ def test_bad_input(model_dir, capsys, argv, needle):
 def test_missing_model(tmp_path, capsys):
     code, out, err = run(capsys, tmp_path / "nope", "--prompt", "x")
     assert code == 2 and "does not exist" in err
+
+
+def test_the_models_own_end_tokens_stop_the_stream_as_generate_does(model_dir, tmp_path, capsys):
+    """A generation config listing several end ids (Llama-3 style): `gqakit generate` and the retrieval decoder stop
+    where `model.generate` stops, not only at the tokenizer's EOS."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from gqakit.evaluate.generation import GreedyDecoder
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tok("a single man", return_tensors="pt").input_ids
+    free = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, ids.shape[1]:].tolist()
+    stop = next(i for i, t in enumerate(free) if i >= 3 and t not in free[:i] and t != tok.eos_token_id)
+    ends = [tok.eos_token_id, free[stop]]
+    listed = tmp_path / "listed"
+    shutil.copytree(model_dir, listed)
+    GenerationConfig(eos_token_id=ends, pad_token_id=tok.eos_token_id).save_pretrained(listed)
+    model.generation_config = GenerationConfig.from_pretrained(listed)
+    want = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+    assert want.tolist() == free[:stop + 1]  # transformers stops at the listed id
+    code, out, err = run(capsys, listed, "--prompt", "a single man", "--attention", "default", "--max-new-tokens", 12)
+    assert code == 0 and out == tok.decode(want, skip_special_tokens=True), (out, err)
+    assert GreedyDecoder(model, tok, new_tokens=12)("a single man") == tok.decode(want, skip_special_tokens=True)
+
+
+def test_a_bounded_cache_refuses_a_model_without_rope_in_one_line(tmp_path, capsys):
+    from transformers import GPT2Config
+
+    tok = train_bpe([TEXT], vocab_size=300)
+    cfg = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=4, n_positions=64,
+                     bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    code, out, err = run(capsys, tmp_path / "gpt2", "--prompt", "a single man", "--max-new-tokens", 4)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "has no rotary embedding" in err and "use --attention default" in err

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gqakit.decode.sampling import draw, end_tokens, reference_tokens, row_generators, sample_tokens
+from gqakit.decode.sampling import draw, reference_tokens, row_generators, sample_tokens
+from gqakit.hf.loading import end_token_ids
 
 START, EOS = 1, 2
 
@@ -67,12 +68,17 @@ def test_the_end_token_is_never_drawn_even_where_likely(model):
 
 
 def test_end_tokens_read_the_generation_config_first(model):
-    assert end_tokens(model) == [EOS]
+    assert end_token_ids(model) == [EOS]
     model.generation_config.eos_token_id = [EOS, 7]
     try:
-        assert end_tokens(model) == [EOS, 7]
+        assert end_token_ids(model) == [EOS, 7]
     finally:
         model.generation_config.eos_token_id = EOS
+    import types
+
+    bare = types.SimpleNamespace(generation_config=None, config=types.SimpleNamespace(eos_token_id=None))
+    assert end_token_ids(bare, types.SimpleNamespace(eos_token_id=5)) == [5]  # the tokenizer's, when no config says
+    assert end_token_ids(bare) == []
 
 
 def test_top_p_keeps_the_nucleus_and_banned_ids_never():

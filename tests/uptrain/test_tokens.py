@@ -310,6 +310,10 @@ def test_tokenize_cli_end_to_end_and_its_refusals(files, tok, tmp_path, capsys):
     assert "does not exist" in _one_line_error(capsys, ["tokenize", str(tmp_path / "no.txt"), "-o", str(tmp_path / "x"),
                                                         "--tokenizer", str(reference_model_path())])
     assert not (tmp_path / "x").exists()
+    err = _one_line_error(capsys, ["tokenize", str(files["a"]), "-o", str(tmp_path / "x"), "--text-column", "body",
+                                   "--tokenizer", str(reference_model_path())])
+    assert "--text-column body names a column of .jsonl / .json / .parquet data" in err  # .txt has no columns
+    assert not (tmp_path / "x").exists()
 
 
 def test_uptrain_trains_on_a_token_cache(files, tmp_path, capsys):

@@ -255,6 +255,9 @@ def tokenize_to(data: list[str], output: str | Path, tokenizer: str, *, num_proc
             raise GqakitError(f"{source.entry} is already a token cache; list it in the recipe's data instead")
         if source.path is not None and (inside(source.path, out) or inside(out, source.path)):
             raise GqakitError(f"-o {out} overlaps the data path {source.entry}; choose an -o outside the data")
+    if text_column != "text" and all(source.kind == "text" for source in sources):
+        raise GqakitError(f"{opt('text_column', text_column)} names a column of .jsonl / .json / .parquet data or a "
+                          f"dataset, and the data are .txt files; drop {opt('text_column')}")
     return build_cache(sources, out, load_tokenizer(tokenizer), text_column=text_column, num_proc=num_proc,
                        chunk_bytes=chunk_bytes, progress=progress)
 
