@@ -141,6 +141,13 @@ def calibration_tokens(cfg: ConvertConfig) -> int:
 CALIBRATION_OPTIONS = ("calibration_tokens", "calibration_window", "text_column", "calibration_device")
 
 
+def draws_at_random(method: str, calibration: str | None) -> bool:
+    """Whether a conversion by `method` uses --seed: re-initialised heads, attention transfer's training, or the
+    model's own samples that stand in for missing calibration data."""
+    chosen = methods.get(method)
+    return chosen.seeded or (chosen.calibration == "required" and calibration is None)
+
+
 def check_options(cfg: ConvertConfig) -> None:
     """Refuse an unknown dtype, options the chosen method would ignore, and a fit without its calibration data."""
     if cfg.to not in TARGETS:
@@ -167,6 +174,14 @@ def check_options(cfg: ConvertConfig) -> None:
         raise GqakitError(f"unknown {opt('grouping', repr(cfg.grouping))}; choose contiguous or similarity")
     method, given = methods.get(cfg.method), options_given(cfg, cfg.given)
     choose = lambda names: " or ".join(names)  # noqa: E731
+    if latent and cfg.grouping is not None:
+        raise GqakitError(f"{opt('grouping')} picks which heads merge, and the latent fit ({opt(latent[0])}) merges "
+                          f"none; drop {opt('grouping')}")
+    if "seed" in given and not draws_at_random(cfg.method, cfg.calibration):
+        raise GqakitError(f"{opt('seed')} seeds {opt('method', 'random')}, {opt('method', 'transfer')} and the "
+                          f"model's own calibration samples; {opt('method', cfg.method)}"
+                          f"{' with ' + opt('calibration') if cfg.calibration else ''} draws nothing at random: drop "
+                          f"{opt('seed')}")
     if cfg.grouping is not None and not method.layerwise:
         raise GqakitError(f"{opt('grouping')} is used only by {opt('method', choose(methods.LAYERWISE))}; drop it "
                           f"for {opt('method', cfg.method)} (which keeps contiguous groups)")

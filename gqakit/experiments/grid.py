@@ -133,6 +133,7 @@ def _check(cfg: GridConfig) -> None:
 def run_cell(cfg: GridConfig, cell: dict, work: Path, ids: torch.Tensor, mha_ppl: float | None) -> dict:
     """Convert (alpha 0) or uptrain one cell and score it; returns its result row."""
     from gqakit.convert import ConvertConfig, convert
+    from gqakit.convert.options import draws_at_random
     from gqakit.uptrain.loop import uptrain
 
     t0 = time.perf_counter()
@@ -151,8 +152,9 @@ def run_cell(cfg: GridConfig, cell: dict, work: Path, ids: torch.Tensor, mha_ppl
                 calibrated["calibration"] = cfg.calibration
                 if cfg.calibration_tokens is not None:  # else convert-gqa's default
                     calibrated["calibration_tokens"] = cfg.calibration_tokens
+            seed = cfg.seed if draws_at_random(cell["method"], calibrated.get("calibration")) else 0  # else refused
             convert(ConvertConfig(model_dir=cfg.model, groups=cell["groups"], output_dir=str(converted),
-                                  method=cell["method"], seed=cfg.seed, force=True, progress=False, **calibrated))
+                                  method=cell["method"], seed=seed, force=True, progress=False, **calibrated))
         target = converted
         if cell["alpha"] > 0:
             target = work / "uptrained" / row["name"]

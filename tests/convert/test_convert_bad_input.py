@@ -190,3 +190,31 @@ def test_failed_force_keeps_previous_output(src, tmp_path, capsys, monkeypatch):
 
 def test_unknown_dtype_and_bad_shard_size(src, tmp_path, capsys):
     fails(capsys, ["--groups", "2", str(src), "-o", str(tmp_path / "o"), "--max-shard-size", "lots"], "not a size")
+
+
+def test_a_value_beyond_the_output_dtypes_range_is_refused_not_written_as_inf(src, tmp_path, capsys):
+    """--dtype float16 of a weight above 65,504 would write inf (a bf16 source's range is fp32's): one line naming the
+    tensor and its value, and no output."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(src / "model.safetensors")
+    name = next(n for n in weights if n.endswith("mlp.down_proj.weight"))
+    weights[name][0, 0] = 1e5
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    fails(capsys, ["--groups", "2", str(src), "-o", str(out), "--dtype", "float16"],
+          f"{name} holds 1e+05, beyond float16's range", "use --dtype bfloat16")
+    assert not out.exists() and not leftovers(tmp_path)
+    assert convert_main(["--groups", "2", str(src), "-o", str(out), "--dtype", "bfloat16", "--quiet"]) == 0
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--seed", "5"], "--seed seeds --method random, --method transfer and the model's own calibration samples; "
+                      "--method mean draws nothing at random"),
+    (["--method", "aligned", "--seed", "5"], "--method aligned draws nothing at random"),
+    (["--to", "mla", "--kv-rank", "8", "--grouping", "contiguous", "--method", "fit"],
+     "--grouping picks which heads merge, and the latent fit (--kv-rank) merges none"),
+])
+def test_options_the_conversion_would_ignore_are_refused(src, tmp_path, capsys, extra, needle):
+    groups = "1" if "mla" in extra else "2"
+    fails(capsys, ["--groups", groups, str(src), "-o", str(tmp_path / "out"), *extra], needle)

@@ -190,6 +190,21 @@ def transferred_path(folder: Path, layer: int) -> Path:
     return folder / f"transferred-{layer:05d}.safetensors"
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """`t` in the output dtype; a finite value that the cast would turn into inf (fp16 tops out at 65,504) is
+    refused in one line, never written."""
+    out = t.to(dtype)
+    if (dtype.is_floating_point and t.is_floating_point() and torch.finfo(dtype).max < torch.finfo(t.dtype).max
+            and bool(torch.isinf(out).any())):  # one pass over the output; the rest only when it has an inf
+        lost = torch.isinf(out) & torch.isfinite(t)
+        if bool(lost.any()):
+            value = float(t[lost].abs().max())
+            raise GqakitError(f"{name} holds {value:.4g}, beyond {str(dtype).removeprefix('torch.')}'s range "
+                              f"(largest {torch.finfo(dtype).max:.6g}): it would be written as inf; use --dtype "
+                              "bfloat16 (fp32's range) or keep the source dtype")
+    return out
+
+
 def compute(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], std: float, seed: int,
             errors: dict[int, dict[str, float]], layers: dict | None = None, how: LayerMerge = LayerMerge()
             ) -> torch.Tensor:
@@ -197,21 +212,21 @@ def compute(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], std: float
     out_dtype = DTYPES[op.dtype]
     if op.kind in ("attn", "latent"):
         held = layers if layers is not None else {}
-        return merged_layer(op, plan, tensors, errors, held, how, std, seed).to(out_dtype)
+        return cast(merged_layer(op, plan, tensors, errors, held, how, std, seed), out_dtype, op.name)
     if op.kind == "head_norm":
         stack = torch.stack([load_tensor(tensors[s], s).float() for s in op.sources])  # (n, d)
-        return merge_norms(stack, methods.get(plan.method).norm_pooling).to(out_dtype)
+        return cast(merge_norms(stack, methods.get(plan.method).norm_pooling), out_dtype, op.name)
     t = load_tensor(tensors[op.sources[0]], op.sources[0])
     if op.kind == "cast":
-        return t.to(out_dtype)
+        return cast(t, out_dtype, op.name)
     if op.kind == "norm":  # a key norm that spans heads is pooled, never re-initialised
         pooling = methods.get(plan.method).norm_pooling
-        return regroup(t, plan.num_key_value_heads, plan.groups, pooling).to(out_dtype)
+        return cast(regroup(t, plan.num_key_value_heads, plan.groups, pooling), out_dtype, op.name)
     if op.kind == "kv":
         new = regroup_rows(t, plan, std, seed, op.name)
         if op.role:
             errors.setdefault(op.layer, {})[op.role] = relative_error(t, new, plan.num_key_value_heads)
-        return new.to(out_dtype)
+        return cast(new, out_dtype, op.name)
     if op.kind == "qkv":
         q, k, v = split_qkv(t, plan.num_attention_heads, plan.num_key_value_heads, plan.head_dim, plan.qkv_layout[0])
         k2 = regroup_rows(k, plan, std, seed, op.name + ".k")
@@ -219,7 +234,7 @@ def compute(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], std: float
         if op.role:
             errors.setdefault(op.layer, {}).update(
                 k=relative_error(k, k2, plan.num_key_value_heads), v=relative_error(v, v2, plan.num_key_value_heads))
-        return join_qkv(q, k2, v2, plan.groups, plan.qkv_layout[1]).to(out_dtype)
+        return cast(join_qkv(q, k2, v2, plan.groups, plan.qkv_layout[1]), out_dtype, op.name)
     raise AssertionError(f"unknown op kind {op.kind}")
 
 
