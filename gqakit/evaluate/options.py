@@ -60,6 +60,13 @@ def _text_column():
     return option("text", help="the text column of --dataset")
 
 
+def check_text_column(text_column: str, dataset: str | None) -> None:
+    """--text-column reads a --dataset's rows; with --text (no columns) it would be ignored: refused."""
+    if text_column != "text" and dataset is None:
+        raise GqakitError(f"{opt('text_column')} names a column of a {opt('dataset')}, and {opt('text')} has none; "
+                          f"pass {opt('dataset', 'FILE.jsonl')} or drop {opt('text_column')}")
+
+
 def _attention():
     return option(None, choices=attention_kinds.CHOICES,
                   help="gqakit attention kind via gqakit.attention.use",

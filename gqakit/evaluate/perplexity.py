@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from gqakit.attention.kinds import DEFAULT, command_attention_options, position_bias_refusal
 from gqakit.common.errors import GqakitError, opt
 from gqakit.evaluate.kvcache import DEFAULT_CHUNK, chunked_window_nll, report_fields
-from gqakit.evaluate.options import PplConfig
+from gqakit.evaluate.options import PplConfig, check_text_column
 from gqakit.evaluate.spread import bootstrap_interval, window_spread
 
 
@@ -210,9 +210,7 @@ def _check(cfg: PplConfig) -> None:
     check_options(cfg.kv_cache, cfg.kv_chunk, cfg.attention)
     if cfg.max_length is not None and cfg.max_length < 2:
         raise GqakitError(f"{opt('max_length', cfg.max_length)} is too short; a window needs at least 2 positions")
-    if cfg.text_column != "text" and cfg.dataset is None:
-        raise GqakitError(f"{opt('text_column')} names a column of a {opt('dataset')}, and {opt('text')} has none; "
-                          f"pass {opt('dataset', 'FILE.jsonl')} or drop {opt('text_column')}")
+    check_text_column(cfg.text_column, cfg.dataset)
     if cfg.target_column is not None and cfg.dataset is None:
         raise GqakitError(f"{opt('target_column')} reads the input/target rows of a {opt('dataset')}; pass "
                           f"{opt('dataset', 'FILE.jsonl')}")

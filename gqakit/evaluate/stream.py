@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gqakit.common.errors import GqakitError, opt
-from gqakit.evaluate.options import StreamConfig
+from gqakit.evaluate.options import StreamConfig, check_text_column
 from gqakit.hf.architectures.latent import is_latent
 from gqakit.decode.stream_cache import ChunkedSinkCache
 from gqakit.hf.compat import cache_kwargs
@@ -204,9 +204,7 @@ def _check(cfg: StreamConfig) -> tuple[str, ...]:
     if cfg.sinks < 0:
         raise GqakitError(f"{opt('sinks')} must be >= 0, got {cfg.sinks}; use {opt('policies', 'window')} for no "
                           "sinks")
-    if cfg.text_column != "text" and cfg.dataset is None:
-        raise GqakitError(f"{opt('text_column')} names a column of a {opt('dataset')}, and {opt('text')} has none; "
-                          f"pass {opt('dataset', 'FILE.jsonl')} or drop {opt('text_column')}")
+    check_text_column(cfg.text_column, cfg.dataset)
     if cfg.recompute_every is not None and "recompute" not in policies:
         raise GqakitError(f"{opt('recompute_every')} is how often {opt('policies', 'recompute')} rebuilds; add it "
                           f"to {opt('policies')} or drop {opt('recompute_every')}")
