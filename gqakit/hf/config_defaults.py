@@ -202,14 +202,20 @@ def filled(config: dict, common_names: bool = False) -> dict | None:
     return out
 
 
+def filled_or_given(config: dict) -> dict:
+    """`filled(config)` where the table holds its class and its fields read, else config.json as given (a field of
+    the wrong type is then left to the checks that name it in their own words)."""
+    try:
+        return filled(config) or config
+    except GqakitError:
+        return config
+
+
 def rope_of(config: dict) -> dict:
     """config.json's RoPE parameters as its class holds them: rope_scaling's and rope_parameters' keys, with the
     class's defaults where config.json leaves them out (Phi turns half of each head unless told), and the top-level
     partial_rotary_factor where neither dict says it."""
-    try:
-        known = filled(config) or config
-    except GqakitError:
-        known = config
+    known = filled_or_given(config)
     rope = {**(known.get("rope_scaling") or {}), **(known.get("rope_parameters") or {})}
     if "partial_rotary_factor" in known:
         rope.setdefault("partial_rotary_factor", known["partial_rotary_factor"])

@@ -17,7 +17,7 @@ from gqakit.attention import kinds as attention_kinds
 from gqakit.common import dtypes
 from gqakit.common.atomic import inside
 from gqakit.common.errors import GqakitError
-from gqakit.common.options import check_fields, option
+from gqakit.common.options import check_fields, option, options_given
 from gqakit.common.recipes import to_dict
 from gqakit.uptrain import sharding
 
@@ -211,15 +211,15 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
             why = "fuses them with Q" if spec is not None else "is not in gqakit's architecture tables"
             raise GqakitError(f"trainable=kv needs separate K/V projections, but {arch} {why}; use "
                               "trainable=attention or trainable=all")
-    defaults = {f.name: f.default for f in dataclasses.fields(UptrainConfig)}
+    given = options_given(cfg)  # set to another value than the field's default
     for key in ("distill_top_k", "distill_weight", "distill_temperature"):
-        if cfg.teacher is None and getattr(cfg, key) != defaults[key]:
+        if cfg.teacher is None and key in given:
             raise GqakitError(f"{key}={getattr(cfg, key)} needs a teacher to distil from; set teacher=PATH (the model "
                               f"the student was converted from) or drop {key}")
     if cfg.teacher is not None and cfg.distill_weight == 0:
         raise GqakitError("distill_weight=0 gives the teacher no part in the loss, yet it would be loaded and run; "
                           "drop teacher, or give distill_weight a share (e.g. 0.5)")
-    if cfg.text_column != defaults["text_column"] and all(str(d).lower().endswith(".txt") for d in cfg.data):
+    if "text_column" in given and all(str(d).lower().endswith(".txt") for d in cfg.data):
         raise GqakitError(f"text_column={cfg.text_column} names a column of .jsonl / .json / .parquet data, and the "
                           "recipe's data are .txt files; drop text_column")
     if cfg.teacher is not None:

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from gqakit.hf.architectures.spec import ArchSpec, KNorm
 from gqakit.hf.architectures.table import FAMILIES
-from gqakit.common.errors import GqakitError
-from gqakit.hf.config_defaults import filled
+from gqakit.hf.config_defaults import filled_or_given
 
 __all__ = ["ArchSpec", "KNorm", "FAMILIES", "find_family", "supported_architectures"]
 
@@ -23,11 +22,5 @@ def find_family(architecture: str, config: dict | None = None) -> ArchSpec | Non
     (config.json), as that model has it (a key norm its config switches off is gone: `ArchSpec.for_config`)."""
     for spec in FAMILIES:
         if architecture in spec.architectures:
-            if config is None or spec.k_norm_key is None:
-                return spec
-            try:
-                known = filled(config) or config
-            except GqakitError:  # a field of the wrong type: the plan's field checks name it, in their words
-                known = config
-            return spec.for_config(known)
+            return spec if config is None or spec.k_norm_key is None else spec.for_config(filled_or_given(config))
     return None
