@@ -219,6 +219,7 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
     if cfg.teacher is not None and cfg.distill_weight == 0:
         raise GqakitError("distill_weight=0 gives the teacher no part in the loss, yet it would be loaded and run; "
                           "drop teacher, or give distill_weight a share (e.g. 0.5)")
+    _check_held_out(cfg, given)
     if "text_column" in given and all(str(d).lower().endswith(".txt") for d in cfg.data):
         raise GqakitError(f"text_column={cfg.text_column} names a column of .jsonl / .json / .parquet data, and the "
                           "recipe's data are .txt files; drop text_column")
@@ -237,6 +238,19 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
         if teacher.get("vocab_size") != model_config.get("vocab_size"):
             raise GqakitError(f"teacher {cfg.teacher} has vocab_size {teacher.get('vocab_size')} but the model "
                               f"{model_config.get('vocab_size')}; distil from the model the student was converted from")
+
+
+def _check_held_out(cfg: UptrainConfig, given: set) -> None:
+    """Held-out keys that the recipe's other keys leave unread are refused, not ignored."""
+    if cfg.eval_data and "eval_fraction" in given:
+        raise GqakitError(f"eval_fraction={cfg.eval_fraction} holds out part of data, but eval_data is given and is "
+                          "held out instead; drop eval_fraction or eval_data")
+    if not cfg.eval_data and cfg.eval_fraction == 0:
+        for key in ("eval_every", "eval_sequences"):
+            if key in given:
+                raise GqakitError(f"{key}={getattr(cfg, key)} reads held-out data, but the recipe holds none "
+                                  f"(eval_fraction=0 and no eval_data); give eval_data or eval_fraction > 0, or drop "
+                                  f"{key}")
 
 
 def check(cfg: UptrainConfig) -> dict:

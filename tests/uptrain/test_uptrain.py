@@ -426,12 +426,18 @@ def test_a_warmup_longer_than_the_run_is_named(tiny, tmp_path, capsys, warmup, w
     (dict(distill_weight=0.9), "distill_weight=0.9 needs a teacher"),
     (dict(teacher="MODEL", distill_weight=0.0), "distill_weight=0 gives the teacher no part in the loss"),
     (dict(text_column="body"), "text_column=body names a column of .jsonl / .json / .parquet data"),
+    (dict(eval_fraction=0.0, eval_every=1), "eval_every=1 reads held-out data, but the recipe holds none"),
+    (dict(eval_fraction=0.0, eval_sequences=4), "eval_sequences=4 reads held-out data, but the recipe holds none"),
+    (dict(eval_data=["TEXT"], eval_fraction=0.1), "eval_fraction=0.1 holds out part of data, but eval_data is given"),
 ])
 def test_a_recipe_key_that_would_change_nothing_is_refused(tiny, tmp_path, fields, needle):
-    """Keys that only act with another (a teacher, column data) are refused before any work, not ignored."""
+    """Keys that only act with another (a teacher, column data, held-out data) are refused before any work, not
+    ignored."""
     from gqakit.common.errors import GqakitError
 
-    fields = {k: str(tiny["model"]) if v == "MODEL" else v for k, v in fields.items()}
+    named = {"MODEL": str(tiny["model"]), "TEXT": str(tiny["text"])}
+    fields = {k: [named[x] for x in v] if isinstance(v, list) else named.get(v, v) if isinstance(v, str) else v
+              for k, v in fields.items()}
     with pytest.raises(GqakitError, match=re.escape(needle)):
         uptrain(_cfg(tiny, tmp_path, steps=1, **fields))
     assert not (tmp_path / "run").exists()
