@@ -220,9 +220,11 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
         raise GqakitError("distill_weight=0 gives the teacher no part in the loss, yet it would be loaded and run; "
                           "drop teacher, or give distill_weight a share (e.g. 0.5)")
     _check_held_out(cfg, given)
-    if "text_column" in given and all(str(d).lower().endswith(".txt") for d in cfg.data):
-        raise GqakitError(f"text_column={cfg.text_column} names a column of .jsonl / .json / .parquet data, and the "
-                          "recipe's data are .txt files; drop text_column")
+    if "text_column" in given:
+        from gqakit.uptrain.data.sources import refuse_unread_text_column, resolve_source
+
+        refuse_unread_text_column([resolve_source(d) for d in cfg.data], f"text_column={cfg.text_column}",
+                                  "text_column")
     if cfg.teacher is not None:
         from gqakit.hf.folder import model_folder
 

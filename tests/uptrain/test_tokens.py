@@ -329,6 +329,12 @@ def test_uptrain_trains_on_a_token_cache(files, tmp_path, capsys):
     record = uptrain(load_recipe(UptrainConfig, recipe))
     assert record["data"]["held_out"] == "eval_data" and record["data"]["eval_sequences"] == 4
     assert record["data"]["held_out_documents"] is None  # evaluation data of its own: nothing held out of training
+    recipe = write_recipe(tmp_path / "r3.yaml", model=str(model), data=[str(tokens), str(files["a"])],
+                          output_dir=str(tmp_path / "run3"), steps=1, seq_len=16, text_column="body")
+    capsys.readouterr()  # a cache is tokenised already, a .txt file has no columns: text_column would be read nowhere
+    err = _one_line_error(capsys, ["uptrain", str(recipe)])
+    assert "text_column=body names a column of" in err and "the data are .txt files and token caches" in err
+    assert not (tmp_path / "run3").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
     recipe = write_recipe(tmp_path / "r2.yaml", model=str(model), data=[str(empty)], output_dir=str(tmp_path / "run2"),

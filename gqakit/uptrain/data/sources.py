@@ -93,6 +93,15 @@ def resolve_source(entry: str) -> Source:
     raise GqakitError(f"data file {entry} is neither .txt nor .jsonl/.json/.parquet; convert it or list another file")
 
 
+def refuse_unread_text_column(sources: list[Source], given: str, drop: str) -> None:
+    """A text column given (`given`, as the user spelled it) for data that have no columns (.txt files, token
+    caches) would be read nowhere: refused, naming what to `drop`."""
+    if not any(source.kind in ("rows", "saved", "hub") for source in sources):
+        what = " and ".join(sorted({"token caches" if s.kind == "cache" else ".txt files" for s in sources}))
+        raise GqakitError(f"{given} names a column of .jsonl / .json / .parquet data or a dataset, and the data are "
+                          f"{what}; drop {drop}")
+
+
 def describe_files(sources: list[Source]) -> list[dict]:
     """(path, size, mtime_ns) of every file behind the sources: what a cache of them must match."""
     out = []

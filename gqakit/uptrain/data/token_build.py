@@ -38,7 +38,7 @@ from gqakit.common.report import counted
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.text import eos_id
 from gqakit.uptrain.data.sources import (CHUNK_BYTES, HUB, ROWS_PER_BATCH, Source, describe_files, iter_pieces,
-                                         resolve_source)
+                                         refuse_unread_text_column, resolve_source)
 from gqakit.uptrain.data.token_cache import (DOCUMENTS, FORMAT, HEADER, TOKENS, VERSION, CacheProblem, is_token_cache,
                                              open_cache, token_dtype, tokenizer_fingerprint)
 
@@ -255,9 +255,8 @@ def tokenize_to(data: list[str], output: str | Path, tokenizer: str, *, num_proc
             raise GqakitError(f"{source.entry} is already a token cache; list it in the recipe's data instead")
         if source.path is not None and (inside(source.path, out) or inside(out, source.path)):
             raise GqakitError(f"-o {out} overlaps the data path {source.entry}; choose an -o outside the data")
-    if text_column != "text" and all(source.kind == "text" for source in sources):
-        raise GqakitError(f"{opt('text_column', text_column)} names a column of .jsonl / .json / .parquet data or a "
-                          f"dataset, and the data are .txt files; drop {opt('text_column')}")
+    if text_column != "text":
+        refuse_unread_text_column(sources, opt("text_column", text_column), opt("text_column"))
     return build_cache(sources, out, load_tokenizer(tokenizer), text_column=text_column, num_proc=num_proc,
                        chunk_bytes=chunk_bytes, progress=progress)
 
