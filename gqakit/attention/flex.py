@@ -109,11 +109,11 @@ def sdpa_attention(q, k, v, *, scale: float, mode: str):
 def attention_forward(q, k, v, *, scale: float, spec: Spec = MaskSpec(), q_offset: int = 0,
                       kv_offset: int = 0, key_padding=None, extra_mask: Callable | None = None,
                       attn_mask=None, softcap: float | None = None, s_aux=None, block_q: int = 128,
-                      block_k: int = 128, backend: Backend | None = None):
+                      block_k: int = 128, backend: Backend | None = None, row_shift=None):
     """The registry's one call: `tiled_attention`'s arguments and result (B, H, Tq, dv), on the backend
     that `choose_backend` picks for q's device (or `backend` when given). `block_q` / `block_k` are the
     tiled kernel's; flex uses its own 128-blocks, which its CUDA kernels are tuned for."""
-    extras = (key_padding, extra_mask, attn_mask, softcap, s_aux)
+    extras = (key_padding, extra_mask, attn_mask, softcap, s_aux, row_shift)
     backend = backend or choose_backend(q.device, spec, any(x is not None for x in extras))
     if backend == "sdpa":
         mode = sdpa_causal_mode(spec, q.shape[2], k.shape[2], q_offset, kv_offset)
@@ -123,12 +123,12 @@ def attention_forward(q, k, v, *, scale: float, spec: Spec = MaskSpec(), q_offse
     if backend == "flex":
         return flex_attention_forward(q, k, v, scale=scale, spec=spec, q_offset=q_offset, kv_offset=kv_offset,
                                       key_padding=key_padding, extra_mask=extra_mask, attn_mask=attn_mask,
-                                      softcap=softcap, s_aux=s_aux)
+                                      softcap=softcap, s_aux=s_aux, row_shift=row_shift)
     if backend != "tiled":
         raise ValueError(f"unknown attention backend '{backend}'; choose 'sdpa', 'flex' or 'tiled'")
     return tiled_attention(q, k, v, scale=scale, spec=spec, q_offset=q_offset, kv_offset=kv_offset,
                            key_padding=key_padding, extra_mask=extra_mask, attn_mask=attn_mask, softcap=softcap,
-                           s_aux=s_aux, block_q=block_q, block_k=block_k)
+                           s_aux=s_aux, block_q=block_q, block_k=block_k, row_shift=row_shift)
 
 
 # ---- the mask -------------------------------------------------------------------------------------
@@ -149,20 +149,22 @@ def _broadcast_index(t: torch.Tensor, dim: int, idx):
 
 def spec_mask_mod(spec, q_offset: int = 0, kv_offset: int = 0, key_padding: torch.Tensor | None = None,
                   extra_mask: Callable | None = None, allowed: torch.Tensor | None = None,
-                  device=None) -> Callable:
+                  device=None, row_shift: torch.Tensor | None = None) -> Callable:
     """A flex mask_mod `(b, h, q_idx, kv_idx) -> bool` on LOCAL indices for a spec on absolute positions
     (a MaskSpec, anything with `mask_function()`, or a per-head sequence of H MaskSpecs).
 
     `key_padding` (B, Tk) bool marks real keys; `extra_mask` is a transformers-style mask function on
-    absolute positions; `allowed` a dense bool mask (B|1, H|1, Tq, Tk) on local indices. The offsets are
-    captured as 0-d tensors, so decoding step after step does not recompile the kernel."""
+    absolute positions; `allowed` a dense bool mask (B|1, H|1, Tq, Tk) on local indices; `row_shift` (B,) moves
+    row b's positions for the spec alone (`tiled_attention`'s). The offsets are captured as 0-d tensors, so
+    decoding step after step does not recompile the kernel."""
     fn = _mask_function(spec)
     qo = torch.tensor(int(q_offset), dtype=torch.int32, device=device)
     ko = torch.tensor(int(kv_offset), dtype=torch.int32, device=device)
+    shift = None if row_shift is None else row_shift.to(device=device, dtype=torch.int32)
 
     def mask_mod(b, h, q_idx, kv_idx):
         qa, ka = q_idx + qo, kv_idx + ko
-        ok = fn(b, h, qa, ka)
+        ok = fn(b, h, qa, ka) if shift is None else fn(b, h, qa - shift[b], ka - shift[b])
         if key_padding is not None:
             ok = ok & key_padding[b, kv_idx]
         if extra_mask is not None:
@@ -214,13 +216,15 @@ def _cache_key(*parts, tensors=()):
 def block_mask_for(spec, B: int, H: int, Tq: int, Tk: int, q_offset: int = 0, kv_offset: int = 0,
                    key_padding: torch.Tensor | None = None, block_size: int | tuple[int, int] = 128,
                    device=None, *, extra_mask: Callable | None = None, attn_mask: torch.Tensor | None = None,
-                   compile: bool | None = None, cache: bool = True) -> BlockMask:
+                   compile: bool | None = None, cache: bool = True, row_shift: torch.Tensor | None = None
+                   ) -> BlockMask:
     """The flex `BlockMask` of `spec` for queries at absolute positions q_offset .. q_offset + Tq - 1 and
     keys at kv_offset .. kv_offset + Tk - 1, with key padding (B, Tk) per batch row (True = real key).
 
     `block_size` is (query block, key block) or one int for both; `extra_mask` a transformers-style mask
     function on absolute positions; `attn_mask` a dense bool or additive float mask (B|1, H|1, Tq, Tk)
-    (masking entries as in `masks.dense_allowed`; a float mask's bias is applied by `flex_attention_forward`).
+    (masking entries as in `masks.dense_allowed`; a float mask's bias is applied by `flex_attention_forward`);
+    `row_shift` (B,) as in `tiled_attention`.
     The mask is built for B / H only where it varies over them. `compile` (default: on CUDA) compiles
     create_block_mask, which otherwise evaluates the mask densely (B x H x Tq x Tk booleans). The last few
     masks are cached, so the layers of one forward share one BlockMask.
@@ -241,19 +245,19 @@ def block_mask_for(spec, B: int, H: int, Tq: int, Tk: int, q_offset: int = 0, kv
     if cache and attn_mask is None:
         try:
             key = _cache_key(spec, B, H, Tq, Tk, int(q_offset), int(kv_offset), blocks, str(device), compile,
-                             tensors=(key_padding, extra_mask))
+                             tensors=(key_padding, extra_mask, row_shift))
             hash(key)
         except TypeError:  # an unhashable spec: no caching
             key = None
         if key is not None and key in _CACHE:
             _CACHE.move_to_end(key)
             return _CACHE[key][0]
-    mask_mod = spec_mask_mod(spec, q_offset, kv_offset, key_padding, extra_mask, allowed, device)
+    mask_mod = spec_mask_mod(spec, q_offset, kv_offset, key_padding, extra_mask, allowed, device, row_shift)
     mb, mh = _mask_extent(mask_mod, B, H, device)
     make = _compiled(create_block_mask, device) if compile else create_block_mask
     block_mask = make(mask_mod, mb, mh, Tq, Tk, device=device, BLOCK_SIZE=blocks)
     if key is not None:
-        _CACHE[key] = (block_mask, key_padding, extra_mask)
+        _CACHE[key] = (block_mask, key_padding, extra_mask, row_shift)
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return block_mask
@@ -288,7 +292,7 @@ def flex_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                            s_aux: torch.Tensor | None = None, enable_gqa: bool = True,
                            extra_mask: Callable | None = None, attn_mask: torch.Tensor | None = None,
                            block_mask: BlockMask | None = None, block_size: int | tuple[int, int] = 128,
-                           return_lse: bool = False, compiled: bool | None = None):
+                           return_lse: bool = False, compiled: bool | None = None, row_shift=None):
     """`tiled_attention`'s contract on flex_attention: q (B, H, Tq, d), k (B, G, Tk, d), v (B, G, Tk, dv)
     -> out (B, H, Tq, dv) in q's dtype (and with `return_lse` the fp32 log-sum-exp (B, H, Tq), sink
     included). Fully masked rows give 0 and lse -inf (with a sink: 0 and lse = s_aux).
@@ -299,7 +303,7 @@ def flex_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     `cpu_compiled_problem()` found compiled flex right on this processor (compiled CPU flex has given wrong
     results on some processors, torch 2.13); else, and where the lse is needed (s_aux or return_lse: compiled
     CPU flex cannot return it), it is refused with one line. Flex has no backward on CPU: a call there that
-    needs gradients is refused with one line."""
+    needs gradients is refused with one line. `row_shift` (B,) as in `tiled_attention`."""
     blocks = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
     check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, *blocks)  # the tiled kernel's checks
     H = q.shape[1]
@@ -321,11 +325,11 @@ def flex_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             raise ValueError(f"compiled flex_attention gives wrong results on this CPU ({problem}); pass "
                              "compiled=None (eager flex) or use tiled_attention")
     return _flex(q, k, v, scale, spec, q_offset, kv_offset, key_padding, softcap, s_aux, enable_gqa, extra_mask,
-                 attn_mask, block_mask, block_size, return_lse, bool(compiled))
+                 attn_mask, block_mask, block_size, return_lse, bool(compiled), row_shift)
 
 
 def _flex(q, k, v, scale, spec, q_offset, kv_offset, key_padding, softcap, s_aux, enable_gqa, extra_mask, attn_mask,
-          block_mask, block_size, return_lse, compiled: bool):
+          block_mask, block_size, return_lse, compiled: bool, row_shift=None):
     """`flex_attention_forward` once its inputs are checked and the kernel chosen."""
     B, H, Tq, _ = q.shape
     G, Tk = k.shape[1], k.shape[2]
@@ -338,7 +342,7 @@ def _flex(q, k, v, scale, spec, q_offset, kv_offset, key_padding, softcap, s_aux
             bias = torch.where(dense_allowed(attn_mask), attn_mask, 0)
     if block_mask is None:
         block_mask = block_mask_for(spec, B, H, Tq, Tk, q_offset, kv_offset, key_padding, block_size, q.device,
-                                    extra_mask=extra_mask, attn_mask=attn_mask)
+                                    extra_mask=extra_mask, attn_mask=attn_mask, row_shift=row_shift)
     if not enable_gqa and G != H:
         k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)  # (B, H, Tk, d|dv)
     kernel = _compiled(flex_attention, q.device) if compiled else flex_attention

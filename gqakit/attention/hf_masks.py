@@ -36,9 +36,11 @@ class TiledMask:
     causal: bool = True  # False: the model's mask may let a query see later keys (encoders, or_masks overlays)
     window: int | None = None  # the model's mask provably allows only dist < window (its sliding_window layers)
     window_only: bool = False  # the model's mask is exactly causal (or bidirectional) & dist < window
-    # some row has padding before a real token (left padding): its tokens' positions are not their columns, so a
-    # pattern anchored at absolute positions (sinks, global tokens, fixed blocks) would land on its pads
-    shifted_rows: bool = False
+    # (B,) leading pads per row where some row is left-padded: its token at column c sits at position c - shift,
+    # where a pattern anchored at positions (sinks, global tokens, fixed blocks) must be placed (not on its pads)
+    row_shift: torch.Tensor | None = None
+    # some row has padding between two of its real tokens: no one shift gives its tokens' positions
+    gapped_rows: bool = False
 
 
 def _causal_bounded(fn: Callable, depth: int = 0) -> bool:
@@ -132,13 +134,12 @@ def gqakit_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
     if config is not None and uses_alibi(config):  # from_pretrained(attn_implementation="gqakit_*") skips use()
         raise AttentionOptionError(f"{config.model_type} adds ALiBi position biases, which gqakit attention does not "
                                    "implement; load it with attn_implementation='sdpa' or 'eager'")
-    key_padding, shifted = None, False
+    key_padding, shift, gapped = None, None, False
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         pad = kv_offset + kv_length - attention_mask.shape[-1]
         padded = torch.nn.functional.pad(attention_mask, (0, pad), value=True) if pad > 0 else attention_mask
         key_padding = padded[:, kv_offset : kv_offset + kv_length].bool()
-        real = attention_mask.bool()
-        shifted = bool((~real[:, :-1] & real[:, 1:]).any())  # a pad column before a real one
+        shift, gapped = _row_shift(attention_mask.bool())
     if mask_function is causal_mask_function:
         causal, model_mask = True, None
     elif mask_function is bidirectional_mask_function:  # encoders (BERT), or config.is_causal=False
@@ -149,5 +150,15 @@ def gqakit_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
         back, both = _window_bounds(mask_function)
         window = back if causal else both
         return TiledMask(int(q_offset), int(kv_offset), key_padding, model_mask, causal, window,
-                         window is not None and _window_only(mask_function), shifted)
-    return TiledMask(int(q_offset), int(kv_offset), key_padding, model_mask, causal, shifted_rows=shifted)
+                         window is not None and _window_only(mask_function), shift, gapped)
+    return TiledMask(int(q_offset), int(kv_offset), key_padding, model_mask, causal, row_shift=shift,
+                     gapped_rows=gapped)
+
+
+def _row_shift(real: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """(row_shift, gapped) of a 2-D padding mask (B, L), True = real token: each row's leading pads where some row
+    has any (else None), and whether some row has pads between real tokens (one host sync)."""
+    starts = real & ~torch.nn.functional.pad(real[:, :-1], (1, 0), value=False)  # first column of a run of reals
+    leading = torch.where(real.any(dim=1), real.int().argmax(dim=1), 0)  # a row of pads only: 0 (it sees nothing)
+    gapped, shifted = (bool(x) for x in torch.stack([(starts.sum(dim=1) > 1).any(), (leading > 0).any()]).tolist())
+    return (leading if shifted else None), gapped

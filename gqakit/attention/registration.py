@@ -147,11 +147,11 @@ def _make_attention(kind: str):
         spec, model_mask = layer_spec(pattern, options, module, query.shape[1], mask, causal,
                                       kwargs.get("sliding_window") if attention_mask is None else None)
         anchored = next(filter(None, (one.anchored for one in (spec if isinstance(spec, tuple) else (spec,)))), None)
-        if anchored and mask.shifted_rows:
+        if anchored and mask.gapped_rows:
             raise AttentionOptionError(
-                f"{type(module).__name__}: attention kind '{kind}' places {anchored} at absolute positions, but a row "
-                "of this batch is left-padded, where they would fall on its padding; pad on the right (or run the "
-                "rows one at a time)")
+                f"{type(module).__name__}: attention kind '{kind}' places {anchored} at positions, but a row of this "
+                "batch has padding between its tokens, so its tokens' positions are unknown; pad on the left or the "
+                "right only (or run the rows one at a time)")
         extra = _and(model_mask, _document_mask(module, query, key, mask, kwargs))
         s_aux = kwargs.get("s_aux")
         if s_aux is not None and tuple(s_aux.shape) != (query.shape[1],):
@@ -163,6 +163,7 @@ def _make_attention(kind: str):
                 query, key, value, scale=scale, spec=spec, q_offset=mask.q_offset,
                 kv_offset=mask.kv_offset, key_padding=mask.key_padding, extra_mask=extra, attn_mask=dense,
                 softcap=kwargs.get("softcap"), s_aux=s_aux, block_q=options["block_q"], block_k=options["block_k"],
+                row_shift=mask.row_shift if anchored else None,  # distances do not move with a row's shift
             )  # (B, H, Tq, dv)
         except ValueError as e:  # shapes that do not fit (e.g. a caller's mask): one line, as for options
             raise AttentionOptionError(f"{type(module).__name__}: {e}") from None

@@ -84,7 +84,8 @@ class _Tiles:
                  key_padding: torch.Tensor | None, extra_mask: Callable | None,
                  block_q: int, block_k: int, device: torch.device, *,
                  attn_mask: torch.Tensor | None = None, softcap: float | None = None,
-                 q_positions: torch.Tensor | None = None, span_k: int | None = SPAN_K):
+                 q_positions: torch.Tensor | None = None, span_k: int | None = SPAN_K,
+                 row_shift: torch.Tensor | None = None):
         self.specs = list(dict.fromkeys(row_specs))  # distinct specs, in row order
         # row j of a position uses specs[row_of[j]]; None: one spec for all rows
         self.row_of = [self.specs.index(s) for s in row_specs] if len(self.specs) > 1 else None
@@ -94,6 +95,10 @@ class _Tiles:
         # query i sits at q_offset + i, or at q_positions[i] (non-decreasing: the patterns' gathered layouts)
         self.q_positions = None if q_positions is None else q_positions.to(device)
         qp = None if q_positions is None else q_positions.tolist()
+        # batch row b's query / key at column c sits at position c - row_shift[b] for the specs (left padding);
+        # a block is visited if it holds an allowed entry for some row, and full only if it is full for every row
+        self.row_shift = None if row_shift is None else row_shift.to(device=device, dtype=torch.long)
+        shifts = [0] if row_shift is None else sorted(set(self.row_shift.tolist()))
         padded_full = [True] * math.ceil(Tk / block_k)
         if key_padding is not None:  # which key blocks hold no padding at all (one host sync)
             pad = -Tk % block_k
@@ -105,8 +110,9 @@ class _Tiles:
         for q0 in range(0, Tq, block_q):
             q1 = min(q0 + block_q, Tq)
             a_lo, a_hi = (q0 + q_offset, q1 + q_offset) if qp is None else (qp[q0], qp[q1 - 1] + 1)
-            starts = sorted({a for spec in self.specs
-                             for a, _ in spec.kv_block_ranges(a_lo, a_hi, kv_offset, kv_offset + Tk, block_k)})
+            starts = sorted({a + t for spec in self.specs for t in shifts
+                             for a, _ in spec.kv_block_ranges(a_lo - t, a_hi - t, kv_offset - t, kv_offset + Tk - t,
+                                                              block_k)})
             blocks = []
             for a0 in starts:
                 k0 = a0 - kv_offset
@@ -114,7 +120,8 @@ class _Tiles:
                 if live is not None and not live[q0 // block_q][k0 // block_k]:
                     continue  # the caller's mask allows nothing here
                 full = (extra_mask is None and attn_mask is None and padded_full[k0 // block_k]
-                        and all(spec.block_is_full(a_lo, a_hi, a0, k1 + kv_offset) for spec in self.specs))
+                        and all(spec.block_is_full(a_lo - t, a_hi - t, a0 - t, k1 + kv_offset - t)
+                                for spec in self.specs for t in shifts))
                 blocks.append((k0, k1, not full))
             self.plan.append((q0, q1, blocks))
         # what the loops run: contiguous visited blocks of the same kind (full / masked) fused into one segment
@@ -179,11 +186,15 @@ class _Tiles:
         else:
             qpos = self.q_positions[q0:q1]
         kpos = torch.arange(k0 + self.kv_offset, k1 + self.kv_offset, device=self.device)
+        if self.row_shift is None:
+            masks = [spec.mask(qpos, kpos)[None] for spec in self.specs]  # each (1, bq, bk)
+        else:  # each row's positions: (B, bq, 1) against (B, 1, bk)
+            rq, rk = (pos[None, :] - self.row_shift[:, None] for pos in (qpos, kpos))
+            masks = [spec.allowed(rq[:, :, None], rk[:, None, :]) for spec in self.specs]  # each (B, bq, bk)
         if self.row_of is None:
-            tile = self.specs[0].mask(qpos, kpos)[None, :, None]  # (1, bq, 1, bk)
+            tile = masks[0][:, :, None]  # (B|1, bq, 1, bk)
         else:
-            per_spec = torch.stack([spec.mask(qpos, kpos) for spec in self.specs])  # (n, bq, bk)
-            tile = per_spec[self.row_of].transpose(0, 1)[None]  # (1, bq, r, bk)
+            tile = torch.stack(masks)[self.row_of].permute(1, 2, 0, 3)  # (r, B|1, bq, bk) -> (B|1, bq, r, bk)
         if self.key_padding is not None:
             tile = tile & self.key_padding[:, None, None, k0:k1]  # (B, bq, r|1, bk)
         if self.extra_mask is not None:  # transformers' 4-D index convention, as in sdpa_mask
@@ -391,7 +402,8 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
                     key_padding: torch.Tensor | None = None, extra_mask: Callable | None = None,
                     block_q: int = 128, block_k: int = 128, return_lse: bool = False,
                     attn_mask: torch.Tensor | None = None, softcap: float | None = None,
-                    s_aux: torch.Tensor | None = None, factorised: bool = True, span_k: int | None = SPAN_K):
+                    s_aux: torch.Tensor | None = None, factorised: bool = True, span_k: int | None = SPAN_K,
+                    row_shift: torch.Tensor | None = None):
     """Exact attention softmax(cap(q k^T * scale) + mask [, s_aux]) v, computed tile by tile.
 
     q (B, H, Tq, d); k (B, G, Tk, d); v (B, G, Tk, dv) with G dividing H (never repeated). Query i
@@ -415,26 +427,35 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     give 0 and lse -inf (with a sink: 0 and lse = s_aux). Differentiable in q, k, v and s_aux. `span_k` caps
     the keys of one fused step: adjacent visited blocks of the same kind run as one matmul of up to block_q x
     span_k scores (None: no cap; block_k: one block per step); the result does not depend on it beyond rounding.
+    `row_shift` (B,) integers put batch row b's query and key at column c at position c - row_shift[b] for `spec`
+    (a left-padded row's leading pads: its sinks, global tokens and blocks then sit on its own tokens); `q_offset`,
+    `kv_offset`, `extra_mask` and `attn_mask` stay on columns. Distances do not change, so only patterns anchored
+    at positions need it.
     """
     check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k, span_k)
     Tq, Tk = q.shape[2], k.shape[2]
+    if row_shift is not None and tuple(row_shift.shape) != (q.shape[0],):
+        raise ValueError(f"row_shift has shape {tuple(row_shift.shape)}; expected one integer per batch row, "
+                         f"({q.shape[0]},)")
     if key_padding is not None:
         key_padding = key_padding.to(device=q.device, dtype=torch.bool)
     run = functools.partial(_run, scale=float(scale), block_q=block_q, block_k=block_k, softcap=softcap,
                             span_k=span_k)
     outs, lses, order = [], [], []
     for heads, groups, rows in _classes(spec, q.shape[1], k.shape[1], Tq, Tk, q_offset, kv_offset, block_q, block_k,
-                                        factorised and extra_mask is None and attn_mask is None):
+                                        factorised and extra_mask is None and attn_mask is None
+                                        and row_shift is None):
         part = _slice(heads, groups, q=q, k=k, v=v, s_aux=s_aux, attn_mask=attn_mask)
         pieces = None
-        if factorised and extra_mask is None and part["attn_mask"] is None and len(set(rows)) == 1:
+        if (factorised and extra_mask is None and part["attn_mask"] is None and row_shift is None
+                and len(set(rows)) == 1):
             pieces = patterns.factorised_pieces(rows[0])
         if pieces:  # a Sparse Transformer pattern, in its own layouts
             out, lse = patterns.run_pieces(pieces, part["q"], part["k"], part["v"], part["s_aux"], q_offset, kv_offset,
                                            key_padding, run)
         else:
             out, lse = run(part["q"], part["k"], part["v"], rows, q_offset, kv_offset, key_padding, s_aux=part["s_aux"],
-                           extra_mask=extra_mask, attn_mask=part["attn_mask"])
+                           extra_mask=extra_mask, attn_mask=part["attn_mask"], row_shift=row_shift)
         outs.append(out)
         lses.append(lse)
         order.append(heads)
@@ -443,10 +464,11 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
 
 
 def _run(q, k, v, rows, q_offset, kv_offset, key_padding, *, scale, block_q, block_k, softcap=None, s_aux=None,
-         extra_mask=None, attn_mask=None, q_positions=None, span_k=SPAN_K):
+         extra_mask=None, attn_mask=None, q_positions=None, span_k=SPAN_K, row_shift=None):
     """One call of the kernel: every query head of q on `rows` (one spec, or one per row of a group)."""
     tiles = _make_tiles(q, k, v, rows, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k,
-                        attn_mask=attn_mask, softcap=softcap, q_positions=q_positions, span_k=span_k)
+                        attn_mask=attn_mask, softcap=softcap, q_positions=q_positions, span_k=span_k,
+                        row_shift=row_shift)
     return _TiledAttention.apply(q, k, v, s_aux, scale, tiles)
 
 
@@ -658,7 +680,7 @@ def check_attn_mask(attn_mask: torch.Tensor, B: int, H: int, Tq: int, Tk: int) -
 
 
 def _make_tiles(q, k, v, rows, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k, *,
-                attn_mask=None, softcap=None, q_positions=None, span_k=SPAN_K) -> _Tiles:
+                attn_mask=None, softcap=None, q_positions=None, span_k=SPAN_K, row_shift=None) -> _Tiles:
     """The block plan of one class of heads (shapes already checked); `rows`: a MaskSpec or r row specs."""
     rows = (rows,) if isinstance(rows, MaskSpec) else tuple(rows)
     B, _, Tq, _ = q.shape
@@ -669,4 +691,4 @@ def _make_tiles(q, k, v, rows, q_offset, kv_offset, key_padding, extra_mask, blo
         attn_mask = attn_mask.to(device=q.device).expand(*attn_mask.shape[:2], Tq, Tk)  # a view, no copy
     return _Tiles(rows, B, Tq, Tk, q_offset, kv_offset, key_padding, extra_mask, block_q, block_k, q.device,
                   attn_mask=attn_mask, softcap=None if softcap is None else float(softcap), q_positions=q_positions,
-                  span_k=span_k)
+                  span_k=span_k, row_shift=row_shift)

@@ -146,27 +146,6 @@ def test_generate_after_use_sinks_equals_plain_attention_over_the_same_sink_cach
     assert (torch.stack(plain.scores) - torch.stack(want.scores)).abs().max() > 1e-3
 
 
-def test_patterns_at_absolute_positions_refuse_left_padded_rows():
-    """Sinks, global tokens and the fixed pattern's blocks sit at positions that a left-padded row has shifted onto
-    its pads: refused in one line; right padding and patterns of distances only (a window) run."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**SMALL, max_position_embeddings=256)
-    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
-    left = torch.ones(2, 12, dtype=torch.long)
-    left[1, :5] = 0
-    right = left.flip(-1)
-    for kind, options in (("sinks", dict(sinks=2, window=4)), ("sliding", dict(window=4, global_tokens=[0])),
-                          ("sparse", dict(pattern="fixed", stride=4, summary=1))):
-        model = use(transformers.AutoModelForCausalLM.from_config(cfg).eval(), kind, **options)
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=right)
-            with pytest.raises(GqakitError, match="left-padded.*pad on the right"):
-                model(input_ids=ids, attention_mask=left)
-    model = use(transformers.AutoModelForCausalLM.from_config(cfg).eval(), "sliding", window=4, dilation=2)
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=left)
-
-
 def test_sparse_indexer_models_and_arguments_are_refused():
     """DeepSeek sparse attention picks keys per query from the mask tensor (`indices`): refused at use(), and the
     argument itself in the kernel."""

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
 H, G = 4, 2
 # name -> (spec, extras): extras are softcap, s_aux, padding (left-padded rows, one with fully masked queries),
-# decode (a chunk of queries at the end of a longer cache), attn_mask (a caller's additive 4-D mask)
+# decode (a chunk of queries at the end of a longer cache), attn_mask (a caller's additive 4-D mask), shift (the
+# padded row's positions start at its first real token: `row_shift`, for patterns anchored at positions)
 CASES = {
     "causal": (MaskSpec(), {}),
     "bidirectional": (MaskSpec(causal=False), {}),
@@ -48,6 +49,8 @@ CASES = {
     "decode": (MaskSpec(window=24, sinks=2), {"decode": 5}),
     "decode-plain": (MaskSpec(), {"decode": 5}),
     "attn_mask": (MaskSpec(), {"attn_mask": True}),
+    "left-padded-sinks": (MaskSpec(window=24, sinks=4), {"padding": True, "shift": True}),
+    "left-padded-fixed": (patterns.fixed(16, 4), {"padding": True, "shift": True}),
 }
 BACKENDS = ("sdpa", "flex", "tiled")
 
@@ -66,7 +69,8 @@ def inputs(case: str, device: str, dtype: torch.dtype) -> dict:
     make = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
     x = {"q": make(B, H, Tq, d), "k": make(B, G, Tk, d), "v": make(B, G, Tk, d), "dout": make(B, H, Tq, d),
          "spec": spec, "q_offset": Tk - Tq, "scale": d ** -0.5, "softcap": extras.get("softcap"),
-         "s_aux": make(H) if extras.get("s_aux") else None, "key_padding": None, "attn_mask": None}
+         "s_aux": make(H) if extras.get("s_aux") else None, "key_padding": None, "attn_mask": None,
+         "row_shift": torch.tensor([0, Tk // 3], device=device) if extras.get("shift") else None}
     if extras.get("padding"):
         pad = torch.ones(B, Tk, dtype=torch.bool)
         pad[1, : Tk // 3] = False  # row 1 left-padded: its first Tk // 3 queries see no key at all
@@ -82,7 +86,9 @@ def allowed(x: dict) -> torch.Tensor:
     """The dense (B, H|1, Tq, Tk) pattern of a case, on its device."""
     q, k = x["q"], x["k"]
     q_pos = torch.arange(x["q_offset"], x["q_offset"] + q.shape[2], device=q.device)
-    mask = patterns.dense_mask(x["spec"], q_pos, torch.arange(k.shape[2], device=q.device))[None]  # (1, H|1, Tq, Tk)
+    k_pos = torch.arange(k.shape[2], device=q.device)
+    shifts = [0] if x["row_shift"] is None else x["row_shift"].tolist()  # one mask for all rows, or one per row
+    mask = torch.stack([patterns.dense_mask(x["spec"], q_pos - t, k_pos - t) for t in shifts])  # (B|1, H|1, Tq, Tk)
     if x["key_padding"] is not None:
         mask = mask & x["key_padding"][:, None, None, :]
     if x["attn_mask"] is not None:
@@ -120,7 +126,7 @@ def kernel(x: dict, backend: str, q, k, v, s_aux) -> torch.Tensor:
     return attention_forward(q, k, v, scale=x["scale"], spec=x["spec"], q_offset=x["q_offset"],
                              key_padding=x["key_padding"], attn_mask=x["attn_mask"], softcap=x["softcap"],
                              s_aux=s_aux, block_q=sizes(q.device.type)["block"], block_k=sizes(q.device.type)["block"],
-                             backend=backend)
+                             backend=backend, row_shift=x["row_shift"])
 
 
 def run(fn, x: dict, dtype: torch.dtype, grads: bool) -> list[torch.Tensor]:
@@ -187,7 +193,7 @@ def test_packed_documents_through_the_registered_function(device, dtype):
             .transpose(1, 2)
 
     x = {"q": q, "k": k, "v": v, "dout": dout, "s_aux": None, "scale": d ** -0.5, "softcap": None,
-         "attn_mask": None, "key_padding": None, "q_offset": 0, "spec": MaskSpec()}
+         "attn_mask": None, "key_padding": None, "q_offset": 0, "spec": MaskSpec(), "row_shift": None}
     want = run(lambda x, q, k, v, s: eager_reference(q, k, v, x["scale"], same[None, None])[0], x, torch.float64, True)
     got = run(fn, x, dtype, True)
     for name, w, o in zip(("out", "dq", "dk", "dv"), want, got):

@@ -426,8 +426,7 @@ def test_a_warmup_longer_than_the_run_is_named(tiny, tmp_path, capsys, warmup, w
     (dict(distill_weight=0.9), "distill_weight=0.9 needs a teacher"),
     (dict(teacher="MODEL", distill_weight=0.0), "distill_weight=0 gives the teacher no part in the loss"),
     (dict(text_column="body"), "text_column=body names a column of .jsonl / .json / .parquet data"),
-    (dict(eval_fraction=0.0, eval_every=1), "eval_every=1 reads held-out data, but the recipe holds none"),
-    (dict(eval_fraction=0.0, eval_sequences=4), "eval_sequences=4 reads held-out data, but the recipe holds none"),
+    (dict(eval_fraction=0.0, eval_every=1), "eval_every=1 evaluates held-out data, but the recipe holds none"),
     (dict(eval_data=["TEXT"], eval_fraction=0.1), "eval_fraction=0.1 holds out part of data, but eval_data is given"),
 ])
 def test_a_recipe_key_that_would_change_nothing_is_refused(tiny, tmp_path, fields, needle):
