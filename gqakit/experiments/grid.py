@@ -10,6 +10,9 @@ and score again.
 Each finished cell is a JSON file under OUTPUT/cells/ named by G, method, alpha and distillation, so an
 interrupted grid picks up where it stopped and added methods add cells without touching finished ones;
 the table (results.md/.csv/.json) and the plot (gqa_paper.png) are rewritten from all cells at the end.
+Cells are reused only under the settings they were made with (OUTPUT/grid.json: every key but those that
+pick cells, and the size and time of the model's weights, eval_text and calibration); other settings are
+refused in one line, and `force=true` starts the grid over.
 Ainslie et al. (2023), Fig. 4-5, expect: mean > first > random before and after uptraining, GQA usable
 at alpha = 0 while MQA needs uptraining, and most of the gap recovered by alpha = 0.05.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import time
@@ -51,6 +55,7 @@ class GridConfig:
     seed: int = option(0, at_least=0)
     calibration: str | None = None  # method fit's calibration text or dataset (convert-gqa --calibration)
     calibration_tokens: int | None = option(None, above=0)  # None = convert-gqa's default
+    force: bool = False  # start over: delete OUTPUT's cells and models, made under other settings
 
     def __post_init__(self):
         check_fields(self)
@@ -67,6 +72,50 @@ class GridConfig:
             raise GqakitError(f"calibration is used only by method {need}; drop it, or add {need} to methods")
         if self.calibration_tokens is not None and self.calibration is None:
             raise GqakitError("calibration_tokens needs calibration; set calibration, or drop calibration_tokens")
+
+
+# keys that pick which cells run or which files stay; every other key changes the numbers of every cell
+SELECTION = ("output_dir", "groups", "methods", "alphas", "mqa_alphas", "distill", "mha_control", "keep_models",
+             "force")
+
+
+# keys that only the methods that calibrate read (fit): they may change while no such cell or model exists
+CALIBRATION = ("calibration", "calibration_tokens", "calibration_file")
+
+
+def _stats(*files: Path) -> dict:
+    return {str(f): [st.st_size, st.st_mtime_ns] for f in files for st in [os.stat(f)]}
+
+
+def _settings(cfg: GridConfig) -> dict:
+    """What the cells' numbers depend on: the grid's keys less SELECTION, and [size, mtime_ns] of the input
+    files (the model's config and weights and eval_text; a calibration file), so edited inputs count as changed."""
+    inputs = _stats(Path(cfg.model, "config.json"), *sorted(Path(cfg.model).glob("*.safetensors")), Path(cfg.eval_text))
+    calibration = cfg.calibration is not None and Path(cfg.calibration).is_file()
+    return {**{k: v for k, v in to_dict(cfg).items() if k not in SELECTION}, "input_files": inputs,
+            "calibration_file": _stats(Path(cfg.calibration)) if calibration else None}
+
+
+def _claim(cfg: GridConfig, out: Path) -> None:
+    """Refuse to reuse cells (or kept models) made under other settings, whose numbers would be reported under
+    these; with force, delete them. Then record these settings in OUTPUT/grid.json."""
+    record, cells, models = out / "grid.json", out / "cells", out / "models"
+    now = _settings(cfg)
+    if cfg.force:
+        for folder in (cells, models):
+            shutil.rmtree(folder, ignore_errors=True)
+    elif record.is_file() and any(p.is_dir() and any(p.iterdir()) for p in (cells, models)):
+        before = json.loads(record.read_text())
+        calibrated = any(next(cells.glob(f"*-{m}-*.json"), None) or next(models.glob(f"*/{m}"), None)
+                         for m in methods.NEED_CALIBRATION)
+        changed = sorted(k for k in now if k in before and before[k] != now[k] and (calibrated or k not in CALIBRATION))
+        if changed:
+            raise GqakitError(f"{out} holds cells made with other {', '.join(changed)}; their numbers would be "
+                              "reported under these settings. Choose another output_dir, or pass force=true to "
+                              "start the grid over")
+    cells.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({**to_dict(cfg), **{k: now[k] for k in ("input_files", "calibration_file")}},
+                                 indent=2) + "\n")
 
 
 def _cells(cfg: GridConfig) -> list[dict]:
@@ -183,8 +232,7 @@ def run_grid(cfg: GridConfig) -> list[dict]:
     _check(cfg)
     out = Path(cfg.output_dir)
     cells_dir, work = out / "cells", out / "models"
-    cells_dir.mkdir(parents=True, exist_ok=True)
-    (out / "grid.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    _claim(cfg, out)
     ids = _eval_ids(cfg, AutoTokenizer.from_pretrained(cfg.model))
     rows, mha_ppl = [], None
     for cell in _cells(cfg):

@@ -78,6 +78,25 @@ def test_grid_adds_aligned_and_fit_rows_and_keeps_finished_cells(tmp_path):
     assert json.loads((tmp_path / "grid" / "grid.json").read_text())["calibration"] == str(calibration)
 
 
+def test_cells_made_with_other_settings_are_refused_not_reported_under_these(tmp_path):
+    """A finished cell is reused only under the settings it was made with: another eval_tokens (or an edited eval
+    text) would report old numbers under the new settings. Refused in one line; force=true starts over."""
+    model = make_uptrain_model(tmp_path / "mha", kv_heads=4, pretraining_tokens=3_200)
+    text = make_text(tmp_path / "eval.txt")
+    first = run_grid(from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean"])))
+    with pytest.raises(GqakitError, match=r"holds cells made with other eval_tokens; .* pass force=true"):
+        run_grid(from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean"], eval_tokens=128)))
+    text.write_text(text.read_text() + " More text.")
+    with pytest.raises(GqakitError, match="holds cells made with other input_files"):
+        run_grid(from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean"])))
+    again = run_grid(from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean"], eval_tokens=128,
+                                                      force=True)))
+    assert [r["name"] for r in again] == ["mha", "gqa2-mean-a0"]
+    assert again[0]["perplexity"] != first[0]["perplexity"]  # scored again on 128 tokens, not read back
+    assert run_grid(from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean"], eval_tokens=128))) \
+        == again  # the same settings: the cells are read back
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"methods": ["mean", "fit"]}, "method fit needs calibration data"),
     ({"methods": ["mean", "aligned"], "calibration": "cal.txt"}, "calibration is used only by method fit"),
