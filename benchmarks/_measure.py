@@ -58,8 +58,11 @@ def mib(nbytes: float) -> str:
 
 
 def median_p90(times: list[float]) -> tuple[float, float]:
-    """The median and the 90th percentile (the lower sample at 0.9 of the sorted list) of timed steps."""
-    return statistics.median(times), sorted(times)[int(0.9 * (len(times) - 1))]
+    """The median and the 90th percentile (linear between the samples around it, `statistics.quantiles`'
+    inclusive method) of timed steps."""
+    if len(times) < 2:
+        return times[0], times[0]
+    return statistics.median(times), statistics.quantiles(times, n=10, method="inclusive")[8]
 
 
 def cache_bytes(layers) -> int:

@@ -5,8 +5,8 @@ under transformers' quantized caches (`gqakit eval ppl --kv-cache dense|fp8|int4
 each cache really holds (measured from its tensors, scales and full-precision residual included). For every cache
 kind this runs one `gqakit eval ppl` over all models (the whole text by default, disjoint windows, a bootstrap
 interval per row), reads its results.json, and prints one markdown table sorted by bytes, each row's interval and
-whether it overlaps the best row's at no more bytes; `--plot` writes one PNG (perplexity against bytes per token,
-one marker per cache kind, one colour per model).
+how it compares with the best row at no more bytes (overlaps it, better or worse beyond both intervals); `--plot`
+writes one PNG (perplexity against bytes per token, one marker per cache kind, one colour per model).
 
     python benchmarks/kv_tradeoff.py gqakit/assets/austen-mha-8h runs/austen-mqa --text gqakit/assets/heldout_emma.txt
 """
@@ -63,19 +63,28 @@ def from_reports(reports: list[str]) -> list[dict]:
     return rows
 
 
+def versus_cheaper(r: dict, best: dict | None) -> str:
+    """Row `r` against `best`, the best row listed before it at no more bytes: "" (none), "overlaps MODEL CACHE"
+    (the intervals overlap: the two cannot be told apart on this text), "better" (r's interval lies wholly below:
+    r buys its bytes) or "worse" (wholly above: a cheaper row beats it)."""
+    if best is None:
+        return ""
+    if r["ppl_ci_high"] < best["ppl_ci_low"]:
+        return "better"
+    if r["ppl_ci_low"] > best["ppl_ci_high"]:
+        return "worse"
+    return f"overlaps {best['model']} {best['cache']}"
+
+
 def table(rows: list[dict]) -> str:
-    """Rows by measured bytes per token; a row whose interval overlaps that of the best row at no more bytes
-    says so (the two cannot be told apart on this text)."""
+    """Rows by measured bytes per token, each against the best row at no more bytes (`versus_cheaper`)."""
     rows = sorted(rows, key=lambda r: (r["kv_bytes_held_per_token"], r["perplexity"]))
     lines = ["| model | K/V heads | cache | bytes/token held | vs the first model dense | perplexity | 95% interval "
-             "| overlaps a row at no more bytes |", "|---|---|---|---|---|---|---|---|"]
+             "| vs the best row at no more bytes |", "|---|---|---|---|---|---|---|---|"]
     base = next((r for r in rows if r["cache"] == "dense" and r["first"]), None)  # the reference's dense row
     for i, r in enumerate(rows):
         cheaper = [o for o in rows[:i] if o["kv_bytes_held_per_token"] <= r["kv_bytes_held_per_token"]]
-        best = min(cheaper, key=lambda o: o["perplexity"], default=None)
-        overlap = ("" if best is None else
-                   f"{best['model']} {best['cache']}" if best["ppl_ci_low"] <= r["ppl_ci_high"]
-                   and r["ppl_ci_low"] <= best["ppl_ci_high"] else "no")
+        overlap = versus_cheaper(r, min(cheaper, key=lambda o: o["perplexity"], default=None))
         ratio = f"{base['kv_bytes_held_per_token'] / r['kv_bytes_held_per_token']:.1f}x fewer" if base else ""
         lines.append(f"| {r['model']} | {r['kv_heads']} | {r['cache']} | {r['kv_bytes_held_per_token']:,.0f} | {ratio} "
                      f"| {r['perplexity']:.2f} | {r['ppl_ci_low']:.2f}-{r['ppl_ci_high']:.2f} | {overlap} |")

@@ -20,7 +20,10 @@ The commands it runs (from the repository root; `convert-gqa`/`gqakit` are the v
         output_dir=runs/merge-uptrain/TAG/gG-M eval_every=1 progress=false [--set key=value ...]
 
 Outputs that exist already are reused (a finished conversion, a finished run; an interrupted run
-resumes from its checkpoint), so rerunning the same command continues where it stopped.
+resumes from its checkpoint), so rerunning the same command continues where it stopped. Each output
+records what made it (OUT.made.json: the convert arguments; the recipe, its text's hash, the overrides and
+the model); one made otherwise (other --method-args, another --recipe) is refused, naming the folder,
+rather than reported under this command's labels.
 
     OMP_NUM_THREADS=1 python benchmarks/merge_uptrain.py --groups 2 1
     OMP_NUM_THREADS=1 python benchmarks/merge_uptrain.py --groups 2 1 --set alpha=0.10   # a second budget
@@ -30,6 +33,7 @@ resumes from its checkpoint), so rerunning the same command continues where it s
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import shlex
@@ -60,16 +64,34 @@ def run_logged(cmd: list[str], log: Path) -> float:
     return seconds
 
 
+def made_before(out: str, finished: str, made: dict) -> bool:
+    """Whether `out` holds a finished output (its file `finished` exists) made by `made`; exits, naming the folder
+    and the fix, when it was made otherwise (or by a version of this script that did not record it). Records
+    `made` beside a folder that is about to be made (OUT.made.json, outside it: the tools refuse foreign files)."""
+    record = ROOT / f"{out}.made.json"
+    if not (ROOT / out / finished).is_file():
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(made, indent=2) + "\n")
+        return False
+    before = json.loads(record.read_text()) if record.is_file() else None
+    if before != made:
+        sys.exit(f"{out} was made {'by ' + json.dumps(before) if before else 'without a record of how'}, not by "
+                 f"{json.dumps(made)}; remove it, or give this command its own --runs / --tag")
+    return True
+
+
 def convert(groups: int, method: str, extra: list[str], runs: Path) -> tuple[str, float | None]:
     out = f"{runs}/convert/g{groups}-{method}"
-    if (ROOT / out / "config.json").is_file():  # convert-gqa writes its folder atomically
+    if made_before(out, "config.json", {"groups": groups, "method": method, "args": extra}):  # written atomically
         return out, None
     cmd = [str(BIN / "convert-gqa"), "--groups", str(groups), "--method", method, *extra, SOURCE, "-o", out, "-q"]
     return out, run_logged(cmd, ROOT / f"{out}.log")
 
 
 def uptrain(model: str, out: str, overrides: list[str], recipe: str) -> float | None:
-    if (ROOT / out / "uptraining.json").is_file():  # written last: the run finished
+    text = hashlib.sha256((ROOT / recipe).read_bytes()).hexdigest()[:16]
+    if made_before(out, "uptraining.json",  # written last: the run finished
+                   {"recipe": recipe, "recipe_sha256": text, "model": model, "overrides": overrides}):
         return None
     cmd = [str(BIN / "gqakit"), "uptrain", recipe, f"model={model}", f"output_dir={out}", *overrides]
     return run_logged(cmd, ROOT / f"{out}.log")  # beside the run folder: uptrain refuses foreign files in it

@@ -113,8 +113,9 @@ def main(argv=None) -> int:
 
     command = command_line(__file__, argv)
     print(f"## Uptraining from each conversion start\n\n`{command}`\n")
+    scored = f", its first {args.max_tokens:,} tokens" if args.max_tokens else ""
     print(f"{model} -> {args.groups} K/V head(s); perplexity by `gqakit eval ppl` on `{args.eval_text}` "
-          f"({args.max_length}-token windows); uptraining: `{args.recipe}` with steps={args.steps}.\n")
+          f"({args.max_length}-token windows{scored}); uptraining: `{args.recipe}` with steps={args.steps}.\n")
     print("| start | conversion s | perplexity, converted | uptraining s | perplexity, uptrained |")
     print("|---|---|---|---|---|")
     for method, r in rows.items():

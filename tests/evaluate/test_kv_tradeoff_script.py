@@ -53,3 +53,19 @@ def test_a_missing_or_broken_report_is_one_line(tmp_path):
     broken.write_text("{not json")
     done = tradeoff("--reports", str(broken))
     assert done.returncode != 0 and "is not JSON" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_each_row_is_set_against_the_best_row_at_no_more_bytes():
+    """"better" (this row's interval wholly below the best cheaper row's: it buys its bytes), "worse" (wholly above)
+    and "overlaps" (cannot be told apart) are three verdicts; a single "no" read as both better and worse."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from kv_tradeoff import table
+
+    def row(model, held, ppl, low, high):
+        return {"model": model, "kv_heads": 1, "cache": "dense", "kv_bytes_held_per_token": held, "perplexity": ppl,
+                "ppl_ci_low": low, "ppl_ci_high": high, "first": model == "a"}
+
+    rows = [row("a", 100, 50.0, 48.0, 52.0), row("b", 200, 30.0, 29.0, 31.0), row("c", 300, 60.0, 58.0, 62.0),
+            row("d", 400, 30.5, 29.5, 31.5)]
+    verdicts = {line.split(" | ")[0][2:]: line.rsplit("|", 2)[1].strip() for line in table(rows).splitlines()[2:]}
+    assert verdicts == {"a": "", "b": "better", "c": "worse", "d": "overlaps b dense"}
