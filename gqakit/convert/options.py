@@ -30,7 +30,7 @@ class TransferOptions:
                          help="transfer: which merged projections are trained, K/V only or also Q and O")
     steps: int = option(600, remember=True,
                         help="transfer: most training steps per layer, of about 1,024 tokens each (2 windows of "
-                             "512); held-out windows stop it earlier")
+                             "512); with --transfer-patience, held-out windows stop it earlier")
     lr: float = 0.05  # relative: each trained tensor's step size is lr x its RMS at the start (scale-free)
     step_tokens: int = 1024  # tokens per step: max(1, step_tokens // window) windows (2 windows of 512)
     warmup: float = 0.1  # fraction of `steps`
@@ -76,20 +76,20 @@ class ConvertConfig:
     model_dir: str = option(flag="MODEL_DIR", help="Hugging Face checkpoint folder (config.json + safetensors)")
     groups: int = option(flag="-g/--groups", help="number of K/V heads after conversion (1 = MQA)")
     output_dir: str | None = option(None, flag="-o/--output-dir", help="output folder",
-                                    default_text="MODEL_DIR-gqaG, or MODEL_DIR-mqa for G=1")
+                                    default_text="MODEL_DIR-gqaG, MODEL_DIR-mqa for G=1, MODEL_DIR-mla for --to mla")
     method: str = option("mean", choices=methods.NAMES,
                          help="how to merge each group's K/V heads: " + "; ".join(
                              f"{m.name}: {m.help}" for m in methods.METHODS.values()) + "; see docs/convert.md")
     dtype: str = option("auto", choices=dtypes.WITH_AUTO, default_text="keep each tensor's dtype",
                         help="dtype of the output weights")
-    seed: int = option(0, help="seed for --method random and transfer")
+    seed: int = option(0, help="seed for --method random, transfer, and the model's own calibration samples")
     max_shard_size: str = option("5GB", help="largest output shard")
     force: bool = option(False, help="replace an existing output folder")
     dry_run: bool = option(False, help="print the plan and write nothing")
     progress: bool = option(True, flag="-q/--quiet", invert=True, help="no progress bar")
     grouping: str | None = option(None, choices=methods.GROUPINGS, default_text="similarity",
-                                  help="aligned/fit: which K/V heads share a group: neighbours, or the most similar "
-                                       "heads (q_proj/o_proj permuted to match)")
+                                  help="aligned/fit/transfer: which K/V heads share a group: neighbours, or the most "
+                                       "similar heads (q_proj/o_proj permuted to match)")
     calibration: str | None = option(None, metavar="DATA",
                                      help="aligned/fit/transfer: text (.txt) or dataset (.jsonl/.json/.parquet file or "
                                           "folder) whose activations weight the merge, streamed layer by layer; fit "
@@ -194,6 +194,9 @@ def check_options(cfg: ConvertConfig) -> None:
         if ignored:
             raise GqakitError(f"{opt(ignored[0])} needs {opt('calibration', 'DATA')}; pass the calibration data or "
                               f"drop {opt(ignored[0])}")
+    if "text_column" in given and cfg.calibration is not None and str(cfg.calibration).lower().endswith(".txt"):
+        raise GqakitError(f"{opt('text_column')} names a column of .jsonl / .json / .parquet calibration data, and "
+                          f"{opt('calibration', cfg.calibration)} is a text file; drop {opt('text_column')}")
     for name in ("calibration_tokens", "calibration_window"):
         value = getattr(cfg, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gqakit.common.devices import check_device
+from gqakit.common.errors import GqakitError, opt
 from gqakit.convert import methods
 from gqakit.convert.layer_share import Share, check_share, launched_share
 from gqakit.convert.options import ConvertConfig, calibration_tokens, check_options, transfer_options
@@ -38,6 +39,9 @@ def prepare(cfg: ConvertConfig, share: Share = Share()):
                      cfg.kv_rank, cfg.rope_dim, cfg.bias_free)
     if plan.rehosted is not None:  # from here on the checkpoint is the target class's
         config, tensors = plan.rehosted.config, plan.rehosted.tensors
+    if cfg.grouping is not None and plan.groups == 1:  # (G >= K merges nothing: refused with the method)
+        raise GqakitError(f"{opt('grouping')} picks which of the {plan.num_key_value_heads} K/V heads share a group, "
+                          f"and at {opt('groups', 1)} one group holds them all; drop {opt('grouping')}")
     if not cfg.dry_run:
         check_output(model_dir, out, cfg.force)
     calibration = None

@@ -53,7 +53,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 
     Each leaf sets `func(args, command)`, the convention of `gqakit.cli`, and `options`, its dataclass.
     """
-    ev = subparsers.add_parser("eval", help="perplexity, long-context fluency, passkey retrieval (with reports)",
+    ev = subparsers.add_parser("eval", help="perplexity, long-context fluency, passkey and needle retrieval "
+                                            "(with reports)",
                                description="Evaluate models; every run writes JSON, CSV and a plot.")
     sub = ev.add_subparsers(dest="eval_command", required=True, metavar="{ppl,stream,passkey,niah}")
     for name, cls, run, what in (

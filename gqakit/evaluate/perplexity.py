@@ -214,6 +214,9 @@ def _check(cfg: PplConfig) -> None:
     if cfg.target_column is not None and cfg.dataset is None:
         raise GqakitError(f"{opt('target_column')} reads the input/target rows of a {opt('dataset')}; pass "
                           f"{opt('dataset', 'FILE.jsonl')}")
+    if cfg.target_column is not None and cfg.text is not None:
+        raise GqakitError(f"{opt('target_column')} scores the input/target rows of {opt('dataset')} alone, so "
+                          f"{opt('text')} would be read nowhere; drop {opt('text')}")
     if cfg.target_column is not None and cfg.max_tokens:
         raise GqakitError(f"{opt('target_column')} scores every row of the dataset; drop {opt('max_tokens')}")
 

@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gqakit.common.errors import GqakitError, opt
+from gqakit.common.options import options_given
 from gqakit.evaluate.options import StreamConfig, check_text_column
 from gqakit.hf.architectures.latent import is_latent
 from gqakit.decode.stream_cache import ChunkedSinkCache
@@ -208,6 +209,12 @@ def _check(cfg: StreamConfig) -> tuple[str, ...]:
     if cfg.recompute_every is not None and "recompute" not in policies:
         raise GqakitError(f"{opt('recompute_every')} is how often {opt('policies', 'recompute')} rebuilds; add it "
                           f"to {opt('policies')} or drop {opt('recompute_every')}")
+    given = options_given(cfg)
+    for name, readers in (("sinks", ("sinks",)), ("window", ("window", "sinks", "recompute")),
+                          ("fluent_within", ("recompute",))):
+        if name in given and not set(readers) & set(policies):
+            raise GqakitError(f"{opt(name)} is read by {opt('policies', ' / '.join(readers))} only, and none of "
+                              f"them runs; add one to {opt('policies')} or drop {opt(name)}")
     if not cfg.fluent_within > 0:
         raise GqakitError(f"{opt('fluent_within')} must be > 0 (a fraction, e.g. 0.1 for 10%), got "
                           f"{cfg.fluent_within}")

@@ -220,11 +220,20 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
         raise GqakitError("distill_weight=0 gives the teacher no part in the loss, yet it would be loaded and run; "
                           "drop teacher, or give distill_weight a share (e.g. 0.5)")
     _check_held_out(cfg, given)
-    if "text_column" in given:
+    if cfg.warmup_steps > 0 and "warmup_fraction" in given:
+        raise GqakitError(f"warmup_fraction={cfg.warmup_fraction} is read only when warmup_steps is 0, and it is "
+                          f"{cfg.warmup_steps}; drop one of them")
+    if "text_column" in given or "num_proc" in given or "cache_dir" in given:
         from gqakit.uptrain.data.sources import refuse_unread_text_column, resolve_source
 
-        refuse_unread_text_column([resolve_source(d) for d in cfg.data], f"text_column={cfg.text_column}",
-                                  "text_column")
+        if "text_column" in given:
+            refuse_unread_text_column([resolve_source(d) for d in cfg.data], f"text_column={cfg.text_column}",
+                                      "text_column")
+        tokenised = all(resolve_source(d).kind == "cache" for d in (*cfg.data, *cfg.eval_data))
+        for key in ("num_proc", "cache_dir"):
+            if key in given and tokenised:
+                raise GqakitError(f"{key}={getattr(cfg, key)} is for tokenising raw data, and every data and "
+                                  f"eval_data entry is a token cache already; drop {key}")
     if cfg.teacher is not None:
         from gqakit.hf.folder import model_folder
 

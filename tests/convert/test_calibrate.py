@@ -254,6 +254,8 @@ def test_bad_calibration_input_is_refused_in_one_line(tmp_path):
     out = str(tmp_path / "out")
     cases = [
         ((str(src), "--method", "fit", "--text-column", "body"), ("--text-column needs --calibration",)),
+        ((str(src), "--method", "fit", "--calibration", str(TEXT), "--text-column", "body"),
+         ("is a text file; drop --text-column",)),
         ((str(src), "--method", "mean", "--calibration", str(TEXT)), ("--calibration is used only by",)),
         ((str(src), "--method", "aligned", "--calibration-tokens", "4096"),
          ("--calibration-tokens needs --calibration",)),

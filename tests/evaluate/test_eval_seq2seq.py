@@ -125,6 +125,7 @@ def test_targets_given_inputs_from_jsonl_rows(t5, tmp_path):
 @pytest.mark.parametrize("argv, needle", [
     (["--text", "TEXT", "--target-column", "target"], "pass --dataset"),
     (["--dataset", "DATA", "--target-column", "target", "--max-tokens", "10"], "drop --max-tokens"),
+    (["--dataset", "DATA", "--target-column", "target", "--text", "TEXT"], "--text would be read nowhere; drop --text"),
     (["--dataset", "DATA", "--target-column", "answer"], "no column 'answer'"),
     (["--dataset", "DATA", "--target-column", "target", "--max-length", "4"], "raise --max-length"),
 ])

@@ -168,6 +168,9 @@ def test_cli_compares_policies_with_a_verdict(files):
     (["--chunk", 0], "--chunk must be at least 1"),
     (["--policy", "dense", "--recompute-every", 8], "--recompute-every is how often --policy recompute rebuilds"),
     (["--text-column", "body"], "--text-column names a column of a --dataset"),
+    (["--policy", "window", "--sinks", 8], "--sinks is read by --policy sinks only, and none of them runs"),
+    (["--policy", "dense", "--window", 16], "--window is read by --policy window / sinks / recompute only"),
+    (["--policy", "sinks", "--fluent-within", 0.5], "--fluent-within is read by --policy recompute only"),
 ])
 def test_bad_input_is_one_line(files, argv, needle):
     code, out, err = run_eval("stream", files["model"], "--text", files["text"], "--tokens", 100, *argv, "-q",

@@ -335,6 +335,13 @@ def test_uptrain_trains_on_a_token_cache(files, tmp_path, capsys):
     err = _one_line_error(capsys, ["uptrain", str(recipe)])
     assert "text_column=body names a column of" in err and "the data are .txt files and token caches" in err
     assert not (tmp_path / "run3").exists()
+    for key, value in (("num_proc", 2), ("cache_dir", str(tmp_path / "elsewhere"))):  # caches only: nothing to tokenise
+        recipe = write_recipe(tmp_path / "r4.yaml", model=str(model), data=[str(tokens)], eval_data=[str(held)],
+                              output_dir=str(tmp_path / "run4"), steps=1, seq_len=16, **{key: value})
+        capsys.readouterr()
+        err = _one_line_error(capsys, ["uptrain", str(recipe)])
+        assert f"{key}={value} is for tokenising raw data, and every data and eval_data entry is a token cache" in err
+    assert not (tmp_path / "run4").exists() and not (tmp_path / "elsewhere").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
     recipe = write_recipe(tmp_path / "r2.yaml", model=str(model), data=[str(empty)], output_dir=str(tmp_path / "run2"),

@@ -427,6 +427,7 @@ def test_a_warmup_longer_than_the_run_is_named(tiny, tmp_path, capsys, warmup, w
     (dict(teacher="MODEL", distill_weight=0.0), "distill_weight=0 gives the teacher no part in the loss"),
     (dict(text_column="body"), "text_column=body names a column of .jsonl / .json / .parquet data"),
     (dict(eval_fraction=0.0, eval_every=1), "eval_every=1 evaluates held-out data, but the recipe holds none"),
+    (dict(warmup_steps=2, warmup_fraction=0.2), "warmup_fraction=0.2 is read only when warmup_steps is 0"),
     (dict(eval_data=["TEXT"], eval_fraction=0.1), "eval_fraction=0.1 holds out part of data, but eval_data is given"),
 ])
 def test_a_recipe_key_that_would_change_nothing_is_refused(tiny, tmp_path, fields, needle):
