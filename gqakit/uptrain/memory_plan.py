@@ -446,6 +446,9 @@ def format_plan(plan: MemoryPlan) -> str:
 
 def describe_memory_plan(cfg: UptrainConfig, processes: int | None = None) -> str:
     """`gqakit uptrain RECIPE --plan`: the table for `processes` (default the recipe's num_processes, or 1)."""
+    if processes is not None and cfg.num_processes is not None and processes != cfg.num_processes:
+        raise GqakitError(f"--processes {processes} plans a launch that the recipe's num_processes={cfg.num_processes} "
+                          f"refuses; plan --processes {cfg.num_processes}, or override num_processes={processes}")
     world = processes if processes is not None else cfg.num_processes or 1
     memory, source = resolve_device_memory(None, cfg)
     return format_plan(plan_memory(cfg, world, memory, source))
