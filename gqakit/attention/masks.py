@@ -3,7 +3,7 @@
 A `MaskSpec` is a pure description on ABSOLUTE positions (a query at position q, a key at position k):
 
     allowed(q, k) = own(q, k) | any(part.allowed(q, k) for part in parts)
-    own(q, k)     = causal_ok & (local_ok | k < sinks | k in global_tokens | q in global_tokens)
+    own(q, k)     = causal_ok & (local_ok | 0 <= k < sinks | k in global_tokens | q in global_tokens)
 
     causal_ok = k <= q                                   (True when not causal)
     local_ok  = dist < window  and  dist % dilation == 0  (dist = q - k; |q - k| when not causal)
@@ -165,8 +165,8 @@ class MaskSpec:
         if self.summary is not None:
             l, c = self.summary
             local = local & (k % l >= l - c)
-        if self.sinks:
-            local = local | (k < self.sinks)
+        if self.sinks:  # the first `sinks` positions (a left-padded row's pads, at negative positions, are none)
+            local = local | ((k >= 0) & (k < self.sinks))
         if self.global_tokens:
             local = local | self._is_global(k) | self._is_global(q)
         return local & (k <= q) if self.causal else local
@@ -269,8 +269,8 @@ class MaskSpec:
 
     def _touches(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         """Exact: does this atom allow some (q, k) in [q0, q1) x [k0, k1)? (non-empty ranges)"""
-        if self.sinks and k0 < self.sinks and (not self.causal or k0 <= q1 - 1):
-            return True
+        if self.sinks and k0 < self.sinks and k1 > 0 and (not self.causal or max(k0, 0) <= q1 - 1):
+            return True  # sinks are keys 0 <= k < sinks
         for g in self.global_tokens:
             if k0 <= g < k1 and (not self.causal or g <= q1 - 1):
                 return True
@@ -304,7 +304,7 @@ class MaskSpec:
     def _full(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         if self.causal and k1 - 1 > q0:  # some key is later than some query
             return False
-        if k1 <= self.sinks:
+        if self.sinks and k0 >= 0 and k1 <= self.sinks:
             return True
         n = len(self.global_tokens)  # every query (or every key) of the block global: all allowed
         if (q1 - q0 <= n and all(q in self.global_tokens for q in range(q0, q1))) or \

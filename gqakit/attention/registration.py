@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from gqakit.attention import patterns
 from gqakit.attention.flex import attention_forward
 from gqakit.attention.hf_masks import TiledMask, gqakit_mask, uses_alibi
-from gqakit.attention.masks import AttentionOptionError, MaskSpec, dropout_refusal
+from gqakit.attention.masks import AttentionOptionError, MaskSpec, dense_allowed, dropout_refusal
 from gqakit.attention.options import mask_spec, normalise_options, stored_options
 from gqakit.attention.kinds import CONFIG_KEY, DEFAULT, KINDS, adds_position_bias, position_bias_refusal
 from gqakit.common.errors import opt
@@ -147,6 +147,11 @@ def _make_attention(kind: str):
         spec, model_mask = layer_spec(pattern, options, module, query.shape[1], mask, causal,
                                       kwargs.get("sliding_window") if attention_mask is None else None)
         anchored = next(filter(None, (one.anchored for one in (spec if isinstance(spec, tuple) else (spec,)))), None)
+        if anchored and dense is not None and bool((~dense_allowed(dense[..., :1])).flatten(1).all(dim=1).any()):
+            raise AttentionOptionError(
+                f"{type(module).__name__}: attention kind '{kind}' places {anchored} at positions, and this call's 4-D "
+                "mask hides a row's first column from every query (left padding?), which leaves the row's positions "
+                "unknown; pass a 2-D attention_mask (each row's pads then shift its positions)")
         if anchored and mask.gapped_rows:
             raise AttentionOptionError(
                 f"{type(module).__name__}: attention kind '{kind}' places {anchored} at positions, but a row of this "

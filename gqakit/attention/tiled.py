@@ -434,9 +434,10 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     """
     check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k, span_k)
     Tq, Tk = q.shape[2], k.shape[2]
-    if row_shift is not None and tuple(row_shift.shape) != (q.shape[0],):
-        raise ValueError(f"row_shift has shape {tuple(row_shift.shape)}; expected one integer per batch row, "
-                         f"({q.shape[0]},)")
+    if row_shift is not None and (tuple(row_shift.shape) != (q.shape[0],) or row_shift.is_floating_point()
+                                  or row_shift.dtype == torch.bool or bool((row_shift < 0).any())):
+        raise ValueError(f"row_shift has shape {tuple(row_shift.shape)} and dtype {row_shift.dtype}; expected one "
+                         f"integer >= 0 per batch row (its leading pads), ({q.shape[0]},)")
     if key_padding is not None:
         key_padding = key_padding.to(device=q.device, dtype=torch.bool)
     run = functools.partial(_run, scale=float(scale), block_q=block_q, block_k=block_k, softcap=softcap,

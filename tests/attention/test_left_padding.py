@@ -107,10 +107,11 @@ def test_flex_places_anchors_per_row_as_the_tiled_kernel(name):
     assert _err(out, ref) < 1e-5
 
 
-def test_row_shift_of_the_wrong_shape_is_refused():
+def test_a_row_shift_that_is_not_leading_pads_is_refused():
     q, k, v, shift, padding = _batch()
-    with pytest.raises(ValueError, match=r"row_shift has shape \(3,\); expected one integer per batch row, \(4,\)"):
-        tiled_attention(q, k, v, scale=0.4, spec=SPECS["sinks"], key_padding=padding, row_shift=shift[:3])
+    for bad in (shift[:3], shift.float(), -shift):
+        with pytest.raises(ValueError, match=r"row_shift has shape .*; expected one integer >= 0 per batch row"):
+            tiled_attention(q, k, v, scale=0.4, spec=SPECS["sinks"], key_padding=padding, row_shift=bad)
 
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -160,3 +161,40 @@ def test_rows_with_padding_between_their_tokens_are_refused_with_anchored_patter
     model = use(transformers.AutoModelForCausalLM.from_config(cfg).eval(), "sliding", window=4, dilation=2)
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=ids, attention_mask=gapped).logits).all()
+
+
+@pytest.mark.parametrize("spec", [MaskSpec(dilation=5), MaskSpec(causal=False, sinks=1, window=2), SPECS["sinks"],
+                                  SPECS["fixed"], SPECS["chunk"]], ids=["dilation", "sink-encoder", "sinks", "fixed",
+                                                                         "chunk"])
+def test_keys_before_a_rows_start_are_planned_exactly_without_key_padding(spec):
+    """Called directly with a shift and no key padding, the keys before a row's start sit at negative positions:
+    they are no sinks (0 <= k < sinks), and the block planner neither skips them where the rule allows them nor
+    calls a block of them full where it does not (a review found 0.3-3.4 off here: `_full` took a block at
+    k <= 0 as sinks with sinks=0, `_spans` left out allowed negative keys)."""
+    assert not MaskSpec(dilation=5).block_is_full(-1, 2, -1, 0)
+    q, k, v, shift, _ = _batch(Tq=12, Tk=12)
+    shift = torch.tensor([0, 6, 3, 11])
+    everything = torch.ones(4, 12, dtype=torch.bool)
+    with torch.no_grad():
+        for block in (1, 3, 4):
+            out = tiled_attention(q, k, v, scale=0.4, spec=spec, row_shift=shift, block_q=block, block_k=block)
+            ref, _ = eager_reference(q.double(), k.double(), v.double(), 0.4,
+                                     shifted_mask(spec, shift, everything, 12, 0))
+            assert _err(out, ref) < 1e-5, block
+
+
+def test_a_callers_4d_mask_that_hides_a_rows_start_is_refused_with_anchored_patterns():
+    """A 4-D mask reaches the kernel as a tensor, which says nothing of where a row's tokens start: with a row's
+    first column hidden from every query (left padding) anchored patterns are refused, not placed on its pads
+    (0.07-0.21 logits off before); an unpadded 4-D mask runs."""
+    model = use(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY)).eval(), "sinks",
+                sinks=2, window=4)
+    ids = torch.randint(3, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    causal = torch.ones(10, 10, dtype=torch.bool).tril()
+    padded = causal[None, None].repeat(2, 1, 1, 1)
+    padded[1, :, :, :3] = False
+    with torch.no_grad():
+        with pytest.raises(GqakitError, match="hides a row's first column from every query.*pass a 2-D attention_mask"):
+            model(input_ids=ids, attention_mask=padded)
+        full = model(input_ids=ids, attention_mask=causal[None, None].repeat(2, 1, 1, 1)).logits
+        torch.testing.assert_close(full, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
