@@ -64,9 +64,9 @@ def run_logged(cmd: list[str], log: Path) -> float:
     return seconds
 
 
-def made_before(out: str, finished: str, made: dict) -> bool:
+def made_before(out: str, finished: str, made: dict, fix: str) -> bool:
     """Whether `out` holds a finished output (its file `finished` exists) made by `made`; exits, naming the folder
-    and the fix, when it was made otherwise (or by a version of this script that did not record it). Records
+    and `fix`, when it was made otherwise (or by a version of this script that did not record it). Records
     `made` beside a folder that is about to be made (OUT.made.json, outside it: the tools refuse foreign files)."""
     record = ROOT / f"{out}.made.json"
     if not (ROOT / out / finished).is_file():
@@ -76,13 +76,14 @@ def made_before(out: str, finished: str, made: dict) -> bool:
     before = json.loads(record.read_text()) if record.is_file() else None
     if before != made:
         sys.exit(f"{out} was made {'by ' + json.dumps(before) if before else 'without a record of how'}, not by "
-                 f"{json.dumps(made)}; remove it, or give this command its own --runs / --tag")
+                 f"{json.dumps(made)}; {fix}")
     return True
 
 
 def convert(groups: int, method: str, extra: list[str], runs: Path) -> tuple[str, float | None]:
     out = f"{runs}/convert/g{groups}-{method}"
-    if made_before(out, "config.json", {"groups": groups, "method": method, "args": extra}):  # written atomically
+    if made_before(out, "config.json", {"groups": groups, "method": method, "args": extra},  # written atomically
+                   "remove it and the runs trained from it, or give this command its own --runs"):
         return out, None
     cmd = [str(BIN / "convert-gqa"), "--groups", str(groups), "--method", method, *extra, SOURCE, "-o", out, "-q"]
     return out, run_logged(cmd, ROOT / f"{out}.log")
@@ -90,8 +91,11 @@ def convert(groups: int, method: str, extra: list[str], runs: Path) -> tuple[str
 
 def uptrain(model: str, out: str, overrides: list[str], recipe: str) -> float | None:
     text = hashlib.sha256((ROOT / recipe).read_bytes()).hexdigest()[:16]
-    if made_before(out, "uptraining.json",  # written last: the run finished
-                   {"recipe": recipe, "recipe_sha256": text, "model": model, "overrides": overrides}):
+    converted = ROOT / f"{model}.made.json"  # how the model was made: a conversion redone otherwise is another start
+    made = {"recipe": recipe, "recipe_sha256": text, "model": model, "overrides": overrides,
+            "model_made": json.loads(converted.read_text()) if converted.is_file() else None}
+    if made_before(out, "uptraining.json", made,  # written last: the run finished
+                   "remove it, or give this command its own --runs or --tag"):
         return None
     cmd = [str(BIN / "gqakit"), "uptrain", recipe, f"model={model}", f"output_dir={out}", *overrides]
     return run_logged(cmd, ROOT / f"{out}.log")  # beside the run folder: uptrain refuses foreign files in it

@@ -210,11 +210,14 @@ def _check(cfg: StreamConfig) -> tuple[str, ...]:
         raise GqakitError(f"{opt('recompute_every')} is how often {opt('policies', 'recompute')} rebuilds; add it "
                           f"to {opt('policies')} or drop {opt('recompute_every')}")
     given = options_given(cfg)
-    for name, readers in (("sinks", ("sinks",)), ("window", ("window", "sinks", "recompute")),
-                          ("fluent_within", ("recompute",))):
+    for name, readers in (("sinks", ("sinks",)), ("window", ("window", "sinks", "recompute"))):
         if name in given and not set(readers) & set(policies):
             raise GqakitError(f"{opt(name)} is read by {opt('policies', ' / '.join(readers))} only, and none of "
                               f"them runs; add one to {opt('policies')} or drop {opt(name)}")
+    if "fluent_within" in given and ("recompute" not in policies or len(policies) < 2):
+        raise GqakitError(f"{opt('fluent_within')} judges another policy against {opt('policies', 'recompute')}, "
+                          f"and {opt('policies', ','.join(policies))} gives no such pair; add both or drop "
+                          f"{opt('fluent_within')}")
     if not cfg.fluent_within > 0:
         raise GqakitError(f"{opt('fluent_within')} must be > 0 (a fraction, e.g. 0.1 for 10%), got "
                           f"{cfg.fluent_within}")

@@ -11,16 +11,16 @@ Each finished cell is a JSON file under OUTPUT/cells/ named by G, method, alpha 
 interrupted grid picks up where it stopped and added methods add cells without touching finished ones;
 the table (results.md/.csv/.json) and the plot (gqa_paper.png) are rewritten from all cells at the end.
 Cells are reused only under the settings they were made with (OUTPUT/grid.json: every key but those that
-pick cells, and the size and time of the model's weights, eval_text and calibration); other settings are
-refused in one line, and `force=true` starts the grid over.
+pick cells or keep files, and the bytes of the model folder, eval_text, calibration and the uptraining data);
+other settings are refused in one line, and `force=true` starts the grid over.
 Ainslie et al. (2023), Fig. 4-5, expect: mean > first > random before and after uptraining, GQA usable
 at alpha = 0 while MQA needs uptraining, and most of the gap recovered by alpha = 0.05.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -79,21 +79,40 @@ SELECTION = ("output_dir", "groups", "methods", "alphas", "mqa_alphas", "distill
              "force")
 
 
-# keys that only the methods that calibrate read (fit): they may change while no such cell or model exists
-CALIBRATION = ("calibration", "calibration_tokens", "calibration_file")
+# what only the methods that calibrate read (fit): it may change while no such cell or model exists
+CALIBRATION = ("calibration_tokens", "calibration_file")
+# uptrain keys that change no number: progress, threads and tokenising, checkpoint bookkeeping
+BOOKKEEPING = ("progress", "threads", "num_proc", "cache_dir", "log_every", "checkpoint_every", "keep_checkpoints",
+               "delete_checkpoints", "force")
 
 
-def _stats(*files: Path) -> dict:
-    return {str(f): [st.st_size, st.st_mtime_ns] for f in files for st in [os.stat(f)]}
+def _digest(path: Path, skip: tuple[str, ...] = ()) -> str:
+    """sha256 of a file's bytes, or of a folder's files (relative names and bytes, sorted; `skip` names left out)."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and p.name not in skip)
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(str(f.relative_to(path) if f != path else f.name).encode() + b"\0")
+        with f.open("rb") as stream:
+            for block in iter(lambda: stream.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def _settings(cfg: GridConfig) -> dict:
-    """What the cells' numbers depend on: the grid's keys less SELECTION, and [size, mtime_ns] of the input
-    files (the model's config and weights and eval_text; a calibration file), so edited inputs count as changed."""
-    inputs = _stats(Path(cfg.model, "config.json"), *sorted(Path(cfg.model).glob("*.safetensors")), Path(cfg.eval_text))
-    calibration = cfg.calibration is not None and Path(cfg.calibration).is_file()
-    return {**{k: v for k, v in to_dict(cfg).items() if k not in SELECTION}, "input_files": inputs,
-            "calibration_file": _stats(Path(cfg.calibration)) if calibration else None}
+    """What the cells' numbers depend on, as JSON would read it back: the grid's keys less SELECTION, the uptrain
+    keys less BOOKKEEPING, and the bytes (not the paths) of the model folder (weights, config, tokenizer,
+    pretraining.json; not its README), eval_text, calibration and the uptrain data files."""
+    inputs = {"model": cfg.model, "eval_text": cfg.eval_text, "calibration": cfg.calibration}
+    settings = {k: v for k, v in to_dict(cfg).items() if k not in (*SELECTION, *inputs)}
+    full = to_dict(from_dict(UptrainConfig, {**cfg.uptrain, "model": cfg.model, "output_dir": cfg.output_dir,
+                                            "alpha": 0.05}, source="uptrain"))  # every key, defaults filled in
+    uptrain = {k: v for k, v in full.items() if k not in (*BOOKKEEPING, "model", "output_dir", "alpha")}
+    for key in ("data", "eval_data"):  # local files by their bytes; hub names as given
+        uptrain[key] = [_digest(Path(d)) if Path(d).exists() else d for d in uptrain.get(key) or ()]
+    settings.update(uptrain=uptrain, model_files=_digest(Path(cfg.model), skip=("README.md",)),
+                    eval_text_file=_digest(Path(cfg.eval_text)),
+                    calibration_file=_digest(Path(cfg.calibration)) if cfg.calibration else None)
+    return json.loads(json.dumps(settings))  # tuples read back as lists
 
 
 def _claim(cfg: GridConfig, out: Path) -> None:
@@ -105,7 +124,7 @@ def _claim(cfg: GridConfig, out: Path) -> None:
         for folder in (cells, models):
             shutil.rmtree(folder, ignore_errors=True)
     elif record.is_file() and any(p.is_dir() and any(p.iterdir()) for p in (cells, models)):
-        before = json.loads(record.read_text())
+        before = json.loads(record.read_text()).get("settings", {})  # none recorded (an older grid): not compared
         calibrated = any(next(cells.glob(f"*-{m}-*.json"), None) or next(models.glob(f"*/{m}"), None)
                          for m in methods.NEED_CALIBRATION)
         changed = sorted(k for k in now if k in before and before[k] != now[k] and (calibrated or k not in CALIBRATION))
@@ -114,8 +133,7 @@ def _claim(cfg: GridConfig, out: Path) -> None:
                               "reported under these settings. Choose another output_dir, or pass force=true to "
                               "start the grid over")
     cells.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({**to_dict(cfg), **{k: now[k] for k in ("input_files", "calibration_file")}},
-                                 indent=2) + "\n")
+    record.write_text(json.dumps({**to_dict(cfg), "settings": now}, indent=2) + "\n")
 
 
 def _cells(cfg: GridConfig) -> list[dict]:

@@ -227,8 +227,8 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
         from gqakit.uptrain.data.sources import refuse_unread_text_column, resolve_source
 
         if "text_column" in given:
-            refuse_unread_text_column([resolve_source(d) for d in cfg.data], f"text_column={cfg.text_column}",
-                                      "text_column")
+            refuse_unread_text_column([resolve_source(d) for d in (*cfg.data, *cfg.eval_data)],
+                                      f"text_column={cfg.text_column}", "text_column")
         tokenised = all(resolve_source(d).kind == "cache" for d in (*cfg.data, *cfg.eval_data))
         for key in ("num_proc", "cache_dir"):
             if key in given and tokenised:
@@ -253,7 +253,7 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
 
 def _check_held_out(cfg: UptrainConfig, given: set) -> None:
     """Held-out keys that the recipe's other keys leave unread are refused, not ignored."""
-    if cfg.eval_data and "eval_fraction" in given:
+    if cfg.eval_data and "eval_fraction" in given and cfg.eval_fraction > 0:  # 0 says "hold nothing out": true
         raise GqakitError(f"eval_fraction={cfg.eval_fraction} holds out part of data, but eval_data is given and is "
                           "held out instead; drop eval_fraction or eval_data")
     if not cfg.eval_data and cfg.eval_fraction == 0 and "eval_every" in given:  # (eval_sequences, a cap, may stay)

@@ -170,7 +170,8 @@ def test_cli_compares_policies_with_a_verdict(files):
     (["--text-column", "body"], "--text-column names a column of a --dataset"),
     (["--policy", "window", "--sinks", 8], "--sinks is read by --policy sinks only, and none of them runs"),
     (["--policy", "dense", "--window", 16], "--window is read by --policy window / sinks / recompute only"),
-    (["--policy", "sinks", "--fluent-within", 0.5], "--fluent-within is read by --policy recompute only"),
+    (["--policy", "sinks", "--fluent-within", 0.5], "--fluent-within judges another policy against --policy recompute"),
+    (["--policy", "recompute", "--fluent-within", 0.5], "--policy recompute gives no such pair"),
 ])
 def test_bad_input_is_one_line(files, argv, needle):
     code, out, err = run_eval("stream", files["model"], "--text", files["text"], "--tokens", 100, *argv, "-q",

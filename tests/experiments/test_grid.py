@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -86,8 +88,17 @@ def test_cells_made_with_other_settings_are_refused_not_reported_under_these(tmp
     first = run_grid(from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean"])))
     with pytest.raises(GqakitError, match=r"holds cells made with other eval_tokens; .* pass force=true"):
         run_grid(from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean"], eval_tokens=128)))
+    same = dict(model=f"./{model.relative_to(Path.cwd())}/" if model.is_relative_to(Path.cwd()) else f"{model}/",
+                uptrain={**_tiny_grid(tmp_path, model, text)["uptrain"], "progress": True, "betas": (0.9, 0.95)})
+    os.utime(model / "config.json")  # touched, not changed: a copy or a checkout does this
+    again = run_grid(from_dict(GridConfig, {**_tiny_grid(tmp_path, model, text, methods=["mean"]), **same}))
+    assert again == first  # the same bytes, another spelling of the path, a tuple, a key that changes no number
+    (model / "pretraining.json").write_text((model / "pretraining.json").read_text().replace("3200", "6400"))
+    with pytest.raises(GqakitError, match="holds cells made with other model_files"):
+        run_grid(from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean"])))
+    (model / "pretraining.json").write_text((model / "pretraining.json").read_text().replace("6400", "3200"))
     text.write_text(text.read_text() + " More text.")
-    with pytest.raises(GqakitError, match="holds cells made with other input_files"):
+    with pytest.raises(GqakitError, match="holds cells made with other eval_text_file"):
         run_grid(from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean"])))
     again = run_grid(from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean"], eval_tokens=128,
                                                       force=True)))

@@ -56,3 +56,18 @@ def test_a_run_is_reused_only_for_the_same_recipe_text_and_overrides(script, tmp
         merge_uptrain.uptrain("m", "runs/t/g2-mean", ["eval_every=1"], "a.yaml")
     assert json.loads((tmp_path / "runs/t/g2-mean.made.json").read_text())["recipe"] == "a.yaml"
     assert len(made) == 1
+
+
+def test_a_run_trained_from_a_conversion_made_otherwise_is_not_reused(script, tmp_path):
+    """Following the advice (remove the conversion, convert again with other arguments) must not leave the run
+    trained from the old conversion to be reported under the new one."""
+    merge_uptrain, made = script
+    model, _ = merge_uptrain.convert(2, "fit", ["--calibration", "a.txt"], Path("runs"))
+    merge_uptrain.uptrain(model, "runs/t/g2-fit", [], "a.yaml")
+    import shutil
+
+    shutil.rmtree(tmp_path / model)
+    model, _ = merge_uptrain.convert(2, "fit", ["--calibration", "b.txt"], Path("runs"))
+    with pytest.raises(SystemExit, match=r"runs/t/g2-fit was made by .*a\.txt.*; remove it"):
+        merge_uptrain.uptrain(model, "runs/t/g2-fit", [], "a.yaml")
+    assert len(made) == 3  # two conversions and one run

@@ -335,6 +335,13 @@ def test_uptrain_trains_on_a_token_cache(files, tmp_path, capsys):
     err = _one_line_error(capsys, ["uptrain", str(recipe)])
     assert "text_column=body names a column of" in err and "the data are .txt files and token caches" in err
     assert not (tmp_path / "run3").exists()
+    rows = tmp_path / "held.jsonl"  # a column that the held-out rows need, beside cached training data: accepted
+    rows.write_text("".join(json.dumps({"body": f"held out row {i}"}) + "\n" for i in range(3)))
+    from gqakit.uptrain.config import check
+
+    check(load_recipe(UptrainConfig, write_recipe(tmp_path / "r5.yaml", model=str(model), data=[str(tokens)],
+                                                   eval_data=[str(rows)], output_dir=str(tmp_path / "run5"), steps=1,
+                                                   seq_len=16, text_column="body", eval_fraction=0.0)))
     for key, value in (("num_proc", 2), ("cache_dir", str(tmp_path / "elsewhere"))):  # caches only: nothing to tokenise
         recipe = write_recipe(tmp_path / "r4.yaml", model=str(model), data=[str(tokens)], eval_data=[str(held)],
                               output_dir=str(tmp_path / "run4"), steps=1, seq_len=16, **{key: value})
