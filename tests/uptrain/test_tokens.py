@@ -82,6 +82,21 @@ def test_text_chunks_cut_at_blank_lines_and_rejoin_to_the_file(files):
     assert all(1000 <= len(c.encode()) <= 4000 for c in chunks[:-1])
 
 
+def test_line_ends_are_read_as_text_mode_reads_them_at_every_cut(files, tmp_path, monkeypatch):
+    """\r\n and a lone \r become \n, as `read_text` (eval ppl, calibration, the in-memory reference) reads them, so
+    training and evaluation see one text; also where a read ends between \r and \n (a CRLF file was tokenised with
+    its \r: +6% tokens on one review's file)."""
+    from gqakit.uptrain.data import sources
+
+    monkeypatch.setattr(sources, "_RUN_SLACK", 1)  # reads of 4 x chunk_bytes + 1 bytes: every parity of cut
+    text = files["a"].read_text(encoding="utf-8")[:6000]
+    mixed = tmp_path / "crlf.txt"
+    mixed.write_bytes(text.replace("\n", "\r\n").encode() + b"old Mac line\rend\r")
+    for chunk_bytes in (5, 6, 64, 1000):
+        assert "".join(text_chunks(mixed, chunk_bytes=chunk_bytes)) == mixed.read_text(encoding="utf-8")
+    assert "\r" not in mixed.read_text(encoding="utf-8")
+
+
 def test_cache_equals_the_in_memory_stream_for_any_number_of_workers(files, tok, tmp_path):
     """Several files of every kind, a .txt cut into ~1 KB pieces, three datasets.map segments: one and
     two workers write the same stream as the in-memory reference, and documents.bin marks its EOSes."""
@@ -100,6 +115,23 @@ def test_cache_equals_the_in_memory_stream_for_any_number_of_workers(files, tok,
         assert np.all(cache.read(0, cache.tokens)[bounds[1:] - 1] == tok.eos_token_id)  # every document ends in EOS
         assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temporary folder left behind
     assert torch.equal(streams[0], expected) and torch.equal(streams[1], expected)
+
+
+def test_a_rows_folder_with_text_files_or_data_subfolders_is_refused(tmp_path):
+    """A rows folder reads its own .jsonl/.json/.parquet files only: .txt files or data in subfolders beside them
+    were left out without a word (a review: every .txt document of a mixed folder dropped)."""
+    folder = tmp_path / "mixed"
+    (folder / "more").mkdir(parents=True)
+    (folder / "a.jsonl").write_text('{"text": "from a jsonl"}\n')
+    (folder / "c.txt").write_text("from c txt\n")
+    with pytest.raises(GqakitError, match=r"holds c\.txt beside its .*rows folder reads only its own row files"):
+        resolve_source(str(folder))
+    (folder / "c.txt").unlink()
+    (folder / "more" / "d.jsonl").write_text('{"text": "from d"}\n')
+    with pytest.raises(GqakitError, match=r"holds more/ beside"):
+        resolve_source(str(folder))
+    (folder / "more" / "d.jsonl").unlink()
+    assert resolve_source(str(folder)).files == (folder / "a.jsonl",)  # an empty subfolder is nothing unread
 
 
 def test_save_to_disk_folder_is_a_source(tok, tmp_path):

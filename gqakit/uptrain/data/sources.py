@@ -79,6 +79,14 @@ def resolve_source(entry: str) -> Source:
                               "and no datasets save_to_disk dataset; point at one of those")
         if kind == "rows":
             files = _row_files(path)
+            unread = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir()
+                            if (p.is_file() and p.suffix.lower() == ".txt") or (p.is_dir() and any(
+                                q.suffix.lower() in (*ROW_SUFFIXES, ".txt") for q in p.rglob("*") if q.is_file())))
+            if unread:
+                more = " ..." if len(unread) > 3 else ""
+                raise GqakitError(f"data folder {entry} holds {', '.join(unread[:3])}{more} beside its .jsonl/.json/"
+                                  ".parquet rows, and a rows folder reads only its own row files; list those as data "
+                                  "entries of their own")
             builders = {ROW_SUFFIXES[p.suffix.lower()] for p in files}
             if len(builders) > 1:
                 raise GqakitError(f"data folder {entry} mixes JSON and parquet files; keep one format per folder")
@@ -141,21 +149,27 @@ def _cut(buf: bytes, chunk_bytes: int, final: bool) -> int:
 
 def text_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES) -> Iterator[str]:
     """A UTF-8 text file in pieces of about `chunk_bytes` (at most 4x), cut as `_cut` says. The pieces
-    depend only on the file and `chunk_bytes`, never on how it is read or how many workers tokenise."""
+    depend only on the file and `chunk_bytes`, never on how it is read or how many workers tokenise. Line
+    ends are read as Python's text mode reads them (\r\n and \r become \n), as `gqakit eval ppl` and the
+    converter read a .txt file, so training and evaluation tokenise the same text."""
     want = 4 * chunk_bytes + _RUN_SLACK
-    offset, buf, final, blank = 0, b"", False, True
+    offset, buf, final, blank, held = 0, b"", False, True, b""
     with open(path, "rb") as f:
         while buf or not final:
             if not final and len(buf) < want:
                 block = f.read(want - len(buf))
                 final = len(block) < want - len(buf)
-                buf += block
+                block, held = held + block, b""
+                if block.endswith(b"\r") and not final:  # its \n may come with the next read
+                    block, held = block[:-1], b"\r"
+                buf += block.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
                 continue
             cut = _cut(buf, chunk_bytes, final)
             try:
                 text = buf[:cut].decode("utf-8")
             except UnicodeDecodeError as e:
-                raise GqakitError(f"{path} is not UTF-8 text (byte {offset + e.start}); convert it to UTF-8") from None
+                raise GqakitError(f"{path} is not UTF-8 text (byte {offset + e.start}, counting a \\r\\n as one); "
+                                  "convert it to UTF-8") from None
             blank = blank and not text.strip()
             yield text
             offset, buf = offset + cut, buf[cut:]

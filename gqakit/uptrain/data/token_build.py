@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from gqakit import __version__
+from gqakit.common import file_locks
 from gqakit.common.atomic import atomic_output, inside
 from gqakit.common.report import counted
 from gqakit.common.errors import GqakitError, opt
@@ -284,15 +285,19 @@ def _locked(path: Path, wait: bool = True):
         yield True
         return
     with open(path, "a") as f:
+        file_locks.hold(f.fileno())  # forked tokenising workers do not keep it (their parent may die first)
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            file_locks.release(f.fileno())
 
 
 def _unusable(files: list[dict]) -> bool:

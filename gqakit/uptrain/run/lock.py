@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from gqakit.common import file_locks
 from gqakit.common.errors import GqakitError
 
 LOCK = "uptrain.lock"
@@ -38,11 +39,12 @@ def _describe(holder: dict) -> str:
 def _acquire(path: Path) -> tuple[int, dict]:
     """(open fd holding the lock, the previous holder's record or {}); refuses while another process holds it."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = file_locks.hold(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))  # not kept by forked children
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(fd)
+            file_locks.release(fd)
             os.close(fd)
             raise GqakitError(f"output_dir {path.parent} is in use by another uptrain run ({_describe(holder)}); "
                               "wait for it to finish or stop it, or choose another output_dir") from None
@@ -52,6 +54,7 @@ def _acquire(path: Path) -> tuple[int, dict]:
             same = False
         if same:  # not a file that its last holder unlinked while we opened it
             return fd, _holder(fd)
+        file_locks.release(fd)
         os.close(fd)
 
 
@@ -74,6 +77,7 @@ def run_lock(out: Path, notice: Callable[[str], None] = print) -> Iterator[None]
     finally:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # before closing: nobody can lock this inode in between and believe it current
+        file_locks.release(fd)
         os.close(fd)
         if created:
             with contextlib.suppress(OSError):
