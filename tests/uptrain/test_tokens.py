@@ -97,6 +97,17 @@ def test_line_ends_are_read_as_text_mode_reads_them_at_every_cut(files, tmp_path
     assert "\r" not in mixed.read_text(encoding="utf-8")
 
 
+def test_a_line_longer_than_four_pieces_is_cut_at_a_space_not_in_a_word(files, tok, tmp_path):
+    """A single 10 kB line with pieces of ~1 kB: cut before a space, so the ids equal the whole line's (cut at a
+    byte count, words were split: 2,661 ids for 2,658, every later position shifted)."""
+    line = tmp_path / "one-line.txt"
+    line.write_text(" ".join(files["a"].read_text(encoding="utf-8").split())[:10_000] + "\n", encoding="utf-8")
+    pieces = list(text_chunks(line, chunk_bytes=1000))
+    assert len(pieces) > 2 and all(p.startswith(" ") for p in pieces[1:])
+    assert [i for p in pieces for i in tok(p, add_special_tokens=False)["input_ids"]] == \
+        tok(line.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+
+
 def test_cache_equals_the_in_memory_stream_for_any_number_of_workers(files, tok, tmp_path):
     """Several files of every kind, a .txt cut into ~1 KB pieces, three datasets.map segments: one and
     two workers write the same stream as the in-memory reference, and documents.bin marks its EOSes."""

@@ -124,9 +124,9 @@ def describe_files(sources: list[Source]) -> list[dict]:
 
 def _cut(buf: bytes, chunk_bytes: int, final: bool) -> int:
     """Where the piece starting at buf[0] ends: the first blank line at or after `chunk_bytes` (else a
-    line break, else a character boundary) before 4 * chunk_bytes. The cut is placed before the last
-    whitespace byte of the run, so the next piece starts with "\\nText": GPT-2-style pre-tokenisers then
-    split both sides exactly as they split the whole file."""
+    line break, else the last space, else a character boundary) before 4 * chunk_bytes. The cut is placed
+    before the last whitespace byte of the run, so the next piece starts with "\\nText" (or " text"):
+    GPT-2-style pre-tokenisers then split both sides exactly as they split the whole file."""
     if final and len(buf) <= chunk_bytes:
         return len(buf)
     hi = min(len(buf), 4 * chunk_bytes)
@@ -141,6 +141,11 @@ def _cut(buf: bytes, chunk_bytes: int, final: bool) -> int:
         return end - 1
     if final and len(buf) <= 4 * chunk_bytes:
         return len(buf)
+    space = max(buf.rfind(b" ", chunk_bytes, hi), buf.rfind(b"\t", chunk_bytes, hi))
+    if space > chunk_bytes:  # no line break in reach: before the last space of a run, as for line breaks
+        while space + 1 < hi and buf[space + 1] in _SPACE:
+            space += 1
+        return space
     cut = hi
     while cut > chunk_bytes and buf[cut] & 0xC0 == 0x80:  # not inside a UTF-8 character
         cut -= 1

@@ -39,7 +39,7 @@ import numpy as np
 from gqakit.common.errors import GqakitError
 
 FORMAT = "gqakit-token-cache"
-VERSION = 2  # 2: .txt line ends read as text mode reads them (\r\n -> \n)
+VERSION = 2  # 2: .txt line ends read as text mode reads them (\r\n -> \n), a long line cut at a space
 HEADER, TOKENS, DOCUMENTS = "header.json", "tokens.bin", "documents.bin"
 CHUNK = 8 << 20  # bytes per read when checksumming
 PROGRESS_ABOVE = 512 << 20  # checksum progress bar for files larger than this
