@@ -305,7 +305,7 @@ def flex_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     CPU flex cannot return it), it is refused with one line. Flex has no backward on CPU: a call there that
     needs gradients is refused with one line. `row_shift` (B,) as in `tiled_attention`."""
     blocks = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
-    check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, *blocks)  # the tiled kernel's checks
+    check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, *blocks, row_shift=row_shift)  # the tiled kernel's
     H = q.shape[1]
     if not hasattr(spec, "mask_function") and len(spec) != H:
         raise ValueError(f"a per-head pattern needs one MaskSpec per query head: got {len(spec)} for {H} heads")

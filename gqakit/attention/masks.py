@@ -129,7 +129,7 @@ class MaskSpec:
     def anchored(self) -> str | None:
         """What of the pattern sits at absolute positions rather than distances (sinks, global tokens, chunk or
         summary blocks), for a message; None where it is all distances (causal, window, dilation)."""
-        for atom in self.atoms():
+        for atom in (self, *self.parts):  # each atom's own fields (no copies: this runs at every layer call)
             if atom.sinks:
                 return f"its {atom.sinks} attention sinks"
             if atom.global_tokens:

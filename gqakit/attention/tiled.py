@@ -432,25 +432,19 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     `kv_offset`, `extra_mask` and `attn_mask` stay on columns. Distances do not change, so only patterns anchored
     at positions need it.
     """
-    check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k, span_k)
+    check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k, span_k, row_shift)
     Tq, Tk = q.shape[2], k.shape[2]
-    if row_shift is not None and (tuple(row_shift.shape) != (q.shape[0],) or row_shift.is_floating_point()
-                                  or row_shift.dtype == torch.bool or bool((row_shift < 0).any())):
-        raise ValueError(f"row_shift has shape {tuple(row_shift.shape)} and dtype {row_shift.dtype}; expected one "
-                         f"integer >= 0 per batch row (its leading pads), ({q.shape[0]},)")
+    # the paper's own layouts need one position per column and nothing but the spec to mask
+    factorised = factorised and extra_mask is None and attn_mask is None and row_shift is None
     if key_padding is not None:
         key_padding = key_padding.to(device=q.device, dtype=torch.bool)
     run = functools.partial(_run, scale=float(scale), block_q=block_q, block_k=block_k, softcap=softcap,
                             span_k=span_k)
     outs, lses, order = [], [], []
     for heads, groups, rows in _classes(spec, q.shape[1], k.shape[1], Tq, Tk, q_offset, kv_offset, block_q, block_k,
-                                        factorised and extra_mask is None and attn_mask is None
-                                        and row_shift is None):
+                                        factorised):
         part = _slice(heads, groups, q=q, k=k, v=v, s_aux=s_aux, attn_mask=attn_mask)
-        pieces = None
-        if (factorised and extra_mask is None and part["attn_mask"] is None and row_shift is None
-                and len(set(rows)) == 1):
-            pieces = patterns.factorised_pieces(rows[0])
+        pieces = patterns.factorised_pieces(rows[0]) if factorised and len(set(rows)) == 1 else None
         if pieces:  # a Sparse Transformer pattern, in its own layouts
             out, lse = patterns.run_pieces(pieces, part["q"], part["k"], part["v"], part["s_aux"], q_offset, kv_offset,
                                            key_padding, run)
@@ -639,7 +633,8 @@ def work(spec: Spec, num_heads: int, num_kv_heads: int, q_len: int, kv_len: int,
     return {"steps": steps, "scores": scores}
 
 
-def check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k, span_k=SPAN_K) -> None:
+def check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block_k, span_k=SPAN_K,
+                 row_shift=None) -> None:
     """Shapes and values, as one-line ValueErrors."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"expected q (B, H, Tq, d), k (B, G, Tk, d) and v (B, G, Tk, dv); got q {tuple(q.shape)}, "
@@ -662,6 +657,10 @@ def check_inputs(q, k, v, key_padding, attn_mask, softcap, s_aux, block_q, block
                          "use softcap=None for no cap")
     if s_aux is not None and tuple(s_aux.shape) != (H,):
         raise ValueError(f"s_aux has shape {tuple(s_aux.shape)}; expected one sink logit per query head, ({H},)")
+    if row_shift is not None and (tuple(row_shift.shape) != (B,) or row_shift.is_floating_point()
+                                  or row_shift.dtype == torch.bool or bool((row_shift < 0).any())):
+        raise ValueError(f"row_shift has shape {tuple(row_shift.shape)} and dtype {row_shift.dtype}; expected one "
+                         f"integer >= 0 per batch row (its leading pads), ({B},)")
     if attn_mask is not None:
         check_attn_mask(attn_mask, B, H, Tq, Tk)
         if attn_mask.requires_grad and torch.is_grad_enabled():

@@ -19,7 +19,6 @@ at alpha = 0 while MQA needs uptraining, and most of the gap recovered by alpha 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import shutil
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from gqakit.common.digest import sha256_of
 from gqakit.common.errors import GqakitError
 from gqakit.common.options import check_fields, option
 from gqakit.common.recipes import from_dict, load_recipe, to_dict
@@ -86,16 +86,10 @@ BOOKKEEPING = ("progress", "threads", "num_proc", "cache_dir", "log_every", "che
                "delete_checkpoints", "force")
 
 
-def _digest(path: Path, skip: tuple[str, ...] = ()) -> str:
-    """sha256 of a file's bytes, or of a folder's files (relative names and bytes, sorted; `skip` names left out)."""
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and p.name not in skip)
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(str(f.relative_to(path) if f != path else f.name).encode() + b"\0")
-        with f.open("rb") as stream:
-            for block in iter(lambda: stream.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
+def _shared_recipe(cfg: GridConfig) -> UptrainConfig:
+    """The uptraining recipe every cell shares, as one cell would run it (a placeholder budget: cells set theirs)."""
+    return from_dict(UptrainConfig, {**cfg.uptrain, "model": cfg.model, "output_dir": cfg.output_dir, "alpha": 0.05},
+                     source="uptrain")
 
 
 def _settings(cfg: GridConfig) -> dict:
@@ -104,14 +98,13 @@ def _settings(cfg: GridConfig) -> dict:
     pretraining.json; not its README), eval_text, calibration and the uptrain data files."""
     inputs = {"model": cfg.model, "eval_text": cfg.eval_text, "calibration": cfg.calibration}
     settings = {k: v for k, v in to_dict(cfg).items() if k not in (*SELECTION, *inputs)}
-    full = to_dict(from_dict(UptrainConfig, {**cfg.uptrain, "model": cfg.model, "output_dir": cfg.output_dir,
-                                            "alpha": 0.05}, source="uptrain"))  # every key, defaults filled in
+    full = to_dict(_shared_recipe(cfg))  # every key, defaults filled in
     uptrain = {k: v for k, v in full.items() if k not in (*BOOKKEEPING, "model", "output_dir", "alpha")}
     for key in ("data", "eval_data"):  # local files by their bytes; hub names as given
-        uptrain[key] = [_digest(Path(d)) if Path(d).exists() else d for d in uptrain.get(key) or ()]
-    settings.update(uptrain=uptrain, model_files=_digest(Path(cfg.model), skip=("README.md",)),
-                    eval_text_file=_digest(Path(cfg.eval_text)),
-                    calibration_file=_digest(Path(cfg.calibration)) if cfg.calibration else None)
+        uptrain[key] = [sha256_of(Path(d)) if Path(d).exists() else d for d in uptrain.get(key) or ()]
+    settings.update(uptrain=uptrain, model_files=sha256_of(Path(cfg.model), skip=("README.md",)),
+                    eval_text_file=sha256_of(Path(cfg.eval_text)),
+                    calibration_file=sha256_of(Path(cfg.calibration)) if cfg.calibration else None)
     return json.loads(json.dumps(settings))  # tuples read back as lists
 
 
@@ -188,9 +181,7 @@ def _check(cfg: GridConfig) -> None:
     if pretraining_tokens(cfg.model) is None:
         raise GqakitError(f"{cfg.model} records no pretraining_tokens (pretraining.json), so alpha has no meaning; "
                           "use a model that records its pretraining budget")
-    probe = from_dict(UptrainConfig, {**cfg.uptrain, "model": cfg.model, "output_dir": cfg.output_dir,
-                                      "alpha": 0.05}, source="uptrain")
-    check(probe)
+    check(_shared_recipe(cfg))
     if not Path(cfg.eval_text).is_file():
         raise GqakitError(f"eval_text {cfg.eval_text} does not exist; fix the path")
     if cfg.calibration is not None and not Path(cfg.calibration).exists():

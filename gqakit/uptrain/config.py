@@ -149,11 +149,19 @@ def resolve_budget(cfg: UptrainConfig, data_parallel: int) -> Budget:
 
 
 def _check_paths(cfg: UptrainConfig) -> None:
+    """The inputs and the output folder, and the data keys that the data's kinds would leave unread."""
     from gqakit.hf.folder import model_folder
-    from gqakit.uptrain.data.sources import resolve_source
+    from gqakit.uptrain.data.sources import refuse_unread_text_column, resolve_source
 
-    for path in (*cfg.data, *cfg.eval_data):
-        resolve_source(path)  # a readable file, a folder of them, a save_to_disk folder, a token cache, or hf:NAME
+    # each a readable file, a folder of them, a save_to_disk folder, a token cache, or hf:NAME
+    sources = [resolve_source(path) for path in (*cfg.data, *cfg.eval_data)]
+    given = options_given(cfg)
+    if "text_column" in given:
+        refuse_unread_text_column(sources, f"text_column={cfg.text_column}", "text_column")
+    for key in ("num_proc", "cache_dir"):
+        if key in given and all(source.kind == "cache" for source in sources):
+            raise GqakitError(f"{key}={getattr(cfg, key)} is for tokenising raw data, and every data and eval_data "
+                              f"entry is a token cache already; drop {key}")
     out = Path(cfg.output_dir)
     if cfg.cache_dir is not None:
         cache = Path(cfg.cache_dir).expanduser()
@@ -223,17 +231,6 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
     if cfg.warmup_steps > 0 and "warmup_fraction" in given:
         raise GqakitError(f"warmup_fraction={cfg.warmup_fraction} is read only when warmup_steps is 0, and it is "
                           f"{cfg.warmup_steps}; drop one of them")
-    if "text_column" in given or "num_proc" in given or "cache_dir" in given:
-        from gqakit.uptrain.data.sources import refuse_unread_text_column, resolve_source
-
-        if "text_column" in given:
-            refuse_unread_text_column([resolve_source(d) for d in (*cfg.data, *cfg.eval_data)],
-                                      f"text_column={cfg.text_column}", "text_column")
-        tokenised = all(resolve_source(d).kind == "cache" for d in (*cfg.data, *cfg.eval_data))
-        for key in ("num_proc", "cache_dir"):
-            if key in given and tokenised:
-                raise GqakitError(f"{key}={getattr(cfg, key)} is for tokenising raw data, and every data and "
-                                  f"eval_data entry is a token cache already; drop {key}")
     if cfg.teacher is not None:
         from gqakit.hf.folder import model_folder
 

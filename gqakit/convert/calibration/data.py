@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from gqakit.common.digest import sha256_of
 from gqakit.common.errors import GqakitError
 from gqakit.common.precision import auto_dtype
 from gqakit.convert.calibration.check import calibration_window, check_ids, heldout_count, read_calibration
@@ -36,16 +37,6 @@ class CalibrationData:
     @property
     def tokens(self) -> int:
         return self.windows.numel()
-
-
-def _file_hash(path: Path) -> str:
-    digest = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    for f in files:
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def load_calibration(path: str, model_dir: Path, config: dict, tokens: int, window: int | None,
@@ -72,7 +63,7 @@ def load_calibration(path: str, model_dir: Path, config: dict, tokens: int, wind
     return CalibrationData(
         path=str(path), windows=windows, heldout=heldout_count(windows.shape[0]),
         sha256=hashlib.sha256(windows.to(torch.int64).numpy().tobytes()).hexdigest(),
-        file_sha256=_file_hash(Path(path)),
+        file_sha256=sha256_of(Path(path)),
     )
 
 
