@@ -45,7 +45,7 @@ def main() -> None:
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
     from gqakit.cli import convert_main
-    from gqakit.hf.compat import cache_kwargs
+    from gqakit.hf.compat import cache_kwargs, output_cache
 
     torch.set_num_threads(2)
     heads = AutoConfig.from_pretrained(args.model).num_heads
@@ -71,7 +71,7 @@ def main() -> None:
                     out = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                          do_sample=False, return_dict_in_generate=True, **cache_kwargs(model, cache))
                 times[g].append(time.perf_counter() - t0)
-                held = out.past_key_values
+                held = output_cache(out)
                 sizes[g] = tuple(cache_bytes(part.layers)
                                  for part in (held.self_attention_cache, held.cross_attention_cache))
                 log(f"repeat {r + 1}: G={g} {times[g][-1]:.2f}s")

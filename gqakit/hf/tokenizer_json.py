@@ -18,7 +18,9 @@ from pathlib import Path
 
 GENERIC = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # transformers' MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS (models/auto/tokenization_auto.py): for these model_types
-# AutoTokenizer builds the registered class whatever tokenizer_config.json names
+# AutoTokenizer builds the registered class whatever tokenizer_config.json names. The union over the releases in our
+# range (5.25 dropped camembertv2-base): a model_type here that the running release does not force only sends its
+# tokenising to transformers (slower, the same ids); one missing here would count with the wrong tokenizer.
 FORCED = frozenset({
     "arctic", "camembertv2-base", "chatlm", "cohere_asr", "ernie4_5", "ernie4_5_moe", "fuyu", "h2ovl_chat",
     "hyperclovax", "hyperclovax_vision_v2", "hyperclovax_vlm", "internlm2", "internlm3", "iquestcoder", "jamba",

@@ -256,20 +256,28 @@ def test_regroup_existing_gqa_llama(tmp_path):
     torch.testing.assert_close(logits(expanded), want, atol=1e-6, rtol=0)
 
 
-def test_falcon_plan_and_card_say_its_runtime_caches_every_head(tmp_path, capsys):
-    """transformers' Falcon broadcasts K/V to every query head before caching (measured here on the converted
-    MQA model), so the plan and the card must say that its own runtime gains no cache memory."""
+def test_falcon_plan_card_and_kv_bytes_say_what_its_cache_holds(tmp_path, capsys):
+    """transformers' Falcon before 5.25 broadcast K/V to every query head before caching; 5.25 caches the K/V heads.
+    The plan and the card say so, and the KV bytes per token eval reports are what the running release's cache
+    holds (measured here on the converted MQA model)."""
+    from gqakit.hf.compat import output_cache, transformers_before
+    from gqakit.hf.loading import kv_bytes_per_token
+
     src = make_model("falcon", tmp_path / "mha")
     capsys.readouterr()
     assert convert_main([str(src), "--groups", "1", "--dry-run"]) == 0
-    assert "keeps the MHA cache size" in capsys.readouterr().out
+    note = "Falcon before 5.25 expands K and V to every query head"
+    assert note in capsys.readouterr().out
     convert(src, tmp_path / "mqa", 1)
-    assert "keeps the MHA cache size" in (tmp_path / "mqa" / "README.md").read_text()
+    assert note in (tmp_path / "mqa" / "README.md").read_text()
     model = load_exact(tmp_path / "mqa")
     assert model.config.num_kv_heads == 1
     with torch.no_grad():
-        cache = model(input_ids=INPUT_IDS, use_cache=True).past_key_values
-    assert cache.layers[0].keys.shape[1] == HEADS  # every query head's copy, not the 1 K/V head
+        cache = output_cache(model(input_ids=INPUT_IDS, use_cache=True))
+    keys = cache.layers[0].keys  # (B, heads, T, d)
+    assert keys.shape[1] == (HEADS if transformers_before("5.25") else 1)
+    held = sum(t[0].numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert kv_bytes_per_token(model.config, torch.float32) == held // INPUT_IDS.shape[1]
 
 
 @pytest.mark.parametrize("family, qk_layernorm", [("stablelm", False), ("phi", True)])

@@ -273,7 +273,8 @@ def test_grouped_bigcode_loads_after_import_gqakit_and_caches_g_heads(source, tm
     assert convert_main([str(path), "--groups", "2", "-o", str(out), "--quiet"]) == 0
     assert "import gqakit" in (out / "README.md").read_text()
     probe = ("import torch; m = transformers.AutoModelForCausalLM.from_pretrained({p!r}); "
-             "c = m(torch.tensor([[3, 4, 5]]), use_cache=True).past_key_values; "
+             "o = m(torch.tensor([[3, 4, 5]]), use_cache=True); "
+             "c = o['cache'] if 'cache' in o else o['past_key_values']; "
              "print(type(m).__name__, c.layers[0].keys.shape[1])").format(p=str(out))
     for first in ("import gqakit, transformers", "import transformers, gqakit"):
         done = subprocess.run([sys.executable, "-c", f"{first}; {probe}"], capture_output=True, text=True)

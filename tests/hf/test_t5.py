@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 import gqakit  # noqa: F401  (registers gqakit_t5 with the Auto classes)
 from gqakit.cli import convert_main
 from families import load_exact, perturb_
-from gqakit.hf.compat import cache_kwargs
+from gqakit.hf.compat import cache_kwargs, output_cache
 
 VOCAB, D_MODEL, D_KV, HEADS, LAYERS = 64, 32, 8, 4, 2
 INPUTS = torch.randint(2, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -145,11 +145,11 @@ def test_generation_caches_grouped_heads(source, attn, tmp_path):
     def cache_bytes(cache):
         return sum(t.numel() * t.element_size() for part in (cache.self_attention_cache, cache.cross_attention_cache)
                    for layer in part.layers for t in (layer.keys, layer.values))
-    self_keys = got.past_key_values.self_attention_cache.layers[0].keys
-    cross_keys = got.past_key_values.cross_attention_cache.layers[0].keys
+    self_keys = output_cache(got).self_attention_cache.layers[0].keys
+    cross_keys = output_cache(got).cross_attention_cache.layers[0].keys
     assert self_keys.shape[1] == cross_keys.shape[1] == 1
     assert cross_keys.shape[2] == INPUTS.shape[1]
-    assert cache_bytes(got.past_key_values) * HEADS == cache_bytes(want.past_key_values)
+    assert cache_bytes(output_cache(got)) * HEADS == cache_bytes(output_cache(want))
 
 
 def test_a_grouped_t5_converts_again(source, tmp_path):

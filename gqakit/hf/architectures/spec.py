@@ -53,9 +53,9 @@ class ArchSpec:
     qkv_layout: str = "blocks"
     # What the plan and the card must say about the family's runtime (Falcon's cache holds every head anyway)
     runtime_note: str = ""
-    # transformers' own cache for the family holds K/V expanded to every query head (Falcon): what eval's KV-cache
-    # column counts
-    cache_holds_every_head: bool = False
+    # transformers releases below this one keep the family's cache with K/V expanded to every query head (Falcon
+    # before 5.25): what eval's KV-cache column counts there (`cache_holds_every_head`)
+    cache_holds_every_head_before: str | None = None
     # gqakit's own class for a G the family's stock class cannot hold (GPTBigCode: 1 < G < H), or, on a family
     # without multi_query_key, the gqakit class the family itself is: (model_type, architecture, its K/V head key)
     grouped_class: tuple[str, str, str] | None = None
@@ -91,6 +91,14 @@ class ArchSpec:
         if self.k_norm is not KNorm.NONE:
             return "normalises keys between k_proj and RoPE, which the key rotations do not commute with"
         return self.not_layerwise
+
+    @property
+    def cache_holds_every_head(self) -> bool:
+        """Does the running transformers keep this family's cache with K/V expanded to every query head?"""
+        from gqakit.hf.compat import transformers_before
+
+        before = self.cache_holds_every_head_before
+        return before is not None and transformers_before(before)
 
     @property
     def pooling_exact_for_identical_heads_only(self) -> bool:

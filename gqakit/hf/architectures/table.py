@@ -56,9 +56,10 @@ FAMILIES: tuple[ArchSpec, ...] = (
         q_proj="transformer.h.{i}.self_attention.q_proj", o_proj="transformer.h.{i}.self_attention.dense",
         config_names=(("num_key_value_heads", "num_kv_heads"),), qkv_layout="groups", head_dim_field=False,
         notes="new_decoder_architecture only (refused otherwise, see refused.py)",
-        runtime_note=("transformers' Falcon expands K and V to every query head before its cache, so its own "
-                      "runtime keeps the MHA cache size; the saving needs a runtime that caches K/V heads (e.g. vLLM)"),
-        cache_holds_every_head=True,
+        runtime_note=("transformers' Falcon before 5.25 expands K and V to every query head before its cache, so "
+                      "there it keeps the MHA cache size; transformers 5.25 and later (and e.g. vLLM) cache the K/V "
+                      "heads"),
+        cache_holds_every_head_before="5.25",
     ),
     ArchSpec("nemotron", ("NemotronForCausalLM",)),
     ArchSpec(
