@@ -1,22 +1,19 @@
 #!/usr/bin/env bash
 # Run HERE, before the device call (it needs the package index; the GPU machine has no network): downloads into
 # .whl/ (ignored by git through .git/info/exclude) the wheels the GPU image lacks, all pure Python: transformers
-# at the version this environment has (the image holds 5.17.0, below our floor), datasets and the needs of it
-# that the image lacks (dill, multiprocess). Then prints the device call that runs benchmarks/gpu/run.sh.
+# (the image holds 5.17.0, below our floor), datasets and the needs of it that the image lacks (dill,
+# multiprocess), each at the newest release, up to this environment's, whose needs the image's own packages meet
+# (benchmarks/gpu/wheels.py, against benchmarks/gpu/image.txt). Then prints the device call that runs
+# benchmarks/gpu/run.sh.
 #
-#   bash benchmarks/gpu/prepare.sh              # PYTHON=... picks the interpreter whose versions are copied
+#   bash benchmarks/gpu/prepare.sh              # PYTHON=... picks the interpreter whose versions are the newest
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 exclude=$(git rev-parse --git-path info/exclude)
 grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
-version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
-wanted=()
-for name in transformers datasets dill multiprocess; do wanted+=("$name==$(version "$name")"); done
-rm -rf .whl && mkdir .whl
-"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${wanted[@]}"
+rm -rf .whl
+"$PY" benchmarks/gpu/wheels.py --dest .whl transformers datasets dill multiprocess
 ls -l .whl
 tree_mib=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
 whl_mib=$(du -cb .whl/*.whl | tail -1 | cut -f1)

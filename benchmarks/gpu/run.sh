@@ -78,10 +78,15 @@ for name in ("accelerate", "datasets", "pyarrow", "fsspec", "huggingface_hub", "
         out[name] = m.version(name)
     except m.PackageNotFoundError:
         out[name] = None
+# the image's own packages (not the carried ones): the next reading for benchmarks/gpu/image.txt
+out["image_packages"] = sorted(f"{d.metadata['Name']}=={d.version}" for d in m.distributions()
+                               if not str(d.locate_file("")).startswith("/tmp/site"))
 import datasets, gqakit  # noqa: F401  both must import before anything runs
-print(json.dumps(out, indent=1))
+print(json.dumps({k: v for k, v in out.items() if k != "image_packages"}, indent=1))
 open(sys.argv[1], "w").write(json.dumps(out))
 PY
+    (( $? == 0 )) || { echo "the carried wheels do not import over the image's packages (above); fix" \
+        "benchmarks/gpu/image.txt or the wheels (benchmarks/gpu/wheels.py), then run prepare.sh again"; return 1; }
     local workers=()  # half the cores, at most 8, where pytest-xdist is installed
     python3 -c "import xdist" 2>/dev/null && workers=(-n "$(( $(nproc) > 16 ? 8 : ($(nproc) + 1) / 2 ))")
     part pytest "$PYTEST_S" $(( DECODE_S + TRAIN_S + 10 )) \
