@@ -31,6 +31,7 @@ import torch
 from _measure import ROOT
 from gqakit.convert.methods.align import align_and_merge_layer
 from gqakit.evaluate.perplexity import perplexity
+from gqakit.hf.compat import LOAD_KWARGS
 
 SHARED = ROOT.parent / "shared"
 SMOLLM2 = ROOT / "runs" / "smollm2-135m-gqa"  # python ../shared/scripts/prepare_smollm2.py runs
@@ -92,7 +93,7 @@ def load(name: str):
         window = 1024  # min(1024, context): `gqakit eval ppl`'s default
         calib_text = ((SHARED / "corpora/austen/prideprejudice.txt").read_text(encoding="utf-8")[:20000] + "\n"
                       + (SHARED / "corpora/tinystories_sample/tinystories.txt").read_text(encoding="utf-8")[:20000])
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **LOAD_KWARGS).eval()
     stored = json.loads((Path(path) / "config.json").read_text()).get("dtype", "float32")
     calib = torch.tensor(tok(calib_text, add_special_tokens=False).input_ids)
     return model, ids, window, calib, getattr(torch, stored)

@@ -27,7 +27,7 @@ import torch
 
 from _measure import cache_bytes, command_line, logger, median_p90
 from gqakit.decode.cache import SinkCache
-from gqakit.hf.compat import cache_kwargs
+from gqakit.hf.compat import LOAD_KWARGS, cache_kwargs
 
 FLAT_TARGET = 1.5  # SinkCache: latency at the deepest point <= 1.5x latency at the first
 
@@ -42,7 +42,7 @@ def load_model(dtype: torch.dtype):
         from gqakit.reference import reference_model_path
 
         path = reference_model_path()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **LOAD_KWARGS)
         return model.eval(), f"embedded reference model ({path.name})"
     except FileNotFoundError:
         cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8,

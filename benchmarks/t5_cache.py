@@ -45,7 +45,7 @@ def main() -> None:
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
     from gqakit.cli import convert_main
-    from gqakit.hf.compat import cache_kwargs, output_cache
+    from gqakit.hf.compat import LOAD_KWARGS, cache_kwargs, output_cache
 
     torch.set_num_threads(2)
     heads = AutoConfig.from_pretrained(args.model).num_heads
@@ -60,7 +60,7 @@ def main() -> None:
                 code = convert_main([args.model, "--groups", str(g), "-o", str(out), "--quiet"])
             if code != 0:
                 raise SystemExit(f"convert-gqa --groups {g} failed")
-            models[g] = AutoModelForSeq2SeqLM.from_pretrained(out, attn_implementation="sdpa").eval()
+            models[g] = AutoModelForSeq2SeqLM.from_pretrained(out, attn_implementation="sdpa", **LOAD_KWARGS).eval()
         times = {g: [] for g in groups}
         sizes = {}
         for r in range(args.repeats):

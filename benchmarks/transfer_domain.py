@@ -31,6 +31,7 @@ import torch
 from gqakit.common.text import ROW_SUFFIXES, encode_documents, load_documents
 from gqakit.convert.methods.transfer import build_attention, output_error, transfer_layer
 from gqakit.convert.options import TransferOptions
+from gqakit.hf.compat import LOAD_KWARGS
 
 WINDOW = 512
 
@@ -92,7 +93,8 @@ def main(argv=None) -> int:
     layers = [int(x) for x in args.layers.split(",")]
     options = TransferOptions(**json.loads(args.options))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa",
+                                                 **LOAD_KWARGS).eval()
     recorder = Recorder(model, layers)
     t0 = time.perf_counter()
     data = {}

@@ -229,7 +229,8 @@ def bare(spec_path: str) -> None:
     ids = torch.tensor(tokenizer(Path(spec["text"]).read_text(encoding="utf-8"))["input_ids"])
     T, B = spec["seq"], spec["batch"]
     data = ids[: len(ids) // (T + 1) * (T + 1)].view(-1, T + 1)  # packed (N, T + 1)
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(  # without hub kernels, as gqakit loads (hf.compat.LOAD_KWARGS)
+        spec["model"], dtype=torch.float32, use_kernels=False).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],

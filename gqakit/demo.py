@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from gqakit import __version__
+from gqakit.hf.compat import LOAD_KWARGS
 from gqakit.convert import ConvertConfig, convert, methods
 from gqakit.common.errors import GqakitError, opt
 from gqakit.hf.loading import kv_bytes_per_token, kv_heading, model_dtype
@@ -28,7 +29,7 @@ COMPUTE_DTYPE = torch.float32  # perplexity is computed, and so the KV cache hel
 def evaluate_folder(path: Path, ids: torch.Tensor, window: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=COMPUTE_DTYPE).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=COMPUTE_DTYPE, **LOAD_KWARGS).eval()
     return {
         "kv_heads": model.config.num_key_value_heads,
         "kv_bytes_per_token": kv_bytes_per_token(model.config, model_dtype(model)),  # as `gqakit eval` counts

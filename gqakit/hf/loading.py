@@ -15,6 +15,7 @@ import torch
 
 from gqakit.common.dtypes import NAMES as DTYPES
 from gqakit.common.errors import GqakitError, opt
+from gqakit.hf.compat import LOAD_KWARGS
 from gqakit.hf.architectures.latent import is_latent
 
 
@@ -131,7 +132,7 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
     with _quiet_transformers():
         model, info = auto_model_class(config).from_pretrained(
             path, config=config, dtype=getattr(torch, dtype), ignore_mismatched_sizes=True, output_loading_info=True,
-            local_files_only=local_only)
+            local_files_only=local_only, **LOAD_KWARGS)
     check_loading(path, info)
     model = model.to(target).eval()
     if not with_tokenizer:

@@ -16,10 +16,11 @@ def load_lm(path: str):
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
+    from gqakit.hf.compat import LOAD_KWARGS
     from gqakit.hf.loading import auto_model_class
 
     hf_logging.disable_progress_bar()
-    return auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32)
+    return auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32, **LOAD_KWARGS)
 
 
 def _layers(model) -> tuple[int, int]:
