@@ -269,6 +269,9 @@ def test_cli_bad_plan_arguments_exit_2_in_one_line(models, tmp_path, capsys):
     assert main(["uptrain", recipe, "num_processes=4", "--plan", "--processes", "8"]) == 2  # a launch it refuses
     assert "--processes 8 plans a launch that the recipe's num_processes=4 refuses" in capsys.readouterr().err
     assert main(["uptrain", recipe, "num_processes=8", "--plan", "--processes", "8"]) == 0
+    capsys.readouterr()
+    assert main(["uptrain", recipe, "--plan", "--force"]) == 2  # nothing for it to start over
+    assert "--force does nothing with --plan" in capsys.readouterr().err
 
 
 def _tiny_config(**kw):
