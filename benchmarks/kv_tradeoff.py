@@ -41,7 +41,8 @@ def from_reports(reports: list[str]) -> list[dict]:
     """The rows of `gqakit eval ppl` reports already made (a report folder, or its results.json as kept under
     docs/results/), in order; the first report's first row is the reference. A report without --kv-cache (one plain
     forward per window) is a dense row: its bytes are what a dense cache holds at the compute dtype
-    (`kv_bytes_per_token`), which the dense cache's measured bytes equal (checked by the tests)."""
+    (`kv_bytes_per_token`), which the dense cache's measured bytes equal (checked by the tests) where every layer
+    keeps every token (a sliding-window layer keeps at most its window: measure those with --kv-cache dense)."""
     rows = []
     for given in reports:
         path = Path(given) / "results.json" if Path(given).is_dir() else Path(given)
@@ -79,14 +80,18 @@ def versus_cheaper(r: dict, best: dict | None) -> str:
 def table(rows: list[dict]) -> str:
     """Rows by measured bytes per token, each against the best row at no more bytes (`versus_cheaper`)."""
     rows = sorted(rows, key=lambda r: (r["kv_bytes_held_per_token"], r["perplexity"]))
-    lines = ["| model | K/V heads | cache | bytes/token held | vs the first model dense | perplexity | 95% interval "
-             "| vs the best row at no more bytes |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | K/V heads | cache | bytes/token held | held while decoding (mean) | vs the first model dense "
+             "| perplexity | 95% interval | vs the best row at no more bytes |", "|---" * 9 + "|"]
     base = next((r for r in rows if r["cache"] == "dense" and r["first"]), None)  # the reference's dense row
     for i, r in enumerate(rows):
         cheaper = [o for o in rows[:i] if o["kv_bytes_held_per_token"] <= r["kv_bytes_held_per_token"]]
         overlap = versus_cheaper(r, min(cheaper, key=lambda o: o["perplexity"], default=None))
         ratio = f"{base['kv_bytes_held_per_token'] / r['kv_bytes_held_per_token']:.1f}x fewer" if base else ""
-        lines.append(f"| {r['model']} | {r['kv_heads']} | {r['cache']} | {r['kv_bytes_held_per_token']:,.0f} | {ratio} "
+        plain = r.get("kv_cache") == "none"  # one forward per window: a dense row holds the same while decoding
+        decoding = r.get("kv_bytes_held_decoding_mean") or (r.get("kv_bytes_per_token") if plain else None)
+        decoding = f"{decoding:,.0f}" if decoding else "not measured"  # reports made before 2026-12-07
+        lines.append(f"| {r['model']} | {r['kv_heads']} | {r['cache']} | {r['kv_bytes_held_per_token']:,.0f} "
+                     f"| {decoding} | {ratio} "
                      f"| {r['perplexity']:.2f} | {r['ppl_ci_low']:.2f}-{r['ppl_ci_high']:.2f} | {overlap} |")
     return "\n".join(lines)
 

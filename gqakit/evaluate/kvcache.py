@@ -9,7 +9,12 @@ attends to keys and values read back from the cache (quantized, for fp8 / int4 /
   group-wise (q_group_size 64) integers, the most recent tokens (up to residual_length 128) at full precision.
 
 `held_bytes(cache)` counts what a cache actually holds (see its docstring); the report's bytes per token is that
-total over every layer divided by the tokens in the cache, measured on the first full-length window.
+total over every layer divided by the tokens in the cache, measured on the first full-length window. Fed in chunks
+of the residual's length (128, the default chunk), int4 / int2 quantize everything at each chunk, so after the
+window their residual is empty: that figure is the quantized cache alone. Decoding refills the residual with up to
+127 full-precision tokens before it is quantized again, so the first window is also followed by one residual's
+length of single-token steps (`decoding_bytes`): the mean and the most it holds per token over them, the bytes a
+decoding user holds (for dense and fp8, which keep no residual, the same figure).
 """
 from __future__ import annotations
 
@@ -133,11 +138,31 @@ def held_bytes(cache) -> int:
     return sum(_tensors(vars(layer), seen) for layer in cache.layers)
 
 
+def residual_length(kind: str) -> int:
+    """Tokens a `kind` cache keeps at full precision before quantizing them (0: none kept)."""
+    return QUANTO["residual_length"] if kind in ("int4", "int2") else 0
+
+
 @torch.no_grad()
-def chunked_window_nll(model, window: torch.Tensor, targets_from: int, chunk: int, kind: str
-                       ) -> tuple[float, int, float]:
-    """(summed NLL of window[0, targets_from:], its token count, bytes held per token) of a (1, L) window fed
-    through a fresh `kind` cache in chunks of `chunk` tokens; column j is predicted by column j - 1's logits."""
+def decoding_bytes(model, cache, length: int, kind: str, token: torch.Tensor) -> tuple[float, float]:
+    """(mean, max) bytes per token `cache` holds over the next residual_length(kind) single-token steps after
+    `length` cached positions (at least one step), as decoding adds them; `token` (1, 1) is fed at each (bytes do
+    not depend on the values)."""
+    held = []
+    for step in range(max(1, residual_length(kind))):
+        with whole_groups(kind, length + step + 1, "choose the window length as for the window itself"):
+            model(input_ids=token, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        held.append(held_bytes(cache) / (length + step + 1))
+    return sum(held) / len(held), max(held)
+
+
+@torch.no_grad()
+def chunked_window_nll(model, window: torch.Tensor, targets_from: int, chunk: int, kind: str,
+                       decoding: bool = False) -> tuple[float, int, float, tuple[float, float] | None]:
+    """(summed NLL of window[0, targets_from:], its token count, bytes held per token after it, and with
+    `decoding` the (mean, max) bytes per token over the decoding steps that follow it, `decoding_bytes`) of a
+    (1, L) window fed through a fresh `kind` cache in chunks of `chunk` tokens; column j is predicted by column
+    j - 1's logits."""
     length = window.shape[1]
     cache = make_cache(kind, model.config)
     total = 0.0
@@ -154,4 +179,6 @@ def chunked_window_nll(model, window: torch.Tensor, targets_from: int, chunk: in
             last = min(end, length - 1)  # the window's last column predicts nothing inside it
             logp = torch.log_softmax(logits[: last - first], dim=-1)
             total -= logp.gather(-1, window[0, first + 1 : last + 1, None]).sum().item()
-    return total, length - targets_from, held_bytes(cache) / length
+    after = held_bytes(cache) / length
+    return (total, length - targets_from, after,
+            decoding_bytes(model, cache, length, kind, window[:, -1:]) if decoding else None)

@@ -41,6 +41,7 @@ class Scored:
     window_nll: list[float]
     window_tokens: list[int]
     kv_bytes_held_per_token: float | None = None
+    kv_bytes_held_decoding: tuple[float, float] | None = None  # (mean, max) over the decoding steps after it
 
 
 @torch.no_grad()
@@ -64,7 +65,7 @@ def strided_windows(model, input_ids: torch.Tensor, max_length: int, stride: int
     device = next(model.parameters()).device
     prefix = torch.full((lead,), -1 if bos is None else bos, dtype=input_ids.dtype)
     total, count, prev_end = 0.0, 0, 0
-    window_nll, window_tokens, held = [], [], None
+    window_nll, window_tokens, held, decoding = [], [], None, None
     starts = range(0, n, stride)
     for begin in tqdm(starts, desc="perplexity", unit="window", disable=not progress, leave=False):
         end = min(begin + span, n)
@@ -73,9 +74,9 @@ def strided_windows(model, input_ids: torch.Tensor, max_length: int, stride: int
         # token has no context. Text index j sits in column j - begin + lead, predicted by the column before.
         first = max(prev_end, begin + 1 - lead)
         if first < end and kv_cache is not None:
-            nll, scored, per_token = chunked_window_nll(model, window, first - begin + lead,
-                                                        kv_chunk or DEFAULT_CHUNK, kv_cache)
-            held = per_token if held is None else held  # the first window is a full one
+            nll, scored, per_token, after = chunked_window_nll(model, window, first - begin + lead,
+                                                               kv_chunk or DEFAULT_CHUNK, kv_cache, held is None)
+            held, decoding = (per_token, after) if held is None else (held, decoding)  # the first window is full
             total += nll
             count += scored
             window_nll.append(nll)
@@ -92,7 +93,7 @@ def strided_windows(model, input_ids: torch.Tensor, max_length: int, stride: int
         prev_end = end
         if end == n:
             break
-    return Scored(total, count, window_nll, window_tokens, held)
+    return Scored(total, count, window_nll, window_tokens, held, decoding)
 
 
 def strided_nll(model, input_ids: torch.Tensor, max_length: int, stride: int | None = None,
@@ -288,17 +289,26 @@ def _bos_id(tok, model) -> int:
     return int(bos)
 
 
+def _decoding_fields(decoding: tuple[float, float] | None) -> dict:
+    """The report's bytes per token held while decoding after the first window (mean, max; None without a cache)."""
+    mean, most = decoding if decoding is not None else (None, None)
+    return {"kv_bytes_held_decoding_mean": mean, "kv_bytes_held_decoding_max": most}
+
+
 def perplexity_table(rows: list[dict], dtype: str = "float32", kv_cache: str | None = None) -> str:
     """A markdown table: model, K/V heads, KV-cache bytes per token (at `dtype`; with a `kv_cache`, the bytes
-    that cache held, measured), perplexity, scored tokens, windows, per-window perplexity range, 95% interval."""
+    that cache held after the first window and while decoding on from it, measured), perplexity, scored tokens,
+    windows, per-window perplexity range, 95% interval."""
     from gqakit.hf.loading import kv_heading
 
-    heading = kv_heading(dtype) if kv_cache is None else f"KV-cache bytes/token held ({kv_cache} cache, measured)"
+    heading = kv_heading(dtype) if kv_cache is None else (f"KV-cache bytes/token held ({kv_cache} cache, measured) "
+                                                         "| held while decoding (mean / max)")
     lines = [f"| model | K/V heads | {heading} | perplexity | scored tokens | windows | window perplexity "
-             "(min-max) | 95% interval |", "|---|---|---|---|---|---|---|---|"]
+             "(min-max) | 95% interval |", "|---|---|---|---|---|---|---|---|" + ("---|" if kv_cache else "")]
     for r in rows:
-        kv = r["kv_bytes_per_token"] if kv_cache is None else r["kv_bytes_held_per_token"]
-        lines.append(f"| {r['model']} | {r['kv_heads']} | {kv:,.{0 if kv_cache is None else 1}f} "
+        kv = (f"{r['kv_bytes_per_token']:,}" if kv_cache is None else f"{r['kv_bytes_held_per_token']:,.1f} | "
+              f"{r['kv_bytes_held_decoding_mean']:,.1f} / {r['kv_bytes_held_decoding_max']:,.1f}")
+        lines.append(f"| {r['model']} | {r['kv_heads']} | {kv} "
                      f"| {r['perplexity']:.3f} | {r['scored_tokens']:,} | {r['windows']:,} "
                      f"| {r['window_ppl_min']:.3f}-{r['window_ppl_max']:.3f} "
                      f"| {r['ppl_ci_low']:.3f}-{r['ppl_ci_high']:.3f} |")
@@ -372,6 +382,7 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
                      **window_spread(scored.window_nll, scored.window_tokens), "ppl_ci_low": low, "ppl_ci_high": high,
                      **report_fields(cfg.kv_cache, cfg.kv_chunk),
                      "kv_bytes_held_per_token": scored.kv_bytes_held_per_token,
+                     **_decoding_fields(scored.kv_bytes_held_decoding),
                      "window_nll": scored.window_nll, "window_tokens": scored.window_tokens})
         print(f"  {rows[-1]['model']}: perplexity {rows[-1]['perplexity']:.3f} over {count:,} tokens "
               f"({seconds:.1f}s)", file=out, flush=True)
@@ -388,7 +399,9 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
               f"{cfg.dtype})", file=out)
     if cfg.kv_cache:
         print(f"(each window fed through a fresh {cfg.kv_cache} cache, {rows[0]['kv_chunk']} tokens per forward; "
-              f"bytes held = every tensor of every cache layer after the first window / its positions)", file=out)
+              f"bytes held = every tensor of every cache layer after the first window / its positions; while "
+              f"decoding: over the single-token steps after it, 128 as the int4 / int2 residual refills, 1 for "
+              f"dense / fp8)", file=out)
     print(f"(95% interval: percentile bootstrap over windows, {cfg.bootstrap} resamples, seed {cfg.seed})", file=out)
     record = {"max_length": max_length, "stride": stride, "bootstrap": cfg.bootstrap, "seed": cfg.seed,
               "rows": rows}

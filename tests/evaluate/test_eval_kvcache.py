@@ -37,6 +37,30 @@ def test_dense_chunks_equal_the_plain_forward(model, chunk, bos, stride):
 def test_dense_bytes_held_equal_the_config_figure(model):
     scored = strided_windows(model, ids(100), 48, progress=False, kv_cache="dense", kv_chunk=16)
     assert scored.kv_bytes_held_per_token == kv_bytes_per_token(model.config, torch.float32) == 2 * 2 * 2 * 8 * 4
+    assert scored.kv_bytes_held_decoding == (2 * 2 * 2 * 8 * 4, 2 * 2 * 2 * 8 * 4)  # no residual: the same
+
+
+@pytest.mark.parametrize("kind", ["int4", "int2"])
+def test_quanto_bytes_while_decoding_count_the_refilling_residual(model, kind):
+    """Fed in chunks of 128 (the residual's length), the window leaves the residual empty; decoding on refills it
+    with full-precision tokens. Reference: the same cache built by hand, then 128 single tokens, held bytes over
+    cached tokens after each, averaged."""
+    pytest.importorskip("optimum.quanto")
+    x = ids(256, seed=3)
+    scored = strided_windows(model, x, 256, progress=False, kv_cache=kind, kv_chunk=128)
+    cache, per_step = make_cache(kind, model.config), []
+    with torch.no_grad():
+        for start in (0, 128):
+            model(input_ids=x[None, start:start + 128], cache=cache, use_cache=True)
+        after = held_bytes(cache) / 256
+        for step in range(128):
+            model(input_ids=x[None, -1:], cache=cache, use_cache=True)
+            per_step.append(held_bytes(cache) / (257 + step))
+    mean, most = sum(per_step) / 128, max(per_step)
+    assert scored.kv_bytes_held_per_token == pytest.approx(after, rel=1e-12)
+    assert scored.kv_bytes_held_decoding == pytest.approx((mean, most), rel=1e-12)
+    dense = kv_bytes_per_token(model.config, torch.float32)
+    assert after < mean < most < dense  # 128 residual tokens at fp32 beside 256 quantized ones
 
 
 def test_fp8_holds_a_quarter_plus_its_scales(model):
@@ -88,8 +112,12 @@ def test_report_states_the_bytes_held(files, kind):
                                             "axis_value": 0, "q_group_size": 64, "residual_length": 128}
         assert row["kv_bytes_held_per_token"] < row["kv_bytes_per_token"]
     table = [line for line in out.splitlines() if line.startswith("| ")]
-    assert f"| KV-cache bytes/token held ({kind} cache, measured) |" in table[0]
+    assert f"| KV-cache bytes/token held ({kind} cache, measured) | held while decoding (mean / max) |" in table[0]
     assert table[1].split(" | ")[2] == f"{row['kv_bytes_held_per_token']:,.1f}"
+    mean, most = row["kv_bytes_held_decoding_mean"], row["kv_bytes_held_decoding_max"]
+    assert table[1].split(" | ")[3] == f"{mean:,.1f} / {most:,.1f}"
+    assert (mean == most == row["kv_bytes_per_token"]) if kind == "dense" else (
+        row["kv_bytes_held_per_token"] < mean < most)
 
 
 def test_unknown_cache_is_argparses_usual_error(files, tmp_path):
