@@ -80,7 +80,10 @@ def versus_cheaper(r: dict, best: dict | None) -> str:
 def table(rows: list[dict]) -> str:
     """Rows by measured bytes per token, each against the best row at no more bytes (`versus_cheaper`)."""
     rows = sorted(rows, key=lambda r: (r["kv_bytes_held_per_token"], r["perplexity"]))
-    lines = ["| model | K/V heads | cache | bytes/token held | held while decoding (mean) | vs the first model dense "
+    dtypes = {r.get("dtype", "float32") for r in rows}  # the compute dtype the bytes are counted at
+    one = dtypes.pop() if len(dtypes) == 1 else None  # in the heading; several: each row's cache column says its own
+    lines = [f"| model | K/V heads | cache | bytes/token held{f' ({one} compute)' if one else ''} "
+             "| held while decoding (mean) | vs the first model dense "
              "| perplexity | 95% interval | vs the best row at no more bytes |", "|---" * 9 + "|"]
     base = next((r for r in rows if r["cache"] == "dense" and r["first"]), None)  # the reference's dense row
     for i, r in enumerate(rows):
@@ -90,7 +93,8 @@ def table(rows: list[dict]) -> str:
         plain = r.get("kv_cache") == "none"  # one forward per window: a dense row holds the same while decoding
         decoding = r.get("kv_bytes_held_decoding_mean") or (r.get("kv_bytes_per_token") if plain else None)
         decoding = f"{decoding:,.0f}" if decoding else "not measured"  # reports made before 2026-12-07
-        lines.append(f"| {r['model']} | {r['kv_heads']} | {r['cache']} | {r['kv_bytes_held_per_token']:,.0f} "
+        cache = r["cache"] if one else f"{r['cache']} ({r.get('dtype', 'float32')} compute)"
+        lines.append(f"| {r['model']} | {r['kv_heads']} | {cache} | {r['kv_bytes_held_per_token']:,.0f} "
                      f"| {decoding} | {ratio} "
                      f"| {r['perplexity']:.2f} | {r['ppl_ci_low']:.2f}-{r['ppl_ci_high']:.2f} | {overlap} |")
     return "\n".join(lines)

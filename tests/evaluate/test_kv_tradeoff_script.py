@@ -69,3 +69,20 @@ def test_each_row_is_set_against_the_best_row_at_no_more_bytes():
             row("d", 400, 30.5, 29.5, 31.5)]
     verdicts = {line.split(" | ")[0][2:]: line.rsplit("|", 2)[1].strip() for line in table(rows).splitlines()[2:]}
     assert verdicts == {"a": "", "b": "better", "c": "worse", "d": "overlaps b dense"}
+
+
+def test_the_table_names_the_compute_dtype_its_bytes_are_counted_at():
+    """One dtype: the heading says it; reports of several: each row's cache column says its own (a bf16 cache holds
+    half an fp32 one's bytes for the same model)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from kv_tradeoff import table
+
+    def row(model, dtype, held):
+        return {"model": model, "kv_heads": 1, "cache": "dense", "kv_bytes_held_per_token": held, "perplexity": 2.0,
+                "ppl_ci_low": 1.9, "ppl_ci_high": 2.1, "first": model == "a", "dtype": dtype}
+
+    same = table([row("a", "float32", 200), row("b", "float32", 100)]).splitlines()
+    assert "| bytes/token held (float32 compute) |" in same[0] and "| dense |" in same[2]
+    mixed = table([row("a", "float32", 200), row("a", "bfloat16", 100)]).splitlines()
+    assert "| bytes/token held |" in mixed[0]
+    assert "| dense (bfloat16 compute) | 100 |" in mixed[2] and "| dense (float32 compute) | 200 |" in mixed[3]
