@@ -158,11 +158,13 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     if args.reports:
         print("\n(read from the reports; each report's own command says its windows and chunking; bytes held = "
-              "every tensor of every cache layer after the first window, over its positions)")
+              "every tensor of every cache layer after the first window, over its positions; while decoding: the mean "
+              "over the single-token steps after it, as gqakit eval ppl reports it)")
     else:
         print(f"\n(windows of {args.max_length} tokens, {'the whole text' if args.max_tokens == 0 else args.max_tokens}"
               f"; each fed through the cache {args.kv_chunk} tokens per forward; bytes held = every tensor of every "
-              "cache layer after the first window, over its positions)")
+              "cache layer after the first window, over its positions; while decoding: the mean over the single-token "
+              "steps after it, as gqakit eval ppl reports it)")
     if args.plot:
         plot(rows, Path(args.plot))
         print(f"wrote {args.plot}")

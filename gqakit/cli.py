@@ -107,7 +107,7 @@ def _run_uptrain(args: argparse.Namespace, command: str) -> None:
     if args.plan:  # arithmetic from config.json alone: no data, tokenizer or output folder needed
         from gqakit.uptrain.memory_plan import describe_memory_plan
 
-        if flags_typed.get("force"):
+        if flags_typed.get("force") or ("force" in given and cfg.force):  # typed, not the recipe's own
             raise GqakitError("--force does nothing with --plan (the plan writes nothing and keeps no run folder); "
                               "drop --force, or drop --plan to start the run over")
 

@@ -22,5 +22,7 @@ def test_the_device_check_runs_dry_on_cpu(tmp_path):
     assert report["failed"] == [] and report["pytest"]["failed"] == 0 and report["pytest"]["skipped"] > 0
     assert {"MHA", "GQA-2", "MQA"} <= set(report["decode"]["variants"])
     assert report["train"]["uptrain"]["ddp"]["vs_bare"] > 0
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["decode.png", "pytest.log", "report.json",
-                                                                    "report.md", "run.log"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["decode.png", "image-packages.txt", "pytest.log",
+                                                                    "report.json", "report.md", "run.log"]
+    own = (tmp_path / "out" / "image-packages.txt").read_text().split()
+    assert any(line.startswith("torch==") for line in own), own[:5]  # the environment's own packages

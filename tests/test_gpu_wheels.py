@@ -71,3 +71,10 @@ def test_a_need_the_image_lacks_and_nothing_carries_is_unmet():
                                        {"pyarrow": None})
     assert problems == ["httpx2<3,>=2.0.0 (the image lacks httpx2 and it is not carried)"]
     assert unchecked == ["pyarrow>=24 (the image's version is not recorded)"]
+
+
+def test_markers_are_read_for_the_images_interpreter():
+    """implementation_version and python_version are the image's 3.12, not this machine's interpreter."""
+    environment = wheels.marker_environment("3.12.3")
+    lines = ['old>=1; implementation_version < "3.12"', 'older>=1; python_version < "3.12"', "kept>=1"]
+    assert [str(r) for r in wheels.needs(metadata(lines), environment)] == ["kept>=1"]

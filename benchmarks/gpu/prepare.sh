@@ -24,5 +24,6 @@ cat <<'CALL'
 
 Device call (the device tool's run; one H100 or H200, about 8 minutes of script):
   run(command="bash benchmarks/gpu/run.sh", carry=[".whl"], timeout_s=540)
-Its report comes back under files_at: report.md, report.json, pytest.log, run.log, decode.png.
+Its report comes back under files_at: report.md, report.json, pytest.log, run.log, decode.png,
+image-packages.txt.
 CALL

@@ -61,6 +61,14 @@ main() {
     export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
     export GQAKIT_CACHE_DIR=$WORK/token-cache MPLBACKEND=Agg
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    # the image's own packages (not the carried ones), read before anything is imported, so that a failed import
+    # still leaves the reading benchmarks/gpu/image.txt is updated from
+    python3 - "$OUT/image-packages.txt" <<'PY'
+import importlib.metadata as m, sys
+own = sorted({"%s==%s" % (d.metadata["Name"], d.version) for d in m.distributions()
+              if not str(d.locate_file("")).startswith("/tmp/site")})
+open(sys.argv[1], "w").write("\n".join(own) + "\n")
+PY
     python3 - "$WORK/versions.json" <<'PY'
 import json, subprocess, sys
 sys.path.insert(0, "benchmarks/gpu")
@@ -78,11 +86,8 @@ for name in ("accelerate", "datasets", "pyarrow", "fsspec", "huggingface_hub", "
         out[name] = m.version(name)
     except m.PackageNotFoundError:
         out[name] = None
-# the image's own packages (not the carried ones): the next reading for benchmarks/gpu/image.txt
-out["image_packages"] = sorted(f"{d.metadata['Name']}=={d.version}" for d in m.distributions()
-                               if not str(d.locate_file("")).startswith("/tmp/site"))
 import datasets, gqakit  # noqa: F401  both must import before anything runs
-print(json.dumps({k: v for k, v in out.items() if k != "image_packages"}, indent=1))
+print(json.dumps(out, indent=1))
 open(sys.argv[1], "w").write(json.dumps(out))
 PY
     (( $? == 0 )) || { echo "the carried wheels do not import over the image's packages (above); fix" \

@@ -46,7 +46,8 @@ def read_image(path: Path = HERE / "image.txt") -> dict[str, str | None]:
 def marker_environment(python: str) -> dict[str, str]:
     """The image's interpreter as environment markers see it (CPython on x86-64 Linux)."""
     return {"python_version": ".".join(python.split(".")[:2]), "python_full_version": python,
-            "implementation_name": "cpython", "platform_python_implementation": "CPython",
+            "implementation_name": "cpython", "implementation_version": python,
+            "platform_python_implementation": "CPython",
             "sys_platform": "linux", "platform_system": "Linux", "os_name": "posix", "platform_machine": "x86_64",
             "extra": ""}
 

@@ -11,10 +11,11 @@ attends to keys and values read back from the cache (quantized, for fp8 / int4 /
 `held_bytes(cache)` counts what a cache actually holds (see its docstring); the report's bytes per token is that
 total over every layer divided by the tokens in the cache, measured on the first full-length window. Fed in chunks
 of the residual's length (128, the default chunk), int4 / int2 quantize everything at each chunk, so after the
-window their residual is empty: that figure is the quantized cache alone. Decoding refills the residual with up to
-127 full-precision tokens before it is quantized again, so the first window is also followed by one residual's
-length of single-token steps (`decoding_bytes`): the mean and the most it holds per token over them, the bytes a
-decoding user holds (for dense and fp8, which keep no residual, the same figure).
+window (a multiple of 128 tokens, as the defaults' 1,024 and 2,048 are) their residual is empty: that figure is
+the quantized cache alone. Decoding refills the residual with up to 127 full-precision tokens before it is
+quantized again, so the first window is also followed by one residual's length of single-token steps
+(`decoding_bytes`): the mean and the most it holds per token over them, the bytes a decoding user holds (for dense
+and fp8, which keep no residual, the same figure).
 """
 from __future__ import annotations
 
@@ -146,12 +147,14 @@ def residual_length(kind: str) -> int:
 @torch.no_grad()
 def decoding_bytes(model, cache, length: int, kind: str, token: torch.Tensor) -> tuple[float, float]:
     """(mean, max) bytes per token `cache` holds over the next residual_length(kind) single-token steps after
-    `length` cached positions (at least one step), as decoding adds them; `token` (1, 1) is fed at each (bytes do
-    not depend on the values)."""
-    held = []
+    `length` cached positions (at least one step), as decoding adds them; `token` (1, 1) is fed at each, at the
+    window's last position (bytes depend on neither, and a model with learned positions, GPT-2 or OPT, has none past
+    a window that fills its context)."""
+    held, position = [], torch.full_like(token, length - 1)
     for step in range(max(1, residual_length(kind))):
         with whole_groups(kind, length + step + 1, "choose the window length as for the window itself"):
-            model(input_ids=token, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+            model(input_ids=token, position_ids=position, **cache_kwargs(model, cache), use_cache=True,
+                  logits_to_keep=1)
         held.append(held_bytes(cache) / (length + step + 1))
     return sum(held) / len(held), max(held)
 

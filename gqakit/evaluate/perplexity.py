@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from gqakit.attention.kinds import DEFAULT, command_attention_options, position_bias_refusal
 from gqakit.common.errors import GqakitError, opt
-from gqakit.evaluate.kvcache import DEFAULT_CHUNK, chunked_window_nll, report_fields
+from gqakit.evaluate.kvcache import DEFAULT_CHUNK, chunked_window_nll, report_fields, residual_length
 from gqakit.evaluate.options import PplConfig, check_text_column
 from gqakit.evaluate.spread import bootstrap_interval, window_spread
 
@@ -400,8 +400,8 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     if cfg.kv_cache:
         print(f"(each window fed through a fresh {cfg.kv_cache} cache, {rows[0]['kv_chunk']} tokens per forward; "
               f"bytes held = every tensor of every cache layer after the first window / its positions; while "
-              f"decoding: over the single-token steps after it, 128 as the int4 / int2 residual refills, 1 for "
-              f"dense / fp8)", file=out)
+              f"decoding: over the {max(1, residual_length(cfg.kv_cache))} single-token step(s) after it"
+              f"{', as the residual refills' if residual_length(cfg.kv_cache) else ''})", file=out)
     print(f"(95% interval: percentile bootstrap over windows, {cfg.bootstrap} resamples, seed {cfg.seed})", file=out)
     record = {"max_length": max_length, "stride": stride, "bootstrap": cfg.bootstrap, "seed": cfg.seed,
               "rows": rows}

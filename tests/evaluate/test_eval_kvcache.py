@@ -40,6 +40,23 @@ def test_dense_bytes_held_equal_the_config_figure(model):
     assert scored.kv_bytes_held_decoding == (2 * 2 * 2 * 8 * 4, 2 * 2 * 2 * 8 * 4)  # no residual: the same
 
 
+@pytest.mark.parametrize("kind", ["dense", "int4"])
+def test_decoding_steps_fit_a_model_with_learned_positions(kind):
+    """GPT-2 looks positions up in a table as long as its context: the steps after a window that fills it must not
+    ask for a position past it (IndexError before)."""
+    if kind == "int4":
+        pytest.importorskip("optimum.quanto")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=128, n_embd=32, n_layer=2, n_head=4,
+                                      bos_token_id=1, eos_token_id=2)).eval()
+    scored = strided_windows(gpt2, ids(256), 128, progress=False, kv_cache=kind, kv_chunk=128)
+    dense = 2 * 2 * 32 * 4  # K and V, 2 layers, 32 features, fp32
+    mean, most = scored.kv_bytes_held_decoding
+    assert (scored.kv_bytes_held_per_token, mean, most) == (dense, dense, dense) if kind == "dense" else (
+        scored.kv_bytes_held_per_token < mean < most < dense)
+
+
 @pytest.mark.parametrize("kind", ["int4", "int2"])
 def test_quanto_bytes_while_decoding_count_the_refilling_residual(model, kind):
     """Fed in chunks of 128 (the residual's length), the window leaves the residual empty; decoding on refills it

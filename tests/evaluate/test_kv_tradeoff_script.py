@@ -86,3 +86,20 @@ def test_the_table_names_the_compute_dtype_its_bytes_are_counted_at():
     mixed = table([row("a", "float32", 200), row("a", "bfloat16", 100)]).splitlines()
     assert "| bytes/token held |" in mixed[0]
     assert "| dense (bfloat16 compute) | 100 |" in mixed[2] and "| dense (float32 compute) | 200 |" in mixed[3]
+
+
+def test_the_decoding_column_is_measured_or_says_it_was_not():
+    """A plain report (one forward per window) holds the same while decoding; a cached row shows its measured mean;
+    a quantized row from a report made before the decoding figure existed says "not measured"."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from kv_tradeoff import table
+
+    def row(model, cache, held, **more):
+        return {"model": model, "kv_heads": 1, "cache": cache, "kv_bytes_held_per_token": held, "perplexity": 2.0,
+                "ppl_ci_low": 1.9, "ppl_ci_high": 2.1, "first": model == "a", **more}
+
+    lines = table([row("a", "dense", 400, kv_cache="none", kv_bytes_per_token=400),
+                   row("b", "int4", 100, kv_cache="int4", kv_bytes_held_decoding_mean=130.4),
+                   row("c", "int2", 50, kv_cache="int2")]).splitlines()
+    decoding = {line.split(" | ")[0][2:]: line.split(" | ")[4] for line in lines[2:]}
+    assert decoding == {"a": "400", "b": "130", "c": "not measured"}

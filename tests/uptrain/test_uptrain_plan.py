@@ -272,6 +272,8 @@ def test_cli_bad_plan_arguments_exit_2_in_one_line(models, tmp_path, capsys):
     capsys.readouterr()
     assert main(["uptrain", recipe, "--plan", "--force"]) == 2  # nothing for it to start over
     assert "--force does nothing with --plan" in capsys.readouterr().err
+    assert main(["uptrain", recipe, "force=true", "--plan"]) == 2  # the same, typed as an override
+    assert "--force does nothing with --plan" in capsys.readouterr().err
 
 
 def _tiny_config(**kw):
