@@ -41,8 +41,8 @@ def from_reports(reports: list[str]) -> list[dict]:
     """The rows of `gqakit eval ppl` reports already made (a report folder, or its results.json as kept under
     docs/results/), in order; the first report's first row is the reference. A report without --kv-cache (one plain
     forward per window) is a dense row: its bytes are what a dense cache holds at the compute dtype
-    (`kv_bytes_per_token`), which the dense cache's measured bytes equal (checked by the tests) where every layer
-    keeps every token (a sliding-window layer keeps at most its window: measure those with --kv-cache dense)."""
+    (`kv_bytes_per_token` at the window length), which the dense cache's measured bytes equal (checked by the
+    tests)."""
     rows = []
     for given in reports:
         path = Path(given) / "results.json" if Path(given).is_dir() else Path(given)

@@ -375,7 +375,7 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
         seconds = time.perf_counter() - t0
         nll, count = scored.nll, scored.count
         low, high = bootstrap_interval(scored.window_nll, scored.window_tokens, cfg.bootstrap, cfg.seed)
-        rows.append({"model": name, "path": str(path), **describe(model), "objective": objective,
+        rows.append({"model": name, "path": str(path), **describe(model, max_length), "objective": objective,
                      "attention": cfg.attention or "default", "attention_options": in_force,
                      "text_tokens": text_tokens, "scored_tokens": count, "nll": nll,
                      "perplexity": math.exp(nll / count), "seconds": round(seconds, 3),

@@ -133,7 +133,7 @@ def _recompute(model, ids: torch.Tensor, window: int, every: int, chunk: int, pr
         logits = model(input_ids=batch, use_cache=False, logits_to_keep=queries).logits  # (rows, q, V)
         for row, (_, b, _) in enumerate(group):
             _score(nll, logits[row], ids, b)
-    return nll, longest * kv_bytes_per_token(model.config, model_dtype(model))
+    return nll, longest * kv_bytes_per_token(model.config, model_dtype(model), longest)
 
 
 def stream_nll(model, ids: torch.Tensor, policy: str, *, window: int = 1020, sinks: int = 4, chunk: int = 256,

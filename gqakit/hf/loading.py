@@ -167,8 +167,11 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype | str) -> int:
-    """Bytes that one token adds to a full KV cache: K and V, every layer, G heads of head_dim, at `dtype`.
+def kv_bytes_per_token(config, dtype: torch.dtype | str, tokens: int | None = None) -> float:
+    """Bytes that one token adds to a full KV cache: K and V, every layer, G heads of head_dim, at `dtype`. With
+    `tokens`, the bytes per token that transformers' own dense cache holds after that many: the same, except where
+    sliding-window (or chunked) layers keep at most their window (Mistral, Gemma 2 / 3, Qwen2's `layer_types`),
+    measured by filling that cache with `tokens` positions of meta tensors (no memory, no model run).
 
     The one definition for every table (demo, eval ppl / stream / passkey): pass the dtype the cache is
     held in at run time, which is the compute dtype (transformers caches K and V as attention computes
@@ -186,7 +189,22 @@ def kv_bytes_per_token(config, dtype: torch.dtype | str) -> int:
         return cached_layers(config) * (config.kv_lora_rank + config.qk_rope_head_dim) * itemsize
     spec = find_family((getattr(config, "architectures", None) or [""])[0])
     heads = config.num_attention_heads if spec is not None and spec.cache_holds_every_head else kv_heads(config)
-    return 2 * cached_layers(config) * heads * head_dim(config) * itemsize
+    full = 2 * cached_layers(config) * heads * head_dim(config) * itemsize
+    return full if tokens is None else _dense_cache_bytes(config, dtype, heads, tokens, full)
+
+
+def _dense_cache_bytes(config, dtype: torch.dtype, heads: int, tokens: int, full: int) -> float:
+    """Bytes per token of transformers' DynamicCache for `config` after `tokens` positions (`full` when every layer
+    keeps every token)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    if is_encoder_decoder(config) or all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
+        return full  # every layer keeps every token (an encoder-decoder's config builds no decoder layer types)
+    kv = torch.empty(1, heads, tokens, head_dim(config), dtype=dtype, device="meta")  # (B, G, T, d)
+    for index in range(len(cache.layers)):
+        cache.update(kv, kv, index)
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)) / tokens
 
 
 def cached_layers(config) -> int:
@@ -207,8 +225,9 @@ def model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def describe(model) -> dict:
-    """What a report records about a model: heads, K/V heads, layers, context, bytes per cached token."""
+def describe(model, tokens: int | None = None) -> dict:
+    """What a report records about a model: heads, K/V heads, layers, context, bytes per cached token (with
+    `tokens`, per token of a dense cache holding that many: `kv_bytes_per_token`)."""
     cfg = model.config
     return {
         "architecture": (getattr(cfg, "architectures", None) or [type(model).__name__])[0],
@@ -219,5 +238,5 @@ def describe(model) -> dict:
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
         "dtype": str(model_dtype(model)).removeprefix("torch."),
         "device": str(next(model.parameters()).device),
-        "kv_bytes_per_token": kv_bytes_per_token(cfg, model_dtype(model)),
+        "kv_bytes_per_token": kv_bytes_per_token(cfg, model_dtype(model), tokens),
     }

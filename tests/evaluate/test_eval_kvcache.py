@@ -190,3 +190,58 @@ def test_quanto_groups_that_do_not_fill_are_one_line(model):
 
     with pytest.raises(GqakitError, match=r"^kv_cache=int4: optimum-quanto quantizes K/V in groups of 64"):
         strided_windows(model, ids(30), 30, progress=False, kv_cache="int4", kv_chunk=30)  # 2 x 30 x 8 values
+
+
+def _sliding_configs():
+    import transformers
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    return {
+        "mistral": transformers.MistralConfig(**base, num_hidden_layers=2, sliding_window=16),
+        "gemma2": transformers.Gemma2Config(**base, num_hidden_layers=4, head_dim=8, sliding_window=16),
+        "gemma3": transformers.Gemma3TextConfig(**base, num_hidden_layers=6, head_dim=8, sliding_window=16),
+        "qwen2": transformers.Qwen2Config(**base, num_hidden_layers=4, sliding_window=16, use_sliding_window=True,
+                                          max_window_layers=2),
+        "llama": transformers.LlamaConfig(**base, num_hidden_layers=2),
+    }
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "qwen2", "llama"])
+def test_bytes_per_token_at_a_length_are_what_the_dense_cache_holds(family):
+    """Sliding-window layers keep at most their window: at 64 tokens (window 16) the figure is the real cache's, not
+    every layer at every token (Gemma3 tiny: 1,536 before, 405.3 held). A model without them: the plain figure."""
+    import transformers
+
+    config = _sliding_configs()[family]
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        out = model(input_ids=ids(64)[None], use_cache=True)
+    cache = out["cache"] if "cache" in out else out.past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)) / 64
+    assert kv_bytes_per_token(model.config, torch.float32, 64) == pytest.approx(held, rel=1e-12)
+    full = kv_bytes_per_token(model.config, torch.float32)
+    assert (held == full) if family == "llama" else (held < full)
+
+
+def test_a_sliding_window_report_states_what_its_dense_cache_holds(tmp_path):
+    """eval ppl without a cache reports the bytes a dense cache holds at its window length, the same figure its
+    --kv-cache dense run measures from the cache it fills."""
+    import transformers
+
+    tok = tokenizer()
+    config = _sliding_configs()["mistral"]
+    config.vocab_size, config.bos_token_id, config.eos_token_id = len(tok), tok.eos_token_id, tok.eos_token_id
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    (tmp_path / "t.txt").write_text(text(400, seed=4), encoding="utf-8")
+    rows = {}
+    for kind in ("none", "dense"):
+        more = () if kind == "none" else ("--kv-cache", "dense", "--kv-chunk", 16)
+        code, _, err = run_eval("ppl", tmp_path / "m", "--text", tmp_path / "t.txt", "--max-length", 64,
+                                "--max-tokens", 128, *more, "-o", tmp_path / kind, "-q")
+        assert code == 0, err
+        rows[kind] = report.read_report(tmp_path / kind)["results"]["rows"][0]
+    # held_bytes also counts each sliding layer's bookkeeping tensor (one int64): 16 bytes in all, 0.25 per token
+    assert rows["none"]["kv_bytes_per_token"] == pytest.approx(rows["dense"]["kv_bytes_held_per_token"], abs=0.25)
+    assert rows["none"]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4 * 15 / 64  # 15 of 64 tokens kept per layer
+    assert rows["none"]["kv_bytes_per_token"] < 2 * 2 * 2 * 8 * 4  # every layer at every token
