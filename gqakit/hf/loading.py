@@ -171,7 +171,8 @@ def kv_bytes_per_token(config, dtype: torch.dtype | str, tokens: int | None = No
     """Bytes that one token adds to a full KV cache: K and V, every layer, G heads of head_dim, at `dtype`. With
     `tokens`, the bytes per token that transformers' own dense cache holds after that many: the same, except where
     sliding-window (or chunked) layers keep at most their window (Mistral, Gemma 2 / 3, Qwen2's `layer_types`),
-    measured by filling that cache with `tokens` positions of meta tensors (no memory, no model run).
+    measured by filling that cache with `tokens` positions of meta tensors (no memory, no model run); a cache with
+    other layers (a hybrid's state layers) is refused in one line rather than counted as K/V.
 
     The one definition for every table (demo, eval ppl / stream / passkey): pass the dtype the cache is
     held in at run time, which is the compute dtype (transformers caches K and V as attention computes
@@ -199,8 +200,12 @@ def _dense_cache_bytes(config, dtype: torch.dtype, heads: int, tokens: int, full
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
-    if is_encoder_decoder(config) or all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    if is_encoder_decoder(config) or kinds <= {"DynamicLayer"}:
         return full  # every layer keeps every token (an encoder-decoder's config builds no decoder layer types)
+    if not kinds <= {"DynamicLayer", "DynamicSlidingWindowLayer", "DynamicChunkedLayer"}:  # e.g. a hybrid's states
+        raise GqakitError(f"cannot count the KV cache of {type(config).__name__}: its layers are {sorted(kinds)}, "
+                          "not K/V layers gqakit measures; evaluate a model whose attention layers all cache K and V")
     kv = torch.empty(1, heads, tokens, head_dim(config), dtype=dtype, device="meta")  # (B, G, T, d)
     for index in range(len(cache.layers)):
         cache.update(kv, kv, index)

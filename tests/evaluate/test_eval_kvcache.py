@@ -245,3 +245,16 @@ def test_a_sliding_window_report_states_what_its_dense_cache_holds(tmp_path):
     assert rows["none"]["kv_bytes_per_token"] == pytest.approx(rows["dense"]["kv_bytes_held_per_token"], abs=0.25)
     assert rows["none"]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4 * 15 / 64  # 15 of 64 tokens kept per layer
     assert rows["none"]["kv_bytes_per_token"] < 2 * 2 * 2 * 8 * 4  # every layer at every token
+
+
+def test_a_cache_with_state_layers_is_refused_rather_than_counted_as_kv():
+    """A hybrid (Jamba: Mamba layers beside attention) caches states the K/V figure does not describe."""
+    import transformers
+
+    from gqakit.common.errors import GqakitError
+
+    config = transformers.JambaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+                                      attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1)
+    with pytest.raises(GqakitError, match="cannot count the KV cache of JambaConfig"):
+        kv_bytes_per_token(config, torch.float32, 64)
