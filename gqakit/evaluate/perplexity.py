@@ -306,7 +306,9 @@ def perplexity_table(rows: list[dict], dtype: str = "float32", kv_cache: str | N
     lines = [f"| model | K/V heads | {heading} | perplexity | scored tokens | windows | window perplexity "
              "(min-max) | 95% interval |", "|---|---|---|---|---|---|---|---|" + ("---|" if kv_cache else "")]
     for r in rows:
-        kv = (f"{r['kv_bytes_per_token']:,}" if kv_cache is None else f"{r['kv_bytes_held_per_token']:,.1f} | "
+        plain = r["kv_bytes_per_token"]  # fractional where sliding-window layers keep fewer tokens than a window
+        kv = (f"{plain:,.{0 if float(plain).is_integer() else 1}f}" if kv_cache is None else
+              f"{r['kv_bytes_held_per_token']:,.1f} | "
               f"{r['kv_bytes_held_decoding_mean']:,.1f} / {r['kv_bytes_held_decoding_max']:,.1f}")
         lines.append(f"| {r['model']} | {r['kv_heads']} | {kv} "
                      f"| {r['perplexity']:.3f} | {r['scored_tokens']:,} | {r['windows']:,} "
