@@ -216,6 +216,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     tokenizer = load_tokenizer(cfg.model)
     model_config = model_folder(cfg.model).config
     seq2seq = objective(tokenizer, model_config, cfg) if is_encoder_decoder(model_config) else None
+    held_out = seq2seq.held_out() if seq2seq is not None else None  # held-out masks do not follow the seed
     say(f"uptrain: reading {len(cfg.data)} data source{'s' if len(cfg.data) > 1 else ''}")
     if cfg.target_column is not None:  # input/target rows, in memory (every rank reads them)
         data = load_pairs(cfg, tokenizer)
@@ -259,13 +260,13 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     if start == 0 and len(data.eval):
         say(f"uptrain: held-out loss before training ({len(data.eval)} sequences)")
         record_base["initial_eval_ppl"] = math.exp(evaluate(model, data.eval, cfg.batch_size, cfg.seq_len, sp,
-                                                            accelerator, seq2seq))
+                                                            accelerator, held_out))
         if is_main:
             log.log({"step": 0, "tokens": 0, "eval_loss": math.log(record_base["initial_eval_ppl"]),
                      "eval_ppl": record_base["initial_eval_ppl"]})
 
     bar = tqdm(total=budget.steps, initial=start, desc="uptrain", unit="step", disable=not (is_main and cfg.progress))
-    t0, step_tokens = time.perf_counter(), 0
+    t0, step_tokens, paused = time.perf_counter(), 0, 0.0  # paused: held-out evaluations and checkpoints
     trained = [p for group in optimizer.param_groups for p in group["params"]]  # what the optimizer updates
     model.train()
     for step in range(start, budget.steps):
@@ -295,7 +296,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
         row = {"step": done, "tokens": done * budget.tokens_per_step,
                "loss": float(_combine(sums[0], sums[1] if teacher is not None else None, cfg.distill_weight)),
                "ce": float(sums[0]), "kd": float(sums[1]) if teacher is not None else "",
-               "lr": lr, "grad_norm": grad_norm, "tokens_per_s": step_tokens / (time.perf_counter() - t0)}
+               "lr": lr, "grad_norm": grad_norm, "tokens_per_s": step_tokens / (time.perf_counter() - t0 - paused)}
         # fp16's loss scaler skips a step with non-finite gradients by design; anything else non-finite has diverged
         if not math.isfinite(row["loss"]) or not (math.isfinite(grad_norm) or accelerator.scaler is not None):
             log.log(row)
@@ -304,15 +305,19 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
         optimizer.step()
         scheduler.step()
         if (cfg.eval_every and done % cfg.eval_every == 0 or done == budget.steps) and len(data.eval):
-            row["eval_loss"] = evaluate(model, data.eval, cfg.batch_size, cfg.seq_len, sp, accelerator, seq2seq)
+            paused_at = time.perf_counter()
+            row["eval_loss"] = evaluate(model, data.eval, cfg.batch_size, cfg.seq_len, sp, accelerator, held_out)
+            paused += time.perf_counter() - paused_at
             row["eval_ppl"] = math.exp(row["eval_loss"])
         if done % cfg.log_every == 0 or "eval_loss" in row or done == budget.steps:
             log.log(row)
         bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
         bar.update(1)
         if done % cfg.checkpoint_every == 0 and done < budget.steps:
+            paused_at = time.perf_counter()
             _checkpoint(accelerator, model, optimizer, scheduler, out, done, cfg.keep_checkpoints, recipe,
                         {"step": done, "shape": shape, "data": order.position(done), "record": record_base})
+            paused += time.perf_counter() - paused_at
         if on_step is not None:
             on_step(done, row, accelerator.unwrap_model(model))
     bar.close()

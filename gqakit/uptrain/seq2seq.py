@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from gqakit.common.errors import GqakitError
@@ -33,6 +35,13 @@ class SpanCorruption:
         self.seed = seed
         self.input_len, self.target_len = corrupted_lengths(seq_len)
         self.scale = seq_len / self.target_len  # target-token sums -> "per window of seq_len" sums
+
+    def held_out(self) -> SpanCorruption:
+        """The objective for held-out windows: their masks seeded 0 whatever the recipe's seed, as `gqakit eval
+        ppl` seeds them, so runs with other seeds are scored on the same targets and eval ppl reproduces them."""
+        scored = copy.copy(self)
+        scored.seed = 0
+        return scored
 
     def batch(self, seqs: torch.Tensor) -> tuple[dict, torch.Tensor]:
         """Packed sequences (B, seq_len + 1) -> (model keyword arguments, labels (B, L_t))."""
@@ -66,6 +75,10 @@ class InputTargetPairs:
         decoder = torch.cat([start, labels[:, :-1]], dim=1)
         return {"input_ids": inputs.masked_fill(~mask, self.pad), "attention_mask": mask.long(),
                 "decoder_input_ids": decoder.masked_fill(decoder == IGNORE, self.pad)}, labels
+
+    def held_out(self) -> InputTargetPairs:
+        """The objective for held-out rows: the same (nothing random)."""
+        return self
 
     def targets(self, rows: torch.Tensor) -> int:
         """Target tokens of these rows (what their loss sums count)."""

@@ -55,7 +55,9 @@ def _card(source: Path, record: dict) -> str:
     ]
     if record.get("final_eval_ppl") is not None and record.get("initial_eval_ppl") is not None:
         lines.append(f"| held-out perplexity | {record['initial_eval_ppl']:.2f} before, "
-                     f"{record['final_eval_ppl']:.2f} after |")
+                     f"{record['final_eval_ppl']:.2f} after (held-out windows of {cfg['seq_len']} tokens as "
+                     f"training reads them, no BOS; the float32 weights, before the cast to "
+                     f"{record.get('save_dtype', 'the source dtype')}) |")
     if record['attention_options']:
         lines += ["", f"Trained with gqakit attention `{cfg['attention']}`: load it with "
                       f"`attn_implementation=\"gqakit_{cfg['attention']}\"` after `import gqakit.attention` to "
