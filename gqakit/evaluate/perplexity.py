@@ -76,7 +76,8 @@ def strided_windows(model, input_ids: torch.Tensor, max_length: int, stride: int
         if first < end and kv_cache is not None:
             nll, scored, per_token, after = chunked_window_nll(model, window, first - begin + lead,
                                                                kv_chunk or DEFAULT_CHUNK, kv_cache, held is None)
-            held, decoding = (per_token, after) if held is None else (held, decoding)  # the first window is full
+            if held is None:  # the first window, a full one
+                held, decoding = per_token, after
             total += nll
             count += scored
             window_nll.append(nll)

@@ -170,7 +170,7 @@ def head_dim(config) -> int:
 def kv_bytes_per_token(config, dtype: torch.dtype | str, tokens: int | None = None) -> float:
     """Bytes that one token adds to a full KV cache: K and V, every layer, G heads of head_dim, at `dtype`. With
     `tokens`, the bytes per token that transformers' own dense cache holds after that many: the same, except where
-    sliding-window (or chunked) layers keep at most their window (Mistral, Gemma 2 / 3, Qwen2's `layer_types`),
+    sliding-window layers keep at most their window (Mistral, Gemma 2 / 3, Qwen2's `layer_types`),
     measured by filling that cache with `tokens` positions of meta tensors (no memory, no model run); a cache with
     other layers (a hybrid's state layers) is refused in one line rather than counted as K/V.
 
@@ -199,11 +199,13 @@ def _dense_cache_bytes(config, dtype: torch.dtype, heads: int, tokens: int, full
     keeps every token)."""
     from transformers import DynamicCache
 
+    if is_encoder_decoder(config):
+        return full  # its decoder keeps every token (its config builds no decoder layer types)
     cache = DynamicCache(config=config)
     kinds = {type(layer).__name__ for layer in cache.layers}
-    if is_encoder_decoder(config) or kinds <= {"DynamicLayer"}:
-        return full  # every layer keeps every token (an encoder-decoder's config builds no decoder layer types)
-    if not kinds <= {"DynamicLayer", "DynamicSlidingWindowLayer", "DynamicChunkedLayer"}:  # e.g. a hybrid's states
+    if kinds <= {"DynamicLayer"}:
+        return full  # every layer keeps every token
+    if not kinds <= {"DynamicLayer", "DynamicSlidingWindowLayer"}:  # e.g. a hybrid's state layers
         raise GqakitError(f"cannot count the KV cache of {type(config).__name__}: its layers are {sorted(kinds)}, "
                           "not K/V layers gqakit measures; evaluate a model whose attention layers all cache K and V")
     kv = torch.empty(1, heads, tokens, head_dim(config), dtype=dtype, device="meta")  # (B, G, T, d)

@@ -11,6 +11,7 @@ from eval_tiny import checkpoint, run_eval, text, tiny_llama, tokenizer
 from gqakit.common import report
 from gqakit.evaluate.kvcache import held_bytes, make_cache
 from gqakit.evaluate.perplexity import strided_windows
+from gqakit.hf.compat import output_cache
 from gqakit.hf.loading import kv_bytes_per_token
 
 
@@ -216,7 +217,7 @@ def test_bytes_per_token_at_a_length_are_what_the_dense_cache_holds(family):
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         out = model(input_ids=ids(64)[None], use_cache=True)
-    cache = out["cache"] if "cache" in out else out.past_key_values
+    cache = output_cache(out)
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)) / 64
     assert kv_bytes_per_token(model.config, torch.float32, 64) == pytest.approx(held, rel=1e-12)
     full = kv_bytes_per_token(model.config, torch.float32)
