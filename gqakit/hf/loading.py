@@ -46,9 +46,18 @@ def check_model_folder(path: str) -> dict | None:
     return folder.config
 
 
+# config.json's names for the context length: transformers maps max_position_embeddings onto n_positions for GPT-2,
+# GPT-J, CodeGen and GPTBigCode, whose config.json stores only the latter
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions")
+
+
 def context_length(config: dict) -> int | None:
-    """max_position_embeddings of a config.json dict (a multimodal one's text_config too); None if unknown."""
-    return config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    """The context length of a config.json dict (a multimodal one's text_config too); None if unknown."""
+    for section in (config, config.get("text_config") or {}):
+        for key in CONTEXT_KEYS:
+            if section.get(key):
+                return section[key]
+    return None
 
 
 def check_loading(path: str, info: dict) -> None:

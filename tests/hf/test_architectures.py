@@ -293,3 +293,18 @@ def test_a_key_norm_is_read_from_the_config_that_switches_it(family, qk_layernor
                                atol=1e-5, rtol=0)
     card = (tmp_path / "g2" / "README.md").read_text()
     assert ("exact only for identical heads" in card) == qk_layernorm
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gptj", "codegen", "gpt_bigcode", "llama", "opt", "gpt_neox"])
+def test_the_context_length_is_read_from_config_json_as_transformers_reads_it(model_type):
+    """config.json spells the context n_positions for GPT-2-likes (transformers maps max_position_embeddings onto it):
+    eval's checks before loading read it as the loaded config does (they read nothing, so a window past GPT-2's
+    context reached its position table, an IndexError)."""
+    from transformers import AutoConfig
+
+    from gqakit.hf.loading import context_length
+
+    config = AutoConfig.for_model(model_type)
+    assert config.max_position_embeddings
+    assert context_length(config.to_diff_dict() | config.to_dict()) == config.max_position_embeddings
+    assert context_length({"text_config": config.to_dict()}) == config.max_position_embeddings
