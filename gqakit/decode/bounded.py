@@ -8,13 +8,15 @@ length, the operations a bounded cache cannot do) and the byte count.
 from __future__ import annotations
 
 import torch
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from gqakit.decode.rope import rope_inv_freq
+from gqakit.decode.rope import KeyRotation, rope_inv_freq
 
 
-def check_sizes(owner: str, sinks: int, window: int, rope) -> torch.Tensor | None:
-    """Refuse impossible sizes; the RoPE inverse frequencies (None without `rope`)."""
+def check_sizes(owner: str, sinks: int, window: int, rope) -> KeyRotation | None:
+    """Refuse impossible sizes; how the cache rotates keys (None without `rope`): measured from the model when `rope`
+    is one (`rope_probe`), else rotate-half by the given frequencies on every layer."""
     if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
         raise ValueError(f"sinks must be an int >= 0, got {sinks!r}; pass sinks=0 for a plain "
                          "sliding window or e.g. sinks=4")
@@ -24,7 +26,14 @@ def check_sizes(owner: str, sinks: int, window: int, rope) -> torch.Tensor | Non
     if sinks > 0 and rope is None:
         raise ValueError(f"{owner}(sinks={sinks}) re-rotates the sink keys and needs the model's "
                          "RoPE: pass rope=model (or use sinks=0)")
-    return rope_inv_freq(rope) if rope is not None else None
+    if rope is None:
+        return None
+    inv_freq = rope_inv_freq(rope)
+    if isinstance(rope, PreTrainedModel):
+        from gqakit.decode.rope_probe import measure_rotation
+
+        return measure_rotation(rope, inv_freq)
+    return KeyRotation(inv_freq)
 
 
 class BoundedLayer(CacheLayerMixin):

@@ -29,23 +29,24 @@ the mask builder as absolute column `seen - stored + j` (`get_mask_sizes`), whic
 left-padded 2D attention mask has its zeros, so `generate()`'s ever-growing mask stays consistent.
 `WindowCache` needs neither the mask nor the RoPE frequencies (except for `rebase()`).
 
-Scope: decoder-only models whose attention applies rotate-half RoPE to K before the cache update
-and whose layers are all full causal attention. Tested on Llama; Mistral (without `sliding_window`),
-Qwen2/3 and OLMo/OLMo2 follow the same contract, and partial rotary (Phi3) is handled, but they are
-not tested here. Not supported: interleaved (GPT-J style) RoPE, RoPE whose frequencies depend on the
-position (`dynamic`, `longrope`: refused), models with sliding-window or linear-attention layers,
-beam search and `crop()` (assisted decoding) (both raise). `num_return_sequences > 1` works without
-`attention_mask`; with one, build the cache for the expanded batch (a mismatch raises).
+Scope: decoder-only models whose cached keys carry RoPE. Built with `rope=model`, the cache measures how (one
+two-forward probe, `rope_probe`): the rotate-half or the interleaved (GPT-J, Cohere, GLM) layout, and which layers
+carry none (NoPE layers, as SmolLM3's, keep their keys unrotated). Sliding-window layers work (the model builds
+their masks from `get_mask_sizes`). Refused in one line: RoPE whose frequencies depend on the position (`dynamic`,
+`longrope`), keys that move with the position otherwise, models with no RoPE layer (ALiBi, learned positions),
+several rotary embeddings (Gemma 3's per layer type) and layers that are no plain K/V cache (chunked, shared or
+linear attention). Given `rope` as an `inv_freq` tensor it trusts the caller: rotate-half, every layer. Beam search
+and `crop()` (assisted decoding) raise. `num_return_sequences > 1` works without `attention_mask`; with one, build
+the cache for the expanded batch (a mismatch raises).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from gqakit.decode.bounded import BoundedCache, BoundedLayer, check_sizes
-from gqakit.decode.rope import rope_rotation, rotate_keys
+from gqakit.decode.rope import KeyRotation
 
 # ---------------------------------------------------------------------------------------------
 # Bookkeeping shared by the layers of one cache
@@ -65,9 +66,9 @@ class _Plan:
 class _Policy:
     """Sinks, window, per-row left padding and rebase shifts; plans each update for all layers."""
 
-    def __init__(self, sinks: int, window: int, inv_freq: torch.Tensor | None,
+    def __init__(self, sinks: int, window: int, rotation: KeyRotation | None,
                  padding: torch.Tensor | None):
-        self.sinks, self.window, self.inv_freq = sinks, window, inv_freq
+        self.sinks, self.window, self.rotation = sinks, window, rotation
         self.padding = padding  # (B,) int64 on CPU, or None until the batch size is known
         self.shift: torch.Tensor | None = None  # (B,) positions removed by rebase()
         self._memo: tuple | None = None
@@ -84,8 +85,8 @@ class _Policy:
                              f"the model fed batch {batch}; build one cache per batch")
         if self.shift is None:
             self.shift = torch.zeros(batch, dtype=torch.long)
-        if self.inv_freq is not None and 2 * self.inv_freq.numel() > head_dim:
-            raise ValueError(f"RoPE has {2 * self.inv_freq.numel()} rotary dims but head_dim is {head_dim}; "
+        if self.rotation is not None and 2 * self.rotation.inv_freq.numel() > head_dim:
+            raise ValueError(f"RoPE has {2 * self.rotation.inv_freq.numel()} rotary dims but head_dim is {head_dim}; "
                              "pass the rope of the model whose keys are cached")
 
     def real_tokens(self, seen: int) -> torch.Tensor:
@@ -106,7 +107,7 @@ class _Policy:
             cos = sin = None
             if S > 0 and seen - p_min > cap:  # some row has evicted: its sinks move up to its window
                 evicted = (self.real_tokens(seen) - cap).clamp(min=0)
-                cos, sin = rope_rotation(evicted - self.shift, self.inv_freq)
+                cos, sin = self.rotation.rotation(evicted - self.shift)
             if seen - p_max > cap:  # every row was already [S sinks | W recent], chunk all real
                 plan = _Plan(keep, "steady", cos, sin, None, None)
             else:
@@ -134,9 +135,10 @@ class SinkLayer(BoundedLayer):
 
     owner = "SinkCache"
 
-    def __init__(self, policy: _Policy):
+    def __init__(self, policy: _Policy, rotary: bool = True):
         super().__init__()
         self.policy = policy
+        self.rotary = rotary  # False: a NoPE layer, whose keys stay where they are
         self.columns = 0  # columns fed so far, padding included (what get_seq_length reports)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -155,8 +157,8 @@ class SinkLayer(BoundedLayer):
         stored, q = self.keys.shape[-2], key_states.shape[-2]
         plan = self.policy.plan(self.columns, stored, q)
         n = stored + q
-        if plan.cos is not None:  # sinks rotated up to sit just before the window
-            sinks = rotate_keys(self.keys[..., :S, :], plan.cos, plan.sin)
+        if plan.cos is not None and self.rotary:  # sinks rotated up to sit just before the window
+            sinks = self.policy.rotation.rotate(self.keys[..., :S, :], plan.cos, plan.sin)
             keys = torch.cat([sinks, self.keys[..., S:, :], key_states], dim=-2)  # (B, G, n, d)
         else:
             keys = torch.cat([self.keys, key_states], dim=-2)
@@ -221,9 +223,13 @@ class SinkCache(BoundedCache):
 
     def __init__(self, sinks: int, window: int, rope: torch.nn.Module | torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None):
-        inv_freq = check_sizes("SinkCache", sinks, window, rope)
-        self.policy = self.state = _Policy(sinks, window, inv_freq, _left_padding(attention_mask))
-        super().__init__(layer_class_to_replicate=partial(SinkLayer, self.policy))
+        rotation = check_sizes("SinkCache", sinks, window, rope)
+        self.policy = self.state = _Policy(sinks, window, rotation, _left_padding(attention_mask))
+        super().__init__(layer_class_to_replicate=self._new_layer)
+
+    def _new_layer(self) -> SinkLayer:
+        rotation = self.policy.rotation
+        return SinkLayer(self.policy, rotation is None or rotation.rotates(len(self.layers)))
 
     def _seen(self) -> int:
         return self.layers[0].columns if self.layers else 0
@@ -259,16 +265,18 @@ class SinkCache(BoundedCache):
         pol = self.policy
         if not self.layers or pol.shift is None:
             return
-        if pol.inv_freq is None:
+        if pol.rotation is None:
             raise ValueError("rebase() rotates keys and needs the model's RoPE: build the cache with rope=model")
         evicted = (pol.real_tokens(self._seen()) - pol.capacity).clamp(min=0)
         delta = evicted - pol.shift
         if not bool((delta != 0).any()):
             return
-        cos, sin = rope_rotation(-delta, pol.inv_freq)
+        cos, sin = pol.rotation.rotation(-delta)
         S = pol.sinks
         for layer in self.layers:  # rows with delta 0 (not full yet) are rotated by an exact identity
-            layer.keys = torch.cat([layer.keys[..., :S, :], rotate_keys(layer.keys[..., S:, :], cos, sin)], dim=-2)
+            if layer.rotary:
+                layer.keys = torch.cat([layer.keys[..., :S, :], pol.rotation.rotate(layer.keys[..., S:, :], cos, sin)],
+                                       dim=-2)
         pol.shift = evicted
         pol.invalidate()
 

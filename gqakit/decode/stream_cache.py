@@ -13,7 +13,7 @@ number. Two things must be exact per token instead:
   window), so different tokens of one chunk need the sinks at different RoPE positions. A single set of
   keys cannot do that, so each forward appends one rotated copy of the S sink keys per distinct sink
   placement (U <= C copies; U = 1 until the first eviction) and the mask lets token t see only its copy.
-  Sink keys are rotated from their stored positions with float64 angles (`cache.rope_rotation`).
+  Sink keys are rotated from their stored positions with float64 angles (`rope.rope_rotation`).
 
 Keys handed to attention: [U copies of the sinks | the last <= W non-sink tokens | the chunk]
 (U*S + W + C keys at most; the sink tokens are seen only through the copies). Stored between forwards:
@@ -27,17 +27,18 @@ S + W + rebase_every + C (2 (S + W) + C by default) whatever the stream length (
 Batch 1 (one stream). The caller must call `prepare(C)` before each forward and pass the returned
 position ids and mask to the model (`model(ids, position_ids=..., attention_mask=..., past_key_values=
 cache)`); the model's attention must accept a 4-D additive mask (eager and sdpa do; gqakit's tiled
-kinds ignore it, so they are refused).
+kinds ignore it, so they are refused). That mask replaces the model's own, so a model whose sliding-window layers
+would hide part of the S + W + 1 keys a token sees is refused when built with `rope=model`. Which keys rotate, and
+how, is measured from the model as for `SinkCache` (`rope_probe`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from gqakit.decode.bounded import BoundedCache, BoundedLayer, check_sizes
-from gqakit.decode.rope import rope_rotation, rotate_keys
+from gqakit.decode.rope import KeyRotation
 
 
 @dataclass(frozen=True)
@@ -49,18 +50,31 @@ class _Chunk:
     sinks_before: int  # sink tokens stored before this chunk
     sinks_after: int  # sink tokens once the chunk is in (the chunk's first sinks_after - sinks_before are sinks)
     recent: int  # non-sink tokens stored before the chunk (the last ones, at most W)
-    cos: torch.Tensor | None  # (U, r) one rotation per sink copy; None: a single unrotated copy
+    cos: torch.Tensor | None  # (U, r/2) one rotation per sink copy; None: a single unrotated copy
     sin: torch.Tensor | None
 
 
 class _Frame:
     """Stream state shared by the layers: tokens fed, position offset, the current chunk's plan."""
 
-    def __init__(self, sinks: int, window: int, inv_freq: torch.Tensor | None, rebase_every: int):
-        self.sinks, self.window, self.inv_freq, self.rebase_every = sinks, window, inv_freq, rebase_every
+    def __init__(self, sinks: int, window: int, rotation: KeyRotation | None, rebase_every: int):
+        self.sinks, self.window, self.rotation, self.rebase_every = sinks, window, rotation, rebase_every
         self.seen = 0
         self.offset = 0
         self.chunk: _Chunk | None = None
+
+
+def _check_windows(config, sinks: int, window: int) -> None:
+    """Refuse a model whose own sliding window is narrower than what this cache's mask shows a token (S + W + 1 keys):
+    the mask replaces the model's, so those layers would see keys they never see."""
+    from gqakit.decode.rope_probe import layer_windows
+
+    narrow = [(i, w) for i, w in enumerate(layer_windows(config)) if w is not None and w < sinks + window + 1]
+    if narrow:
+        index, width = min(narrow, key=lambda item: item[1])
+        raise ValueError(f"layer {index} of {type(config).__name__} attends to a sliding window of {width} tokens, "
+                         f"fewer than the sinks + window + 1 = {sinks + window + 1} keys this cache shows a token; its "
+                         f"mask replaces the model's, so keep sinks + window <= {width - 1}")
 
 
 class ChunkLayer(BoundedLayer):
@@ -68,9 +82,10 @@ class ChunkLayer(BoundedLayer):
 
     owner = "ChunkedSinkCache"
 
-    def __init__(self, frame: _Frame):
+    def __init__(self, frame: _Frame, rotary: bool = True):
         super().__init__()
         self.frame = frame
+        self.rotary = rotary  # False: a NoPE layer, whose keys stay where they are
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[0] != 1:
@@ -93,11 +108,11 @@ class ChunkLayer(BoundedLayer):
         sink_k = torch.cat([self.sink_keys, key_states[..., :take, :]], dim=-2)  # (1, G, s, d)
         sink_v = torch.cat([self.sink_values, value_states[..., :take, :]], dim=-2)
         _, g, s, d = sink_k.shape
-        if plan.cos is None or s == 0:
+        if plan.cos is None or s == 0 or not self.rotary:
             copies_k, copies_v = sink_k, sink_v
         else:
             u = plan.cos.shape[0]
-            rotated = rotate_keys(sink_k.expand(u, g, s, d), plan.cos, plan.sin)  # (U, G, s, d)
+            rotated = self.frame.rotation.rotate(sink_k.expand(u, g, s, d), plan.cos, plan.sin)  # (U, G, s, d)
             copies_k = rotated.transpose(0, 1).reshape(1, g, u * s, d)  # copy-major: slot u * s + j
             copies_v = sink_v.expand(u, g, s, d).transpose(0, 1).reshape(1, g, u * s, d)
         keys = torch.cat([copies_k, self.keys, key_states], dim=-2)  # (1, G, U*s + recent + C, d)
@@ -135,21 +150,27 @@ class ChunkedSinkCache(BoundedCache):
 
     def __init__(self, sinks: int, window: int, rope: torch.nn.Module | torch.Tensor | None = None,
                  rebase_every: int | None = None):
-        inv_freq = check_sizes("ChunkedSinkCache", sinks, window, rope)
+        rotation = check_sizes("ChunkedSinkCache", sinks, window, rope)
         rebase_every = sinks + window if rebase_every is None else rebase_every
         if rebase_every < 1:
             raise ValueError(f"rebase_every must be >= 1, got {rebase_every}")
-        self.frame = self.state = _Frame(sinks, window, inv_freq, rebase_every)
-        super().__init__(layer_class_to_replicate=partial(ChunkLayer, self.frame))
+        if isinstance(rope, torch.nn.Module) and hasattr(rope, "config"):
+            _check_windows(rope.config, sinks, window)
+        self.frame = self.state = _Frame(sinks, window, rotation, rebase_every)
+        super().__init__(layer_class_to_replicate=self._new_layer)
+
+    def _new_layer(self) -> ChunkLayer:
+        rotation = self.frame.rotation
+        return ChunkLayer(self.frame, rotation is None or rotation.rotates(len(self.layers)))
 
     def _rebase(self, start: int) -> None:
         """Rotate the stored window back so that its first token sits at position S (sinks stay at 0..S-1)."""
         f = self.frame
         new_offset = start - f.window - f.sinks  # > f.offset when called
-        cos, sin = rope_rotation(torch.tensor([f.offset - new_offset]), f.inv_freq)
+        cos, sin = f.rotation.rotation(torch.tensor([f.offset - new_offset]))
         for layer in self.layers:
-            if layer.is_initialized and layer.keys.shape[-2]:
-                layer.keys = rotate_keys(layer.keys, cos, sin)
+            if layer.rotary and layer.is_initialized and layer.keys.shape[-2]:
+                layer.keys = f.rotation.rotate(layer.keys, cos, sin)
         f.offset = new_offset
 
     def prepare(self, length: int, dtype: torch.dtype = torch.float32, device=None
@@ -159,7 +180,7 @@ class ChunkedSinkCache(BoundedCache):
         S, W, a = f.sinks, f.window, f.seen
         if length < 1:
             raise ValueError(f"a chunk needs at least one token, got {length}")
-        if f.inv_freq is not None and a - S - W - f.offset >= f.rebase_every:
+        if f.rotation is not None and a - S - W - f.offset >= f.rebase_every:
             self._rebase(a)
         t = torch.arange(a, a + length)  # (C,) stream index of each query
         sinks_before, sinks_after = min(S, a), min(S, a + length)
@@ -172,7 +193,7 @@ class ChunkedSinkCache(BoundedCache):
             delta = (t - S - W).clamp(min=0) - f.offset  # (C,) >= 0
             placements, inverse = torch.unique(delta, return_inverse=True)
             if placements.numel() > 1 or int(placements[0]) != 0:
-                cos, sin = rope_rotation(placements, f.inv_freq)  # (U, r)
+                cos, sin = f.rotation.rotation(placements)  # (U, r/2)
                 copies = placements.numel()
         f.chunk = _Chunk(a, length, sinks_before, sinks_after, recent, cos, sin)
         f.seen += length

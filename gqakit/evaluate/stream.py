@@ -85,14 +85,9 @@ def _cached(model, ids: torch.Tensor, policy: str, window: int, sinks: int, chun
     if policy == "dense":
         cache = DynamicCache()
     else:
-        has_rope = any(isinstance(getattr(m, "inv_freq", None), torch.Tensor) for m in model.modules())
-        if policy == "sinks" and not has_rope:
-            raise GqakitError(f"{opt('policies', 'sinks')} re-rotates RoPE keys but {type(model).__name__} has no "
-                              f"rotary embedding; use {opt('policies', 'window')}")
-        try:  # without RoPE (window only) positions are never rebased
-            cache = ChunkedSinkCache(sinks if policy == "sinks" else 0, window, rope=model if has_rope else None,
-                                     rebase_every=rebase_every)
-        except ValueError as e:  # e.g. position-dependent RoPE (dynamic, longrope)
+        try:  # the cache measures how the model's keys rotate (rope_probe), or refuses
+            cache = ChunkedSinkCache(sinks if policy == "sinks" else 0, window, rope=model, rebase_every=rebase_every)
+        except ValueError as e:
             raise GqakitError(str(e)) from None
     peak = 0
     for a in tqdm(range(0, n - 1, chunk), desc=policy, unit="chunk", disable=not progress, leave=False):
@@ -224,6 +219,39 @@ def _check(cfg: StreamConfig) -> tuple[str, ...]:
     return policies
 
 
+def _check_model(model, policies: tuple[str, ...], cfg: StreamConfig, tokens: int) -> None:
+    """Refuse, before any policy runs, a policy this model cannot run exactly: the bounded ones (window, sinks) move
+    keys by RoPE, which the model's keys must follow (measured, `rope_probe`) and which must see what the model's own
+    sliding windows would let it; dense past the context of a model without RoPE (learned positions) has no
+    positions to give."""
+    from gqakit.decode.rope import rope_buffers, rope_inv_freq
+    from gqakit.decode.rope_probe import layer_windows, measure_rotation
+    from gqakit.hf.loading import context_length
+
+    name, full = type(model).__name__, f"use {opt('policies', 'dense')} or {opt('policies', 'recompute')}"
+    context = context_length(model.config.to_dict())
+    if "dense" in policies and not rope_buffers(model) and context and tokens > context:
+        raise GqakitError(f"{opt('policies', 'dense')} feeds positions up to {tokens:,} but {name} has no RoPE and a "
+                          f"{context:,}-token context; lower {opt('tokens')} to {context:,} or use "
+                          f"{opt('policies', 'recompute')}")
+    for policy in (p for p in policies if p in ("sinks", "window")):
+        bounded = f"{opt('policies', policy)} keeps a bounded cache whose keys it moves by RoPE"
+        if is_latent(model.config):
+            raise GqakitError(f"{bounded}, and a latent-attention model ({name}) caches them beside its latent; {full}")
+        try:
+            windows = layer_windows(model.config)
+            measure_rotation(model, rope_inv_freq(model))
+        except ValueError as e:
+            raise GqakitError(f"{bounded}, but {str(e).split(';')[0]}; {full}") from None
+        sinks = cfg.sinks if policy == "sinks" else 0
+        narrow = min((w for w in windows if w is not None), default=None)
+        if narrow is not None and narrow < sinks + cfg.window + 1:
+            fix = (f"lower {opt('window')} to {narrow - 1 - sinks:,}" if narrow - 1 - sinks >= 1 else
+                   f"lower {opt('sinks')}")
+            raise GqakitError(f"{bounded} and shows each token {sinks + cfg.window + 1:,} keys, but {name}'s "
+                              f"sliding-window layers see {narrow:,}; {fix} or {full}")
+
+
 def _table(cfg: StreamConfig, summary: dict) -> str:
     lines = ["| policy | perplexity | worst bucket | peak cache bytes | tokens/s | fluency |",
              "|---|---|---|---|---|---|"]
@@ -258,11 +286,7 @@ def run_stream(cfg: StreamConfig, command: str = "", out=None) -> dict:
             raise GqakitError(f"{opt('bos')}: neither the tokenizer nor config.json names a BOS token; drop "
                               f"{opt('bos')}")
         ids = torch.cat([torch.tensor([int(bos)]), ids])
-    rotating = [p for p in policies if p in ("sinks", "window")]
-    if rotating and is_latent(model.config):
-        raise GqakitError(f"{opt('policies', rotating[0])} re-rotates cached RoPE keys, and a latent-attention model "
-                          f"({type(model).__name__}) caches them beside its latent; use {opt('policies', 'dense')} or "
-                          f"{opt('policies', 'recompute')}")
+    _check_model(model, policies, cfg, ids.numel())
     size = cfg.bucket or max(1, math.ceil(ids.numel() / 32))
     every = cfg.recompute_every or cfg.chunk
     summary: dict[str, dict] = {}

@@ -74,8 +74,10 @@ class StreamingReference:
 
     def __init__(self, model, sinks: int, window: int):
         self.model, self.sinks, self.window = model, sinks, window
+        self.uses_rope = getattr(model.config, "no_rope_layers", None) or [1] * len(model.model.layers)  # SmolLM3
         cfg = model.config
-        self.H, self.G, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.H, self.G = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.inv_freq = model.model.rotary_emb.inv_freq.double()
         self.raw_k = [[] for _ in model.model.layers]
         self.raw_v = [[] for _ in model.model.layers]
@@ -94,13 +96,14 @@ class StreamingReference:
         kept = sorted(set(range(min(self.sinks, t + 1))) | set(range(max(chunk_start - self.window, 0), t + 1)))
         pos = torch.arange(len(kept))  # in-cache positions
         h = inner.embed_tokens(token.reshape(1))  # (1, hidden)
-        for layer, ks, vs in zip(inner.layers, self.raw_k, self.raw_v):
+        for layer, ks, vs, rope in zip(inner.layers, self.raw_k, self.raw_v, self.uses_rope):
             att = layer.self_attn
             x = layer.input_layernorm(h)
             ks.append(att.k_proj(x).view(G, d))
             vs.append(att.v_proj(x).view(G, d))
-            q = self.rope(att.q_proj(x).view(H, 1, d), pos[-1:])
-            k = self.rope(torch.stack([ks[j] for j in kept], dim=1), pos)  # (G, n, d)
+            q, k = att.q_proj(x).view(H, 1, d), torch.stack([ks[j] for j in kept], dim=1)  # (G, n, d)
+            if rope:  # a NoPE layer (SmolLM3's no_rope_layers 0) leaves both unrotated
+                q, k = self.rope(q, pos[-1:]), self.rope(k, pos)
             v = torch.stack([vs[j] for j in kept], dim=1)
             k, v = k.repeat_interleave(H // G, dim=0), v.repeat_interleave(H // G, dim=0)  # (H, n, d)
             w = torch.softmax(q @ k.transpose(1, 2) * d ** -0.5, dim=-1)  # (H, 1, n)
@@ -204,14 +207,44 @@ def test_stream_tokens_rebase_matches_streaming_reference(model, sinks, window):
     prompt = tokens(11, seed=7)
     got = torch.stack(list(stream_tokens(model, prompt, 40, sinks=sinks, window=window, chunk_size=4,
                                          rebase_every=3)))[:, 0]
-    # the reference decodes greedily with the same chunks (4, 4, 3, then one at a time)
+    assert torch.equal(got, greedy_reference(model, prompt[0], 40, sinks, window, chunk=4))
+
+
+def greedy_reference(model, prompt: torch.Tensor, steps: int, sinks: int, window: int, chunk: int) -> torch.Tensor:
+    """StreamingReference's greedy continuation of `prompt` (T,), read in chunks of `chunk`, then a token at a time."""
     ref = StreamingReference(model, sinks, window)
-    logits = [ref.step(prompt[0, t], t - t % 4) for t in range(11)][-1]
+    logits = [ref.step(prompt[t], t - t % chunk) for t in range(prompt.shape[0])][-1]
     want = []
-    for _ in range(40):
+    for _ in range(steps):
         want.append(logits.argmax())
         logits = ref.step(want[-1], len(ref.raw_k[0]))
-    assert torch.equal(got, torch.stack(want))
+    return torch.stack(want)
+
+
+def tiny_smollm3(uses_rope: list[int]):
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    cfg = SmolLM3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=len(uses_rope),
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        no_rope_layers=uses_rope, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return SmolLM3ForCausalLM._from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("uses_rope", [[1, 0], [0, 1]])
+@pytest.mark.parametrize("sinks,window", [(2, 6), (0, 7)])
+def test_nope_layers_keep_their_keys_where_they_are(uses_rope, sinks, window):
+    """SmolLM3's NoPE layers cache keys without RoPE: the sinks of those layers are not moved, nor their windows
+    re-based (before, every layer was rotated: 0.03 in NLL off on the review's one-layer model)."""
+    model = tiny_smollm3(uses_rope)
+    ids = tokens(30, seed=8)
+    got = run_cache(model, ids, SinkCache(sinks, window, rope=model), list(range(30)))
+    torch.testing.assert_close(got, streaming_reference(model, ids[0], sinks, window, list(range(30))),
+                               atol=ATOL_REF, rtol=0)
+    prompt = tokens(9, seed=9)
+    generated = torch.stack(list(stream_tokens(model, prompt, 25, sinks=sinks, window=window, chunk_size=4,
+                                               rebase_every=3)))[:, 0]
+    assert torch.equal(generated, greedy_reference(model, prompt[0], 25, sinks, window, chunk=4))
 
 
 # --------------------------------------------------------------------------------------------

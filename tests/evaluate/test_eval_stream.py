@@ -193,3 +193,56 @@ def test_eager_attention_and_bfloat16_run_the_same_masks(stream):
     half = tiny_llama(vocab=64, max_positions=32).to(torch.bfloat16)
     low = stream_nll(half, stream, "sinks", window=W, sinks=S, chunk=13)
     assert torch.isfinite(low.nll).all() and (low.nll - want).abs().mean() < 0.05  # bf16 rounding only
+
+
+@pytest.fixture(scope="module")
+def positions_models(tmp_path_factory):
+    """A GPT-2 (learned positions, a 64-token context) and a Mistral whose layers slide over 8 tokens."""
+    from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig
+
+    root, tok = tmp_path_factory.mktemp("positions"), tokenizer()
+    ids = dict(bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    configs = {"gpt2": GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=4, n_positions=64, **ids),
+               "mistral": MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                                        **ids)}
+    for name, config in configs.items():
+        AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    (root / "text.txt").write_text(text(400, seed=4), encoding="utf-8")
+    return root
+
+
+@pytest.mark.parametrize("name,argv,needle", [
+    ("gpt2", ["--policy", "dense"], "--policy dense feeds positions up to 100 but GPT2LMHeadModel has no RoPE and a "
+                                    "64-token context; lower --tokens to 64 or use --policy recompute"),
+    ("gpt2", ["--policy", "window", "--window", 16], "--policy window keeps a bounded cache whose keys it moves by "
+                                                     "RoPE, but GPT2LMHeadModel has no rotary embedding"),
+    ("mistral", ["--policy", "sinks", "--sinks", 2, "--window", 16], "MistralForCausalLM's sliding-window layers see "
+                                                                      "8; lower --window to 5"),
+])
+def test_what_a_models_positions_cannot_run_is_refused_before_any_policy(positions_models, name, argv, needle):
+    """Before: GPT-2 crashed past its position table (an IndexError) and a Mistral sliding over 8 tokens was scored
+    as if it saw 19, its own mask replaced by the cache's."""
+    out_dir = positions_models / f"never-{name}"
+    code, out, err = run_eval("stream", positions_models / name, "--text", positions_models / "text.txt", "--tokens",
+                              100, *argv, "-q", "-o", out_dir)
+    assert one_line_error(code, err, needle), err
+    assert not out_dir.exists()
+
+
+def test_a_sliding_window_the_cache_fits_in_is_scored_as_the_model_sees_it(positions_models):
+    """Mistral sliding over 8 tokens, sinks 2 + window 5 (8 keys per token): the window never hides a key, and the
+    sinks policy equals a recompute of [sinks | window | token] at positions 0..n-1 through the model's own masks."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(positions_models / "mistral", attn_implementation="eager").eval()
+    ids = torch.randint(3, 64, (30,), generator=torch.Generator().manual_seed(2))
+    want = []
+    with torch.no_grad():
+        for t in range(29):
+            keep = sorted(set(range(min(2, t + 1))) | set(range(max(0, t - 5), t + 1)))
+            logits = model(input_ids=ids[keep][None], position_ids=torch.arange(len(keep))[None]).logits[0, -1]
+            want.append(-torch.log_softmax(logits.double(), -1)[ids[t + 1]])
+    got = stream_nll(model, ids, "sinks", window=5, sinks=2, chunk=4)
+    torch.testing.assert_close(got.nll, torch.stack(want), atol=ATOL, rtol=0)

@@ -1,0 +1,115 @@
+"""The measured key rotation of bounded caches (gqakit/decode/rope_probe.py): which RoPE layout a model's cached keys
+follow and which layers carry none, checked against each family's own modelling code, and the caches that use it
+against a from-scratch StreamingLLM recompute (float64, one layer: a layer's K/V then depend only on its token and
+position, so recomputing [sinks | window | token] at positions 0..n is exactly what a sink cache must show)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from gqakit.decode.cache import SinkCache
+from gqakit.decode.rope import rope_inv_freq
+from gqakit.decode.rope_probe import layer_windows, measure_rotation
+from gqakit.evaluate.stream import stream_nll
+from gqakit.hf.compat import cache_kwargs
+
+VOCAB = 64
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# float64 models, but transformers forms their RoPE angles in float32, at other positions in the reference (about
+# 1.4e-7 in logits measured); the wrong layout was 1e-3 (Cohere) to 4e-2 (GLM) off
+ATOL = 1e-6
+
+
+def family(model_type: str, layers: int = 1, dtype=torch.float64, **overrides):
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, head_dim=8)
+    if model_type == "falcon":
+        base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                    new_decoder_architecture=False, multi_query=True, max_position_embeddings=512)
+    config = AutoConfig.for_model(model_type, **{**base, **TOKENS, **overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(dtype).eval()
+    with torch.no_grad():  # sharper attention than the default initialisation gives
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(3.0)
+    return model
+
+
+@pytest.mark.parametrize("model_type, overrides, interleaved, rotary", [
+    ("llama", {}, False, (True, True)),
+    ("phi3", dict(partial_rotary_factor=0.5), False, (True, True)),
+    ("cohere", {}, True, (True, True)),  # rotate_half on x[..., ::2] / x[..., 1::2]
+    ("glm", dict(partial_rotary_factor=0.5), True, (True, True)),
+    ("smollm3", dict(no_rope_layers=[1, 0]), False, (True, False)),  # 1: the layer uses RoPE
+])
+def test_the_probe_reads_each_familys_layout_and_its_nope_layers(model_type, overrides, interleaved, rotary):
+    model = family(model_type, layers=2, dtype=torch.float32, **overrides)
+    rotation = measure_rotation(model, rope_inv_freq(model))
+    assert (rotation.interleaved, rotation.rotary) == (interleaved, rotary)
+    assert model.training is False
+
+
+def test_a_training_model_is_probed_in_eval_mode_and_left_training():
+    model = family("llama", attention_dropout=0.5).train()
+    assert measure_rotation(model, rope_inv_freq(model)).rotary == (True,)
+    assert model.training
+
+
+@pytest.mark.parametrize("model_type, overrides, needle", [
+    ("falcon", dict(alibi=True), "no layer of FalconForCausalLM rotates its keys"),  # holds a rotary module unused
+    ("smollm3", dict(no_rope_layers=[0]), "no layer of SmolLM3ForCausalLM rotates its keys"),
+])
+def test_keys_that_no_layer_rotates_are_refused(model_type, overrides, needle):
+    model = family(model_type, **overrides)
+    with pytest.raises(ValueError, match=needle) as err:
+        SinkCache(2, 6, rope=model)
+    assert "\n" not in str(err.value)
+
+
+def test_sliding_windows_are_read_per_layer():
+    mistral = family("mistral", layers=2, sliding_window=16)
+    assert layer_windows(mistral.config) == (16, 16)
+    gemma = family("gemma3_text", layers=2, sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=8)
+    assert layer_windows(gemma.config) == (16, None)
+    assert layer_windows(family("llama").config) == (None,)
+
+
+def recompute(model, ids: torch.Tensor, t: int, sinks: int, window: int) -> torch.Tensor:
+    """Logits after token t under StreamingLLM: the first `sinks` tokens, the `window` before t and t itself, at
+    positions 0..n-1, in one plain forward."""
+    keep = sorted(set(range(min(sinks, t + 1))) | set(range(max(0, t - window), t + 1)))
+    with torch.no_grad():
+        return model(input_ids=ids[keep][None], position_ids=torch.arange(len(keep))[None]).logits[0, -1]
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("llama", {}),
+    ("cohere", {}),
+    ("glm", dict(partial_rotary_factor=0.5)),
+])
+@pytest.mark.parametrize("sinks, window", [(3, 6), (0, 5)])
+def test_sink_caches_equal_the_recompute_reference_in_either_layout(model_type, overrides, sinks, window):
+    """Before the probe an interleaved model (Cohere, GLM) was re-rotated in the rotate-half layout: GLM's NLL 0.04
+    off the reference; both caches now follow the layout the model's keys show."""
+    model = family(model_type, **overrides)
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
+    want = torch.stack([recompute(model, ids, t, sinks, window) for t in range(ids.numel() - 1)])
+    cache = SinkCache(sinks, window, rope=model)
+    with torch.no_grad():
+        got = torch.stack([model(input_ids=ids[t:t + 1][None], **cache_kwargs(model, cache), use_cache=True)
+                           .logits[0, -1] for t in range(ids.numel() - 1)])
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    nll = -torch.log_softmax(want, dim=-1).gather(-1, ids[1:, None])[:, 0]
+    streamed = stream_nll(model, ids, "sinks" if sinks else "window", window=window, sinks=sinks, chunk=5)
+    torch.testing.assert_close(streamed.nll, nll, atol=ATOL, rtol=0)
+
+
+def test_two_rotary_embeddings_are_refused_by_name():
+    """Gemma 3 rotates sliding and full layers by other frequencies (transformers 5.25 names its buffers
+    `sliding_attention_inv_freq` / `full_attention_inv_freq`; it was refused as having no rotary embedding)."""
+    model = family("gemma3_text", layers=2, sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=8)
+    with pytest.raises(ValueError, match="2 different rotary embeddings") as err:
+        SinkCache(2, 6, rope=model)
+    assert "inv_freq" in str(err.value) and "\n" not in str(err.value)
