@@ -30,7 +30,7 @@ left-padded 2D attention mask has its zeros, so `generate()`'s ever-growing mask
 `WindowCache` needs neither the mask nor the RoPE frequencies (except for `rebase()`).
 
 Scope: decoder-only models whose cached keys carry RoPE. Built with `rope=model`, the cache measures how (one
-two-forward probe, `rope_probe`): the rotate-half or the interleaved (GPT-J, Cohere, GLM) layout, and which layers
+two-forward probe, `rope_probe`): the rotate-half or the interleaved (Cohere, GLM) layout, and which layers
 carry none (NoPE layers, as SmolLM3's, keep their keys unrotated). Sliding-window layers work (the model builds
 their masks from `get_mask_sizes`). Refused in one line: RoPE whose frequencies depend on the position (`dynamic`,
 `longrope`), keys that move with the position otherwise, models with no RoPE layer (ALiBi, learned positions),

@@ -1,9 +1,9 @@
 """RoPE maths for caches that move keys: the inverse frequencies of a model, and exact re-rotation of stored keys.
 
 Two layouts pair a key's rotary dims: rotate-half (Llama, Mistral, Qwen, OLMo, Phi3's partial rotary) pairs dim i
-with i + r/2; interleaved (GPT-J, Cohere, GLM) pairs 2i with 2i + 1. Which one a model uses, and which of its layers
-rotate at all, is measured from its keys (`rope_probe`). Angles are formed in float64 and reduced mod 2 pi, so a
-large shift costs no precision. Pure tensor functions.
+with i + r/2; interleaved (Cohere, GLM; GPT-J's too, whose precomputed table is not read) pairs 2i with 2i + 1.
+Which one a model uses, and which of its layers rotate at all, is measured from its keys (`rope_probe`). Angles are
+formed in float64 and reduced mod 2 pi, so a large shift costs no precision. Pure tensor functions.
 """
 from __future__ import annotations
 
@@ -59,8 +59,9 @@ def rope_inv_freq(rope: torch.nn.Module | torch.Tensor) -> torch.Tensor:
                          "(a plain window) for this model")
     found = rope_buffers(rope)
     if not found:
-        raise ValueError(f"{type(rope).__name__} has no rotary embedding (no `inv_freq` buffer); a cache that moves "
-                         "keys (sinks, or a window the stream outgrows) re-rotates them by RoPE: use a full cache")
+        raise ValueError(f"{type(rope).__name__} has no rotary embedding with an `inv_freq` buffer (none at all, or "
+                         "a precomputed table as GPT-J's); a cache that moves keys (sinks, or a window the stream "
+                         "outgrows) re-rotates them by RoPE: use a full cache")
     freqs = [b.detach().to("cpu", torch.float64).reshape(-1) for _, b in found]
     if any(f.shape != freqs[0].shape or not torch.equal(f, freqs[0]) for f in freqs[1:]):
         raise ValueError(f"{type(rope).__name__} has {len(found)} different rotary embeddings "

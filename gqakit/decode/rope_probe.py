@@ -3,7 +3,7 @@
 A cache that evicts tokens moves the keys it keeps to new positions by rotating them (`rope.rotate_keys`). That is
 exact only if every layer's cached key at position p + d is its key at p rotated by d with the model's RoPE
 frequencies, in the layout the cache rotates by. Nothing in a config says so reliably: RoPE pairs dims in two
-layouts (rotate-half; interleaved in GPT-J, Cohere, GLM), some layers apply none (SmolLM3's and Llama 4's NoPE
+layouts (rotate-half; interleaved in Cohere, GLM), some layers apply none (SmolLM3's and Llama 4's NoPE
 layers), and some models hold a rotary module they never apply (Falcon with ALiBi). So it is measured: one forward
 of three one-token rows at position 0 and one at position `SHIFT`, through transformers' own cache. A one-token
 forward attends only to itself, so every layer's input is the same at both positions and only the positional
