@@ -239,6 +239,11 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     accelerator.wait_for_everyone()
 
     start = 0
+    if resume_from is None and accelerator.num_processes > 1:
+        # The weights are loaded alike on every rank; from here each rank draws its own dropout masks (its own data
+        # under the same masks otherwise), from the stream a resharded resume at step 0 would derive. One process
+        # keeps the recipe's seed as it was.
+        set_seed(cfg.seed + accelerator.process_index)
     if resume_from is not None:
         trainer_state = load_checkpoint(resume_from, model, getattr(optimizer, "optimizer", optimizer))
         scheduler.load_state_dict(trainer_state["scheduler"])

@@ -55,6 +55,8 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path):
                            load_file(model / "model.safetensors")["model.layers.0.self_attn.k_proj.weight"])
     final = load_file(tmp_path / "two" / "run" / "model.safetensors")
     assert torch.equal(final["model.norm.weight"], r0["model.norm.weight"])  # rank 0 wrote the final model
+    rng = [(tmp_path / "two" / f"rng-{r}.txt").read_text() for r in (0, 1)]
+    assert rng[0] != rng[1]  # each rank its own random stream (dropout masks), from (seed, rank)
 
 
 @pytest.mark.parametrize("pairs", [False, True], ids=["span-corruption", "input-target-pairs"])

@@ -1,9 +1,11 @@
 """Run by the multi-process tests under torchrun: uptrain a recipe; after the last step every rank
 saves its weights and the gradients of that step (rank-R.safetensors, keys `grad.NAME` for gradients)
-and the step's metrics (rank-R.json) in DUMP_DIR (sharded tensors gathered whole).
+and the step's metrics (rank-R.json) in DUMP_DIR (sharded tensors gathered whole), and a digest of its torch
+RNG state (rng-R.txt).
 
 With GQAKIT_TEST_STALL_AT=k, every rank stops after step k (after that step's checkpoint is written),
 writes its pid to DUMP_DIR/stalled-RANK.pid and waits to be killed: the tests SIGKILL the run there."""
+import hashlib
 import json
 import os
 import sys
@@ -36,6 +38,7 @@ def main() -> None:
                           if p.grad is not None})  # FSDP: DTensors gathered whole (every rank takes part)
             save_file(state, str(dump / f"rank-{rank}.safetensors"))
             (dump / f"rank-{rank}.json").write_text(json.dumps(row))
+            (dump / f"rng-{rank}.txt").write_text(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())
 
     uptrain(cfg, on_step=save)
     if torch.distributed.is_initialized():  # as gqakit's CLI does: a rank that exits with the gloo group alive
