@@ -24,6 +24,19 @@ def source_dtype(model_dir: str) -> str:
     return dtype if dtype in dtypes.NAMES else "float32"
 
 
+def _reproduced_by(cfg: dict, source: Path) -> str:
+    """The eval ppl windows that score the same targets as the held-out sequences (docs/uptrain.md)."""
+    from gqakit.hf.folder import model_folder
+
+    seq_len = cfg["seq_len"]
+    if cfg.get("target_column"):
+        return ", input/target pairs as `gqakit eval ppl --target-column` reads them"
+    if model_folder(source).config.get("is_encoder_decoder"):
+        return f", span-corrupted as `gqakit eval ppl --max-length {seq_len}` corrupts the same tokens"
+    return (f": {seq_len} targets each from {seq_len + 1} tokens, as `gqakit eval ppl --max-length {seq_len + 1} "
+            f"--stride {seq_len}` scores the same tokens")
+
+
 def _card(source: Path, record: dict) -> str:
     text = (source / "README.md").read_text() if (source / "README.md").is_file() else (
         f"---\nlibrary_name: transformers\ntags: [gqakit]\n---\n# {source.name}\n")
@@ -54,10 +67,12 @@ def _card(source: Path, record: dict) -> str:
         + (f", {cfg['mixed_precision']} mixed precision" if cfg.get("mixed_precision", "no") != "no" else "") + ") |",
     ]
     if record.get("final_eval_ppl") is not None and record.get("initial_eval_ppl") is not None:
+        precision = cfg.get("mixed_precision", "no")
         lines.append(f"| held-out perplexity | {record['initial_eval_ppl']:.2f} before, "
-                     f"{record['final_eval_ppl']:.2f} after (held-out windows of {cfg['seq_len']} tokens as "
-                     f"training reads them, no BOS; the float32 weights, before the cast to "
-                     f"{record.get('save_dtype', 'the source dtype')}) |")
+                     f"{record['final_eval_ppl']:.2f} after (held-out sequences as training reads them, no BOS"
+                     f"{_reproduced_by(cfg, source)}; the float32 weights, before the cast to "
+                     f"{record.get('save_dtype', 'the source dtype')}"
+                     + (f", computed under {precision} autocast as training" if precision != "no" else "") + ") |")
     if record['attention_options']:
         lines += ["", f"Trained with gqakit attention `{cfg['attention']}`: load it with "
                       f"`attn_implementation=\"gqakit_{cfg['attention']}\"` after `import gqakit.attention` to "
