@@ -395,8 +395,8 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
         print(f"(encoder-decoders: each row's {cfg.target_column!r} given its {cfg.text_column!r}, both ending in EOS; "
               f"perplexity over the target tokens; {cfg.dtype})", file=out)
     elif rows[0]["objective"] == "span_corruption":
-        print(f"(encoder-decoders: T5's span corruption of disjoint windows of {max_length} tokens, masks seeded by "
-              f"each window; perplexity over the corrupted targets; {cfg.dtype})", file=out)
+        print(f"(encoder-decoders: T5's span corruption of disjoint windows of {max_length} tokens, a shorter tail "
+              f"unscored, masks seeded by each window; perplexity over the corrupted targets; {cfg.dtype})", file=out)
     else:
         print(f"(windows of {max_length} positions, stride {stride}, {'BOS-prefixed' if cfg.bos else 'no BOS'}, "
               f"{cfg.dtype})", file=out)
