@@ -223,13 +223,18 @@ def _check(cfg: PplConfig) -> None:
         raise GqakitError(f"{opt('target_column')} scores every row of the dataset; drop {opt('max_tokens')}")
 
 
+def check_context(max_length: int, context: int | None) -> None:
+    """Positions the model never saw are extrapolation, not its perplexity: refused in one line."""
+    if context and max_length > context:
+        raise GqakitError(f"{opt('max_length', max_length)} exceeds a model's {context:,}-token context "
+                          f"(max_position_embeddings); use {opt('max_length')} <= {context}")
+
+
 def resolve_window(cfg: PplConfig, contexts: list[int | None]) -> tuple[int, int]:
     """(max_length, stride) in model positions / text tokens, checked against each other (one-line errors)."""
     known = [c for c in contexts if c]
     max_length = cfg.max_length or min([1024, *known])
-    if known and max_length > min(known):  # positions the model never saw: extrapolation, not its perplexity
-        raise GqakitError(f"{opt('max_length', max_length)} exceeds a model's {min(known):,}-token context "
-                          f"(max_position_embeddings); use {opt('max_length')} <= {min(known)}")
+    check_context(max_length, min(known, default=None))
     span = max_length - (1 if cfg.bos else 0)
     stride = cfg.stride or span
     if stride > span:
@@ -349,7 +354,7 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     from gqakit.common import plots, report
     from gqakit.common.text import load_columns, load_documents
     from gqakit.attention.registration import apply_attention
-    from gqakit.hf.loading import describe, load_model
+    from gqakit.hf.loading import context_length, describe, load_model
 
     out = out or sys.stdout
     _check(cfg)
@@ -372,6 +377,7 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
         if rows and (rows[0]["objective"] == "next_token") == seq2seq:  # a hub name, known only now
             raise GqakitError(_MIXED)
         _check_seq2seq(cfg, [seq2seq])
+        check_context(max_length, context_length(model.config.to_dict()))  # a hub name's, known only now
         in_force = {} if seq2seq else apply_attention(model, cfg.attention, options)
         t0 = time.perf_counter()
         objective, text_tokens, scored = _score(cfg, model, tok, path, documents, max_length, stride)

@@ -234,3 +234,16 @@ def test_library_errors_name_the_fix(model):
     with pytest.raises(ValueError, match="stride 9 must be in 1..8"):
         strided_nll(model, ids(20), 9, 9, progress=False, bos=1)
     assert issubclass(GqakitError, Exception)
+
+
+def test_a_context_known_only_after_loading_is_checked_then(files, monkeypatch):
+    """A hub name's config is read only when it loads: --max-length past its context is refused then, in one line,
+    as a local folder's is before (a review found it went unchecked)."""
+    import gqakit.evaluate.perplexity as perplexity
+
+    monkeypatch.setattr(perplexity, "_context", lambda path: (None, None))  # what a hub name gives before loading
+    d = files["root"]
+    code, out, err = run_eval("ppl", files["a"], "--text", d / "text.txt", "--max-length", 256, "-o", d / "never",
+                              "-q")
+    assert one_line_error(code, err, "--max-length 256 exceeds a model's 128-token context"), err
+    assert not (d / "never").exists()
