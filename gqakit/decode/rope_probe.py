@@ -51,12 +51,13 @@ def measure_rotation(model, inv_freq: torch.Tensor) -> KeyRotation:
     re-rotate them exactly."""
     name = type(model).__name__
     layer_windows(model.config)  # refuses layers that are no plain K/V cache
-    was_training = model.training
+    modes = [(module, module.training) for module in model.modules()]  # restored one by one, as the caller set them
     model.eval()
     try:
         before, after = _probe_keys(model, 0), _probe_keys(model, SHIFT)
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
     tolerance = TOLERANCE.get(before[0].dtype, 1e-3)
     cos, sin = rope_rotation(torch.full((before[0].shape[0],), SHIFT), inv_freq)
     layouts, rotary = set(), []

@@ -51,10 +51,11 @@ def test_the_probe_reads_each_familys_layout_and_its_nope_layers(model_type, ove
     assert model.training is False
 
 
-def test_a_training_model_is_probed_in_eval_mode_and_left_training():
+def test_a_training_model_is_probed_in_eval_mode_and_left_as_it_was():
     model = family("llama", attention_dropout=0.5).train()
+    model.model.layers[0].mlp.eval()  # a part the caller froze
     assert measure_rotation(model, rope_inv_freq(model)).rotary == (True,)
-    assert model.training
+    assert model.training and model.model.layers[0].self_attn.training and not model.model.layers[0].mlp.training
 
 
 @pytest.mark.parametrize("model_type, overrides, needle", [
