@@ -214,8 +214,10 @@ def positions_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,argv,needle", [
-    ("gpt2", ["--policy", "dense"], "--policy dense feeds positions up to 100 but GPT2LMHeadModel has no RoPE and a "
-                                    "64-token context; lower --tokens to 64 or use --policy recompute"),
+    ("gpt2", ["--policy", "dense"], "--policy dense feeds 99 positions but GPT2LMHeadModel has no RoPE and a "
+                                    "64-token context; lower --tokens to 65 or use --policy recompute"),
+    ("gpt2", ["--policy", "recompute", "--window", 60, "--chunk", 16], "--policy recompute feeds --window + R = 76 "
+                                                                        "positions but GPT2LMHeadModel has no RoPE"),
     ("gpt2", ["--policy", "window", "--window", 16], "--policy window keeps a bounded cache whose keys it moves by "
                                                      "RoPE, but GPT2LMHeadModel has no rotary embedding"),
     ("mistral", ["--policy", "sinks", "--sinks", 2, "--window", 16], "MistralForCausalLM's sliding-window layers see "
