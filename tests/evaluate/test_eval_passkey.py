@@ -131,3 +131,19 @@ def test_bad_input_is_one_line(model_dir, tmp_path, argv, needle):
     code, out, err = run_eval("passkey", model_dir, *argv, "-q", "-o", tmp_path / "never")
     assert one_line_error(code, err, needle), err
     assert not (tmp_path / "never").exists()
+
+
+def test_past_the_context_of_learned_positions_is_refused(tok, tmp_path):
+    """A GPT-2's positions end at its context: a prompt that runs past it crashed in its position table (an
+    IndexError, after the warning meant for RoPE models); it is refused in one line."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    ids = dict(bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=4, n_positions=300,
+                               **ids)).save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    code, out, err = run_eval("passkey", tmp_path / "gpt2", "--lengths", "256,400", "--new-tokens", 8, "-q", "-o",
+                              tmp_path / "never")
+    assert one_line_error(code, err, "--lengths 400 + --new-tokens 8 positions run past the 300-token context of "
+                                     "GPT2LMHeadModel"), err
+    assert "use lengths up to 292" in err and not (tmp_path / "never").exists()
