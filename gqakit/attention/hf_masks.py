@@ -41,6 +41,8 @@ class TiledMask:
     row_shift: torch.Tensor | None = None
     # some row has padding between two of its real tokens: no one shift gives its tokens' positions
     gapped_rows: bool = False
+    # the model's mask packs documents into a row (position_ids restarting at 0): positions restart mid-row
+    packed: bool = False
 
 
 def _causal_bounded(fn: Callable, depth: int = 0) -> bool:
@@ -108,6 +110,16 @@ def _window_bounds(fn: Callable, depth: int = 0) -> tuple[int | None, int | None
     return min(back, default=None), min(both, default=None)
 
 
+def _packed(fn: Callable, depth: int = 0) -> bool:
+    """Whether transformers composed the mask for documents packed into a row (position_ids that restart)."""
+    name = getattr(fn, "__qualname__", "")
+    if name == "packed_sequence_mask_function.<locals>.inner_mask":
+        return True
+    if depth > 8 or name not in ("and_masks.<locals>.and_mask", "or_masks.<locals>.or_mask"):
+        return False
+    return any(_packed(f, depth + 1) for c in _closure(fn).values() if isinstance(c, tuple) for f in c)
+
+
 def _window_only(fn: Callable) -> bool:
     """Whether the mask function is exactly transformers' sliding-window mask: causal & q - k < W, or
     bidirectional & |q - k| <= W, and nothing else (so a windowed MaskSpec says all of it)."""
@@ -150,7 +162,7 @@ def gqakit_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
         back, both = _window_bounds(mask_function)
         window = back if causal else both
         return TiledMask(int(q_offset), int(kv_offset), key_padding, model_mask, causal, window,
-                         window is not None and _window_only(mask_function), shift, gapped)
+                         window is not None and _window_only(mask_function), shift, gapped, _packed(mask_function))
     return TiledMask(int(q_offset), int(kv_offset), key_padding, model_mask, causal, row_shift=shift,
                      gapped_rows=gapped)
 

@@ -284,7 +284,8 @@ def run_pieces(pieces: Sequence[Piece], q, k, v, s_aux, q_offset: int, kv_offset
     """out (B, H, Tq, dv) and lse (B, H, Tq) of the union of the pieces, merged exactly by log-sum-exp.
     `run(q, k, v, rows, q_offset, kv_offset, key_padding, s_aux=..., q_positions=...)` is one kernel call."""
     dtype = q.dtype
-    q, k, v = q.float(), k.float(), v.float()  # pieces merge in fp32; the result is rounded once
+    compute = torch.float64 if dtype == torch.float64 else torch.float32  # pieces merge in fp32 (fp64 for fp64)
+    q, k, v = q.to(compute), k.to(compute), v.to(compute)  # the result is rounded once
     B, H, Tq, _ = q.shape
     Tk = k.shape[2]
     results = []

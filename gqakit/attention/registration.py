@@ -157,6 +157,12 @@ def _make_attention(kind: str):
                 f"{type(module).__name__}: attention kind '{kind}' places {anchored} at positions, but a row of this "
                 "batch has padding between its tokens, so its tokens' positions are unknown; pad on the left or the "
                 "right only (or run the rows one at a time)")
+        packed = mask.packed or kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
+        if anchored and packed:
+            raise AttentionOptionError(
+                f"{type(module).__name__}: attention kind '{kind}' places {anchored} at positions, but this call packs "
+                "documents into a row (position_ids restarting, or cu_seq_lens), and they would sit at the row's "
+                "start, not each document's; give each document a row of its own (padded)")
         extra = _and(model_mask, _document_mask(module, query, key, mask, kwargs))
         s_aux = kwargs.get("s_aux")
         if s_aux is not None and tuple(s_aux.shape) != (query.shape[1],):
