@@ -9,6 +9,7 @@ from pathlib import Path
 from gqakit.common.devices import check_device
 from gqakit.common.errors import GqakitError, opt
 from gqakit.convert import methods
+from gqakit.convert.calibration.check import calibration_window
 from gqakit.convert.layer_share import Share, check_share, launched_share
 from gqakit.convert.options import ConvertConfig, calibration_tokens, check_options, transfer_options
 from gqakit.convert.output import check_output, max_shard_bytes, output_path
@@ -42,6 +43,8 @@ def prepare(cfg: ConvertConfig, share: Share = Share()):
     if cfg.grouping is not None and plan.groups == 1:  # (G >= K merges nothing: refused with the method)
         raise GqakitError(f"{opt('grouping')} picks which of the {plan.num_key_value_heads} K/V heads share a group, "
                           f"and at {opt('groups', 1)} one group holds them all; drop {opt('grouping')}")
+    if cfg.calibration is None and methods.get(cfg.method).calibration == "required":  # the model's own samples:
+        calibration_window(config, calibration_tokens(cfg), cfg.calibration_window)  # checked before any sampling
     if not cfg.dry_run:
         check_output(model_dir, out, cfg.force)
     calibration = None

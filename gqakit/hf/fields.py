@@ -14,6 +14,20 @@ from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures.refused import refusal
 
 
+# config.json's names for the context length: transformers maps max_position_embeddings onto n_positions for GPT-2,
+# GPT-J, CodeGen and GPTBigCode, whose config.json stores only the latter
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions")
+
+
+def context_length(config: dict) -> int | None:
+    """The context length of a config.json dict (a multimodal one's text_config too); None if unknown."""
+    for section in (config, config.get("text_config") or {}):
+        for key in CONTEXT_KEYS:
+            if section.get(key):
+                return section[key]
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelFields:
     architecture: str  # architectures[0]

@@ -16,6 +16,7 @@ import torch
 from gqakit.common.dtypes import NAMES as DTYPES
 from gqakit.common.errors import GqakitError, opt
 from gqakit.hf.compat import LOAD_KWARGS
+from gqakit.hf.fields import context_length  # noqa: F401  (read here by eval)
 from gqakit.hf.architectures.latent import is_latent
 
 
@@ -44,20 +45,6 @@ def check_model_folder(path: str) -> dict | None:
     folder = model_folder(path)
     folder.tensors  # every header read and checked
     return folder.config
-
-
-# config.json's names for the context length: transformers maps max_position_embeddings onto n_positions for GPT-2,
-# GPT-J, CodeGen and GPTBigCode, whose config.json stores only the latter
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions")
-
-
-def context_length(config: dict) -> int | None:
-    """The context length of a config.json dict (a multimodal one's text_config too); None if unknown."""
-    for section in (config, config.get("text_config") or {}):
-        for key in CONTEXT_KEYS:
-            if section.get(key):
-                return section[key]
-    return None
 
 
 def check_loading(path: str, info: dict) -> None:

@@ -19,6 +19,7 @@ from gqakit.common.atomic import inside
 from gqakit.common.errors import GqakitError
 from gqakit.common.options import check_fields, option, options_given
 from gqakit.common.recipes import to_dict
+from gqakit.hf.fields import context_length
 from gqakit.uptrain import sharding
 
 TRAINABLE = ("all", "attention", "kv")
@@ -273,7 +274,7 @@ def check(cfg: UptrainConfig) -> dict:
         raise GqakitError("mixed_precision=fp16 needs a GPU (on CPU autocast would silently train in fp32); "
                           "use mixed_precision=bf16 or no")
     sharding.strategy(cfg.sharding).check(cfg.mixed_precision, {"model": cfg.model, "teacher": cfg.teacher})
-    limit = model_config.get("max_position_embeddings") or model_config.get("n_positions")
+    limit = context_length(model_config)
     if limit and cfg.seq_len > limit and cfg.attention not in LONG_CONTEXT:
         raise GqakitError(f"seq_len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions; lower seq_len "
                           "or train a long-context attention (attention=sliding window=N, or attention=sinks)")

@@ -74,3 +74,19 @@ def test_torchrun_needs_one_calibration_text(src):
     cfg = ConvertConfig(model_dir=str(src), groups=2, method="transfer")
     with pytest.raises(GqakitError, match="every process must calibrate on the same text"):
         open_calibration(cfg, src, {"max_position_embeddings": 128}, Share(rank=1, world=2))
+
+
+@pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "run"])
+@pytest.mark.parametrize("args, needle", [
+    (("--calibration-window", "4096"), "--calibration-window 4096 exceeds the model's 128-token context"),
+    (("--calibration-tokens", "100", "--calibration-window", "64"), "--calibration-tokens 100 is less than two"),
+])
+def test_data_free_windows_are_checked_before_sampling_and_on_a_dry_run(src, tmp_path, dry, args, needle):
+    """The dry run refuses what the run refuses (it planned a window past the context; a review's finding), and the
+    run refuses it before its notice that it samples (two lines before)."""
+    from cli_contract import run_refused
+
+    out = tmp_path / "out"
+    line = run_refused(tmp_path, "convert-gqa", "--groups", "2", str(src), "--method", "fit", "-o", str(out), *args,
+                       *(("--dry-run",) if dry else ()), needles=(needle,))
+    assert line and not out.exists()

@@ -124,7 +124,8 @@ def test_generate_and_eval_run_on_the_mla_output_and_refuse_key_re_rotation(tmp_
     convert(embedded, tmp_path / "austen-mla", "--to", "mla")
     run_refused(tmp_path, "gqakit", "eval", "stream", str(tmp_path / "austen-mla"), "--text",
                 str(ASSETS / "heldout_emma.txt"), "--tokens", "64", "--chunk", "16", "-o", str(tmp_path / "r"),
-                needles=("--policy sinks re-rotates", "--policy dense"))
+                needles=("--policy sinks keeps a bounded cache whose keys it moves by RoPE, and a latent-attention "
+                         "model", "--policy dense"))
     run_refused(tmp_path, "gqakit", "generate", str(tmp_path / "austen-mla"), "--prompt", "It is", "--window", "8",
                 needles=("--attention sinks re-rotates", "--attention default"))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gqakit.common.errors import GqakitError, opt, renamed
+from gqakit.hf.fields import context_length
 
 DEFAULT_WINDOW = 512
 
@@ -18,7 +19,7 @@ DEFAULT_WINDOW = 512
 def calibration_window(config: dict, tokens: int, window: int | None) -> int:
     """The calibration window (`window`, or min(512, the model's context)), checked against the context and the
     token budget (two windows at least: calibration fits on some and scores on others)."""
-    context = config.get("max_position_embeddings")
+    context = context_length(config)
     window = (min(DEFAULT_WINDOW, context) if isinstance(context, int) and context > 0 else DEFAULT_WINDOW) \
         if window is None else window
     if window < 2:

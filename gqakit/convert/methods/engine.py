@@ -75,9 +75,10 @@ def merge_checkpoint_layer(plan: Plan, tensors: dict[str, TensorInfo], layer: in
     merged tensor}, the card's errors)."""
     keys = {attention_key(plan, layer, name): name for name in sources}
     stats = functools.partial(read_stats, how.stats, layer) if how.stats is not None else None
+    wider = torch.float32 if plan.target_kv_itemsize > plan.source_kv_itemsize else None  # --dtype float32 of bf16
     try:
-        merged, cost = merge_layer(plan, {key: load_tensor(tensors[name], name) for key, name in keys.items()},
-                                   how.grouping, stats, heldout)
+        merged, cost = merge_layer(plan, {key: widened(load_tensor(tensors[name], name), wider)
+                                          for key, name in keys.items()}, how.grouping, stats, heldout)
     except GqakitError as e:
         raise GqakitError(f"layer {layer}: {e}") from None
     return {keys[key]: tensor for key, tensor in merged.items()}, cost
@@ -132,7 +133,8 @@ def latent_layer(plan: Plan, tensors: dict[str, TensorInfo], errors: dict[int, d
     names = {attention_key(plan, layer, name): name for name in sources}  # "q_w", "k_b", ... -> checkpoint name
     layerwise = methods.get(plan.method).layerwise and not plan.latent_fit
     merged = whole_layer(plan, tensors, errors, how, layer, sources) if layerwise else {}
-    parts = {key: merged[name] if layerwise else load_tensor(tensors[name], name) for key, name in names.items()}
+    parts = {key: merged[name] if layerwise else widened(load_tensor(tensors[name], name), dtype)
+             for key, name in names.items()}
     if not plan.latent_fit:
         for key in [key for key in parts if key[0] in "kv" and not layerwise]:  # head-wise: pooled here
             new = regroup_rows(parts[key], plan, std, seed, names[key])
@@ -190,6 +192,14 @@ def transferred_path(folder: Path, layer: int) -> Path:
     return folder / f"transferred-{layer:05d}.safetensors"
 
 
+def widened(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`t` in `dtype` where that is a wider float: a merge is then computed and written at the output's precision,
+    not rounded to the source's first."""
+    if dtype is None or not t.is_floating_point() or dtype.itemsize <= t.element_size():
+        return t
+    return t.to(dtype)
+
+
 def cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
     """`t` in the output dtype; a finite value that the cast would turn into inf (fp16 tops out at 65,504) is
     refused in one line, never written."""
@@ -219,6 +229,7 @@ def compute(op: TensorOp, plan: Plan, tensors: dict[str, TensorInfo], std: float
     t = load_tensor(tensors[op.sources[0]], op.sources[0])
     if op.kind == "cast":
         return cast(t, out_dtype, op.name)
+    t = widened(t, out_dtype)  # pooled at the output's precision where it is wider
     if op.kind == "norm":  # a key norm that spans heads is pooled, never re-initialised
         pooling = methods.get(plan.method).norm_pooling
         return cast(regroup(t, plan.num_key_value_heads, plan.groups, pooling), out_dtype, op.name)
