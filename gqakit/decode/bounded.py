@@ -28,12 +28,15 @@ def check_sizes(owner: str, sinks: int, window: int, rope) -> KeyRotation | None
                          "RoPE: pass rope=model (or use sinks=0)")
     if rope is None:
         return None
-    inv_freq = rope_inv_freq(rope)
-    if isinstance(rope, PreTrainedModel):
-        from gqakit.decode.rope_probe import measure_rotation
+    if isinstance(rope, torch.Tensor):
+        return KeyRotation(rope_inv_freq(rope))
+    model = getattr(rope, "_orig_mod", rope)  # torch.compile's wrapper: measure the model it runs
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"rope={type(rope).__name__} is neither a transformers model nor an inv_freq tensor; pass "
+                         "rope=model (how its keys rotate is measured) or the inv_freq of its layers")
+    from gqakit.decode.rope_probe import measure_rotation
 
-        return measure_rotation(rope, inv_freq)
-    return KeyRotation(inv_freq)
+    return measure_rotation(model, rope_inv_freq(model))
 
 
 class BoundedLayer(CacheLayerMixin):

@@ -211,7 +211,8 @@ class SinkCache(BoundedCache):
     Args:
         sinks: S >= 0 attention-sink tokens kept forever (the first S real tokens of each row).
         window: W >= 1 most recent tokens kept (the current token attends S + W + itself).
-        rope: the model (its rotary embedding is read) or its RoPE `inv_freq`; needed when S > 0
+        rope: the model (how its keys rotate is measured: `rope_probe`) or its RoPE `inv_freq` (taken as
+            rotate-half on every layer); needed when S > 0
             (to re-rotate the sinks) and for `rebase()`.
         attention_mask: the prompt's left-padded 2D mask, if the batch is padded; tokens fed after
             the prompt are taken as real.

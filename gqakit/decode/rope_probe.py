@@ -50,6 +50,9 @@ def measure_rotation(model, inv_freq: torch.Tensor) -> KeyRotation:
     """How `model` rotates its cached keys (see the module docstring); ValueError in one line if a cache cannot
     re-rotate them exactly."""
     name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder; the bounded caches hold a decoder's self-attention keys of a "
+                         "decoder-only model: use a full cache")
     layer_windows(model.config)  # refuses layers that are no plain K/V cache
     modes = [(module, module.training) for module in model.modules()]  # restored one by one, as the caller set them
     model.eval()

@@ -143,7 +143,8 @@ class ChunkedSinkCache(BoundedCache):
     Args:
         sinks: S >= 0 (S = 0 is a plain rolling window of W tokens).
         window: W >= 1 recent tokens before the current one.
-        rope: the model (its rotary embedding is read) or its RoPE `inv_freq`; required when S > 0;
+        rope: the model (how its keys rotate is measured: `rope_probe`) or its RoPE `inv_freq` (taken as
+            rotate-half on every layer); required when S > 0;
             without it (S = 0) positions are never rebased.
         rebase_every: re-base positions once they have grown by this many (default S + W).
     """
@@ -154,8 +155,8 @@ class ChunkedSinkCache(BoundedCache):
         rebase_every = sinks + window if rebase_every is None else rebase_every
         if rebase_every < 1:
             raise ValueError(f"rebase_every must be >= 1, got {rebase_every}")
-        if isinstance(rope, torch.nn.Module) and hasattr(rope, "config"):
-            _check_windows(rope.config, sinks, window)
+        if isinstance(rope, torch.nn.Module):  # a model (check_sizes refused any other module)
+            _check_windows(getattr(rope, "_orig_mod", rope).config, sinks, window)
         self.frame = self.state = _Frame(sinks, window, rotation, rebase_every)
         super().__init__(layer_class_to_replicate=self._new_layer)
 

@@ -186,10 +186,10 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
     shortest = min(lengths)  # refuse a too-short length (cheap) before warning about long ones
     build_prompt(tok, shortest, depths[0], make_key(cfg.seed, shortest, depths[0], 0))
     context = getattr(model.config, "max_position_embeddings", None)
-    if context and not rope_buffers(model) and max(lengths) + cfg.new_tokens > context:
+    if context and not rope_buffers(model) and max(lengths) + cfg.new_tokens - 1 > context:  # the last reply token
         raise GqakitError(f"{opt('lengths', f'{max(lengths):,}')} + {opt('new_tokens', cfg.new_tokens)} positions run "
                           f"past the {context:,}-token context of {type(model).__name__}, whose positions are not RoPE "
-                          f"(they end there); use lengths up to {context - cfg.new_tokens:,}")
+                          f"(they end there); use lengths up to {context + 1 - cfg.new_tokens:,}")  # is not fed
     warning = reach_warning(lengths, context, in_force, len(depths) * cfg.trials)
     if warning:
         print(f"gqakit: {warning}", file=err, flush=True)

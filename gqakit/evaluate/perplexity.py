@@ -226,8 +226,8 @@ def _check(cfg: PplConfig) -> None:
 def check_context(max_length: int, context: int | None) -> None:
     """Positions the model never saw are extrapolation, not its perplexity: refused in one line."""
     if context and max_length > context:
-        raise GqakitError(f"{opt('max_length', max_length)} exceeds a model's {context:,}-token context "
-                          f"(max_position_embeddings); use {opt('max_length')} <= {context}")
+        raise GqakitError(f"{opt('max_length', max_length)} exceeds a model's {context:,}-token context; use "
+                          f"{opt('max_length')} <= {context}")
 
 
 def resolve_window(cfg: PplConfig, contexts: list[int | None]) -> tuple[int, int]:

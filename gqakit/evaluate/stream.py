@@ -231,14 +231,15 @@ def _check_model(model, policies: tuple[str, ...], cfg: StreamConfig, tokens: in
     name, full = type(model).__name__, f"use {opt('policies', 'dense')} or {opt('policies', 'recompute')}"
     context = context_length(model.config.to_dict())
     if context and not rope_buffers(model):  # learned positions end at the context
-        fed, longest = tokens - 1, cfg.window + (cfg.recompute_every or cfg.chunk)  # the last token is not fed
+        fed = tokens - 1  # the last token is not fed; recompute's forwards hold W + R of them at most
+        longest = min(cfg.window + (cfg.recompute_every or cfg.chunk), fed)
         if "dense" in policies and fed > context:
             raise GqakitError(f"{opt('policies', 'dense')} feeds {fed:,} positions but {name} has no RoPE and a "
                               f"{context:,}-token context; lower {opt('tokens')} to {context + 1 - cfg.bos:,} or use "
                               f"{opt('policies', 'recompute')}")
         if "recompute" in policies and longest > context:
-            raise GqakitError(f"{opt('policies', 'recompute')} feeds {opt('window')} + R = {longest:,} positions but "
-                              f"{name} has no RoPE and a {context:,}-token context; lower {opt('window')} or "
+            raise GqakitError(f"{opt('policies', 'recompute')} feeds {longest:,} positions per forward ({opt('window')} "
+                              f"+ R) but {name} has no RoPE and a {context:,}-token context; lower {opt('window')} or "
                               f"{opt('recompute_every')} (R, default {opt('chunk')})")
     for policy in (p for p in policies if p in ("sinks", "window")):
         bounded = f"{opt('policies', policy)} keeps a bounded cache whose keys it moves by RoPE"

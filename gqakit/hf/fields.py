@@ -14,17 +14,19 @@ from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures.refused import refusal
 
 
-# config.json's names for the context length: transformers maps max_position_embeddings onto n_positions for GPT-2,
-# GPT-J, CodeGen and GPTBigCode, whose config.json stores only the latter
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions")
+# The families whose config.json spells their context n_positions: transformers maps max_position_embeddings onto it
+# for GPT-2, GPT-J, CodeGen and GPTBigCode (gqakit's grouped GPTBigCode too). T5's n_positions is no limit (its
+# positions are relative buckets), so the key is read for these alone.
+N_POSITIONS_TYPES = ("gpt2", "gptj", "codegen", "gpt_bigcode", "gqakit_gpt_bigcode")
 
 
 def context_length(config: dict) -> int | None:
     """The context length of a config.json dict (a multimodal one's text_config too); None if unknown."""
     for section in (config, config.get("text_config") or {}):
-        for key in CONTEXT_KEYS:
-            if section.get(key):
-                return section[key]
+        if section.get("max_position_embeddings"):
+            return section["max_position_embeddings"]
+        if section.get("model_type") in N_POSITIONS_TYPES and section.get("n_positions"):
+            return section["n_positions"]
     return None
 
 

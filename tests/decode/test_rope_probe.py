@@ -114,3 +114,23 @@ def test_two_rotary_embeddings_are_refused_by_name():
     with pytest.raises(ValueError, match="2 different rotary embeddings") as err:
         SinkCache(2, 6, rope=model)
     assert "inv_freq" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_wrapped_model_is_measured_and_other_modules_are_refused():
+    """torch.compile's wrapper is measured through to its model (it was taken on trust as rotate-half, every layer:
+    Cohere's interleaved keys then moved wrongly; a review's finding); any other module is refused in one line."""
+    model = family("cohere")
+    assert SinkCache(2, 6, rope=torch.compile(model)).policy.rotation.interleaved
+    with pytest.raises(ValueError, match="neither a transformers model nor an inv_freq tensor") as err:
+        SinkCache(2, 6, rope=model.model.rotary_emb)
+    assert "\n" not in str(err.value)
+    assert not SinkCache(2, 6, rope=rope_inv_freq(model)).policy.rotation.interleaved  # a tensor: the caller's word
+
+
+def test_an_encoder_decoder_is_refused_by_the_probe():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                             num_heads=4)).eval()
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration is an encoder-decoder"):
+        measure_rotation(t5, torch.ones(4, dtype=torch.float64))

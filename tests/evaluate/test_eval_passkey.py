@@ -146,4 +146,4 @@ def test_past_the_context_of_learned_positions_is_refused(tok, tmp_path):
                               tmp_path / "never")
     assert one_line_error(code, err, "--lengths 400 + --new-tokens 8 positions run past the 300-token context of "
                                      "GPT2LMHeadModel"), err
-    assert "use lengths up to 292" in err and not (tmp_path / "never").exists()
+    assert "use lengths up to 293" in err and not (tmp_path / "never").exists()

@@ -216,8 +216,8 @@ def positions_models(tmp_path_factory):
 @pytest.mark.parametrize("name,argv,needle", [
     ("gpt2", ["--policy", "dense"], "--policy dense feeds 99 positions but GPT2LMHeadModel has no RoPE and a "
                                     "64-token context; lower --tokens to 65 or use --policy recompute"),
-    ("gpt2", ["--policy", "recompute", "--window", 60, "--chunk", 16], "--policy recompute feeds --window + R = 76 "
-                                                                        "positions but GPT2LMHeadModel has no RoPE"),
+    ("gpt2", ["--policy", "recompute", "--window", 60, "--chunk", 16], "--policy recompute feeds 76 positions per "
+                                                                        "forward (--window + R) but GPT2LMHeadModel"),
     ("gpt2", ["--policy", "window", "--window", 16], "--policy window keeps a bounded cache whose keys it moves by "
                                                      "RoPE, but GPT2LMHeadModel has no rotary embedding"),
     ("mistral", ["--policy", "sinks", "--sinks", 2, "--window", 16], "MistralForCausalLM's sliding-window layers see "
@@ -231,6 +231,15 @@ def test_what_a_models_positions_cannot_run_is_refused_before_any_policy(positio
                               100, *argv, "-q", "-o", out_dir)
     assert one_line_error(code, err, needle), err
     assert not out_dir.exists()
+
+
+def test_recompute_on_a_stream_shorter_than_its_window_runs_within_the_context(positions_models):
+    """Its forwards hold min(W + R, tokens - 1) positions: 40 tokens at --window 60 fit a 64-position GPT-2 (they
+    were refused by W + R = 76 alone)."""
+    code, out, err = run_eval("stream", positions_models / "gpt2", "--text", positions_models / "text.txt", "--tokens",
+                              40, "--policy", "recompute", "--window", 60, "--chunk", 16, "-q", "-o",
+                              positions_models / "short")
+    assert code == 0, err
 
 
 def test_a_sliding_window_the_cache_fits_in_is_scored_as_the_model_sees_it(positions_models):

@@ -308,3 +308,13 @@ def test_the_context_length_is_read_from_config_json_as_transformers_reads_it(mo
     assert config.max_position_embeddings
     assert context_length(config.to_diff_dict() | config.to_dict()) == config.max_position_embeddings
     assert context_length({"text_config": config.to_dict()}) == config.max_position_embeddings
+
+
+def test_t5s_n_positions_is_no_context():
+    """T5's config.json carries n_positions 512, but its positions are relative buckets: no limit to check (read as
+    one, it refused eval ppl windows past 512 and shrank the default window; a review's finding)."""
+    from transformers import AutoConfig
+
+    from gqakit.hf.loading import context_length
+
+    assert context_length(AutoConfig.for_model("t5", n_positions=512).to_dict()) is None
