@@ -59,6 +59,10 @@ class GridConfig:
 
     def __post_init__(self):
         check_fields(self)
+        for key, setter in PER_CELL.items():
+            if key in (self.uptrain or {}):
+                raise GqakitError(f"uptrain.{key} is set by the grid for each cell ({setter}), so this one would be "
+                                  f"overridden or leak into cells it does not belong to; drop it from uptrain:")
         unknown = [m for m in self.methods if m not in methods.NAMES]
         if unknown:
             raise GqakitError(f"methods={list(self.methods)!r} holds {', '.join(unknown)}, not a convert-gqa method; "
@@ -73,6 +77,11 @@ class GridConfig:
         if self.calibration_tokens is not None and self.calibration is None:
             raise GqakitError("calibration_tokens needs calibration; set calibration, or drop calibration_tokens")
 
+
+# uptrain keys the grid sets per cell, refused in its shared `uptrain:` section (a teacher there distilled the cells
+# reported as not distilled; seed, alpha and model were silently overridden)
+PER_CELL = {"model": "the converted model", "output_dir": "the cell's folder", "alpha": "alphas / mqa_alphas",
+            "seed": "the grid's seed", "teacher": "distill: true cells distil from model"}
 
 # keys that pick which cells run or which files stay; every other key changes the numbers of every cell
 SELECTION = ("output_dir", "groups", "methods", "alphas", "mqa_alphas", "distill", "mha_control", "keep_models",

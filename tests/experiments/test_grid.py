@@ -114,6 +114,11 @@ def test_cells_made_with_other_settings_are_refused_not_reported_under_these(tmp
     ({"methods": ["fit"], "calibration": "cal.txt", "calibration_tokens": 0}, "calibration_tokens=0 must be > 0"),
     ({"methods": ["mean"], "calibration_tokens": 1024}, "calibration_tokens needs calibration"),
     ({"methods": ["mean", "pca"]}, "holds pca, not a convert-gqa method"),
+    # set per cell: a shared teacher distilled the cells reported as not distilled; the others were overridden
+    ({"uptrain": {"teacher": "m"}}, "uptrain.teacher is set by the grid for each cell (distill: true cells"),
+    ({"uptrain": {"seed": 5}}, "uptrain.seed is set by the grid for each cell (the grid's seed)"),
+    ({"uptrain": {"alpha": 0.5}}, "uptrain.alpha is set by the grid for each cell"),
+    ({"uptrain": {"model": "other"}}, "uptrain.model is set by the grid for each cell"),
 ])
 def test_grid_refuses_bad_method_or_calibration_in_one_line(tmp_path, fields, message):
     with pytest.raises(GqakitError) as e:
