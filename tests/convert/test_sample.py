@@ -100,6 +100,7 @@ def test_dtype_auto_is_bf16_where_the_hardware_has_bf16_units():
     (["--temperature", "0"], "--temperature"),
     (["--top-p", "1.5"], "--top-p 1.5"),
     (["--length", "0"], "--length"),
+    (["--tokens", "1", "--length", "1100"], "--length 1100 is past the model's 1,024-token context"),  # ran before
 ])
 def test_bad_options_are_refused(tmp_path, args, needle):
     run_refused(tmp_path, "gqakit", "sample", str(EMBEDDED), "-o", str(tmp_path / "s.jsonl"), *args,

@@ -120,6 +120,7 @@ def sample(cfg: SampleConfig) -> dict:
     """Write cfg.tokens (rounded up to whole samples) of the model's own text to cfg.output; returns a summary."""
     from tqdm.auto import tqdm
 
+    from gqakit.hf.fields import context_length
     from gqakit.hf.loading import load_model, resolve_device
 
     out = Path(cfg.output)
@@ -130,6 +131,11 @@ def sample(cfg: SampleConfig) -> dict:
     if not out.parent.exists():
         raise GqakitError(f"the folder of -o {out} does not exist; create it first")
     model, tokenizer = load_model(cfg.model, dtype=auto_dtype(cfg.dtype, resolve_device()))
+    context = context_length(model.config.to_dict())
+    if context and cfg.length > context:  # positions past it were never trained (or do not exist)
+        raise GqakitError(f"{opt('length', cfg.length)} is past the model's {context:,}-token context, whose later "
+                          f"positions it never saw; use {opt('length')} <= {context:,}, as convert-gqa's "
+                          "--calibration-window must be")
     start = start_token(tokenizer)
     samples = math.ceil(cfg.tokens / cfg.length)
     remove_stale_leftovers(out)
