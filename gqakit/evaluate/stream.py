@@ -238,9 +238,9 @@ def _check_model(model, policies: tuple[str, ...], cfg: StreamConfig, tokens: in
                               f"{context:,}-token context; lower {opt('tokens')} to {context + 1 - cfg.bos:,} or use "
                               f"{opt('policies', 'recompute')}")
         if "recompute" in policies and longest > context:
-            raise GqakitError(f"{opt('policies', 'recompute')} feeds {longest:,} positions per forward ({opt('window')} "
-                              f"+ R) but {name} has no RoPE and a {context:,}-token context; lower {opt('window')} or "
-                              f"{opt('recompute_every')} (R, default {opt('chunk')})")
+            raise GqakitError(f"{opt('policies', 'recompute')} feeds {longest:,} positions per forward "
+                              f"({opt('window')} + R) but {name} has no RoPE and a {context:,}-token context; lower "
+                              f"{opt('window')} or {opt('recompute_every')} (R, default {opt('chunk')})")
     for policy in (p for p in policies if p in ("sinks", "window")):
         bounded = f"{opt('policies', policy)} keeps a bounded cache whose keys it moves by RoPE"
         if is_latent(model.config):
