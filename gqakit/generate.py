@@ -143,7 +143,6 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> str:
     prompt = _prompt(cfg)  # before the heavy imports: a bad prompt file is refused at once
 
     from gqakit.decode import streaming
-    from gqakit.decode.rope import rope_inv_freq
     from gqakit.decode.rope_probe import measure_rotation
     from gqakit.attention.registration import apply_attention
     from gqakit.hf.loading import end_token_ids, load_model
@@ -166,7 +165,7 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> str:
         sinks = cfg.sinks if cfg.attention == "sinks" else 0
         if sinks > 0 or ids.shape[1] + cfg.max_new_tokens > sinks + cfg.window:  # the cache will re-rotate keys
             try:
-                measure_rotation(model, rope_inv_freq(model))  # the model's keys, as the cache will move them
+                measure_rotation(model)  # the model's keys, as the cache will move them
             except ValueError as e:
                 why = str(e).split(";")[0].split(": ")[0]
                 raise GqakitError(f"{opt('attention', cfg.attention)} keeps a bounded cache whose keys it re-rotates "

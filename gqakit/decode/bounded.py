@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from gqakit.decode.rope import KeyRotation, rope_inv_freq
+from gqakit.decode.rope import KeyRotation, rope_frequencies
 
 
 def check_sizes(owner: str, sinks: int, window: int, rope) -> KeyRotation | None:
@@ -29,14 +29,14 @@ def check_sizes(owner: str, sinks: int, window: int, rope) -> KeyRotation | None
     if rope is None:
         return None
     if isinstance(rope, torch.Tensor):
-        return KeyRotation(rope_inv_freq(rope))
+        return KeyRotation(rope_frequencies(rope))
     model = getattr(rope, "_orig_mod", rope)  # torch.compile's wrapper: measure the model it runs
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"rope={type(rope).__name__} is neither a transformers model nor an inv_freq tensor; pass "
                          "rope=model (how its keys rotate is measured) or the inv_freq of its layers")
     from gqakit.decode.rope_probe import measure_rotation
 
-    return measure_rotation(model, rope_inv_freq(model))
+    return measure_rotation(model)
 
 
 class BoundedLayer(CacheLayerMixin):

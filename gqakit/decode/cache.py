@@ -33,11 +33,12 @@ Scope: decoder-only models whose cached keys carry RoPE. Built with `rope=model`
 two-forward probe, `rope_probe`): the rotate-half or the interleaved (Cohere, GLM) layout, and which layers
 carry none (NoPE layers, as SmolLM3's, keep their keys unrotated). Sliding-window layers work (the model builds
 their masks from `get_mask_sizes`). Refused in one line: RoPE whose frequencies depend on the position (`dynamic`,
-`longrope`), keys that move with the position otherwise, models with no RoPE layer (ALiBi, learned positions),
-several rotary embeddings (Gemma 3's per layer type) and layers that are no plain K/V cache (chunked, shared or
-linear attention). Given `rope` as an `inv_freq` tensor it trusts the caller: rotate-half, every layer. Beam search
-and `crop()` (assisted decoding) raise. `num_return_sequences > 1` works without `attention_mask`; with one, build
-the cache for the expanded batch (a mismatch raises).
+`longrope`), keys that move with the position otherwise, models with no RoPE layer (ALiBi, learned positions)
+and layers that are no plain K/V cache (chunked, shared or linear attention). Layers that rotate by frequencies of
+their own (Gemma 3's sliding and full layers) are each rotated by theirs. Given `rope` as an `inv_freq` tensor it
+trusts the caller: rotate-half, every layer. Beam search and `crop()` (assisted decoding) raise.
+`num_return_sequences > 1` works without `attention_mask`; with one, build the cache for the expanded batch (a
+mismatch raises).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from gqakit.decode.bounded import BoundedCache, BoundedLayer, check_sizes
-from gqakit.decode.rope import KeyRotation
+from gqakit.decode.rope import KeyRotation, Turn
 
 # ---------------------------------------------------------------------------------------------
 # Bookkeeping shared by the layers of one cache
@@ -57,8 +58,7 @@ class _Plan:
     """What one update of q tokens does, the same for every layer (computed once, on CPU)."""
     keep: int                      # stored positions after the update, min(N, S + W)
     kind: str                      # "suffix" (nothing evicted), "steady" (every row full), "gather"
-    cos: torch.Tensor | None       # (B, r) sink rotation for this forward, None: no row has evicted
-    sin: torch.Tensor | None
+    turns: tuple[Turn, ...] | None  # the sink rotation for this forward, one per frequency set; None: no row evicted
     index: torch.Tensor | None     # (B, keep) slots of [stored | chunk] to keep ("gather" only)
     stored_sinks: torch.Tensor | None  # (B,) rows whose sinks are re-read from storage ("gather")
 
@@ -85,8 +85,8 @@ class _Policy:
                              f"the model fed batch {batch}; build one cache per batch")
         if self.shift is None:
             self.shift = torch.zeros(batch, dtype=torch.long)
-        if self.rotation is not None and 2 * self.rotation.inv_freq.numel() > head_dim:
-            raise ValueError(f"RoPE has {2 * self.rotation.inv_freq.numel()} rotary dims but head_dim is {head_dim}; "
+        if self.rotation is not None and self.rotation.rotary_dims > head_dim:
+            raise ValueError(f"RoPE has {self.rotation.rotary_dims} rotary dims but head_dim is {head_dim}; "
                              "pass the rope of the model whose keys are cached")
 
     def real_tokens(self, seen: int) -> torch.Tensor:
@@ -101,15 +101,15 @@ class _Policy:
         n_cached, keep = stored + q, min(stored + q, cap)
         p_min, p_max = int(self.padding.min()), int(self.padding.max())
         if seen + q - p_min <= cap:  # no row holds more than S + W real tokens: keep a suffix
-            plan = _Plan(keep, "suffix", None, None, None, None)
+            plan = _Plan(keep, "suffix", None, None, None)
         else:
             was_full = self.real_tokens(seen) > cap  # (B,)
-            cos = sin = None
+            turns = None
             if S > 0 and seen - p_min > cap:  # some row has evicted: its sinks move up to its window
                 evicted = (self.real_tokens(seen) - cap).clamp(min=0)
-                cos, sin = self.rotation.rotation(evicted - self.shift)
+                turns = self.rotation.rotation(evicted - self.shift)
             if seen - p_max > cap:  # every row was already [S sinks | W recent], chunk all real
-                plan = _Plan(keep, "steady", cos, sin, None, None)
+                plan = _Plan(keep, "steady", turns, None, None)
             else:
                 real_now = self.real_tokens(seen + q)
                 in_cache = self.real_tokens(seen).clamp(max=cap) + (real_now - self.real_tokens(seen))
@@ -118,7 +118,7 @@ class _Policy:
                 sink_slots = first_real[:, None] + torch.arange(S)[None, :]  # (B, S)
                 full_now = (real_now > cap)[:, None]
                 index[:, :S] = torch.where(full_now, sink_slots, index[:, :S])
-                plan = _Plan(keep, "gather", cos, sin, index, was_full)
+                plan = _Plan(keep, "gather", turns, index, was_full)
         self._memo = (key, plan)
         return plan
 
@@ -135,10 +135,10 @@ class SinkLayer(BoundedLayer):
 
     owner = "SinkCache"
 
-    def __init__(self, policy: _Policy, rotary: bool = True):
+    def __init__(self, policy: _Policy, freq: int | None = 0):
         super().__init__()
         self.policy = policy
-        self.rotary = rotary  # False: a NoPE layer, whose keys stay where they are
+        self.freq = freq  # the frequency set its keys carry; None: a NoPE layer, whose keys stay where they are
         self.columns = 0  # columns fed so far, padding included (what get_seq_length reports)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -157,8 +157,8 @@ class SinkLayer(BoundedLayer):
         stored, q = self.keys.shape[-2], key_states.shape[-2]
         plan = self.policy.plan(self.columns, stored, q)
         n = stored + q
-        if plan.cos is not None and self.rotary:  # sinks rotated up to sit just before the window
-            sinks = self.policy.rotation.rotate(self.keys[..., :S, :], plan.cos, plan.sin)
+        if plan.turns is not None and self.freq is not None:  # sinks rotated up to sit just before the window
+            sinks = self.policy.rotation.rotate(self.keys[..., :S, :], plan.turns[self.freq])
             keys = torch.cat([sinks, self.keys[..., S:, :], key_states], dim=-2)  # (B, G, n, d)
         else:
             keys = torch.cat([self.keys, key_states], dim=-2)
@@ -173,7 +173,7 @@ class SinkLayer(BoundedLayer):
             b, g, _, d = keys.shape
             index = plan.index.to(keys.device)[:, None, :, None].expand(b, g, plan.keep, d)
             new_keys = keys.gather(2, index)
-            if plan.cos is not None:  # rows that were already full re-read their unrotated sinks
+            if plan.turns is not None:  # rows that were already full re-read their unrotated sinks
                 was_full = plan.stored_sinks.to(keys.device)[:, None, None, None]
                 new_keys[..., :S, :] = torch.where(was_full, self.keys[..., :S, :], new_keys[..., :S, :])
             self.keys, self.values = new_keys, values.gather(2, index)
@@ -230,7 +230,7 @@ class SinkCache(BoundedCache):
 
     def _new_layer(self) -> SinkLayer:
         rotation = self.policy.rotation
-        return SinkLayer(self.policy, rotation is None or rotation.rotates(len(self.layers)))
+        return SinkLayer(self.policy, 0 if rotation is None else rotation.freq_of(len(self.layers)))
 
     def _seen(self) -> int:
         return self.layers[0].columns if self.layers else 0
@@ -272,12 +272,12 @@ class SinkCache(BoundedCache):
         delta = evicted - pol.shift
         if not bool((delta != 0).any()):
             return
-        cos, sin = pol.rotation.rotation(-delta)
+        turns = pol.rotation.rotation(-delta)
         S = pol.sinks
         for layer in self.layers:  # rows with delta 0 (not full yet) are rotated by an exact identity
-            if layer.rotary:
-                layer.keys = torch.cat([layer.keys[..., :S, :], pol.rotation.rotate(layer.keys[..., S:, :], cos, sin)],
-                                       dim=-2)
+            if layer.freq is not None:
+                moved = pol.rotation.rotate(layer.keys[..., S:, :], turns[layer.freq])
+                layer.keys = torch.cat([layer.keys[..., :S, :], moved], dim=-2)
         pol.shift = evicted
         pol.invalidate()
 

@@ -17,29 +17,43 @@ from gqakit.hf.architectures.latent import is_latent
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
+Turn = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of one rotation per row, (B, r/2) each
+
+
 @dataclass(frozen=True)
 class KeyRotation:
-    """How a cache re-rotates a model's stored keys: its RoPE inverse frequencies (r/2,) in float64, the layout, and
-    per cache layer whether that layer's keys carry RoPE (False: a NoPE layer, whose keys never move; None: every
-    layer rotates)."""
+    """How a cache re-rotates a model's stored keys: the RoPE inverse-frequency sets (each (r/2,), float64; several
+    where layer types rotate by their own, as Gemma 3's sliding and full layers), the layout, and per cache layer
+    which set its keys carry (None: a NoPE layer, whose keys never move). `layer_freqs` None: every layer, set 0."""
 
-    inv_freq: torch.Tensor
+    freqs: tuple[torch.Tensor, ...]
     interleaved: bool = False
-    rotary: tuple[bool, ...] | None = None
+    layer_freqs: tuple[int | None, ...] | None = None
 
-    def rotates(self, layer: int) -> bool:
-        if self.rotary is None:
-            return True
-        if layer >= len(self.rotary):
-            raise ValueError(f"the cache was measured with {len(self.rotary)} layers but the model fed layer {layer}; "
-                             "build the cache with rope= the model whose keys it holds")
-        return self.rotary[layer]
+    @property
+    def rotary(self) -> tuple[bool, ...] | None:
+        """Per cache layer, whether its keys carry RoPE (None: every layer)."""
+        return None if self.layer_freqs is None else tuple(f is not None for f in self.layer_freqs)
 
-    def rotation(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_rotation(delta, self.inv_freq)
+    @property
+    def rotary_dims(self) -> int:
+        return 2 * max(f.numel() for f in self.freqs)
 
-    def rotate(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return rotate_keys(keys, cos, sin, self.interleaved)
+    def freq_of(self, layer: int) -> int | None:
+        """The frequency set layer `layer`'s keys carry (None: a NoPE layer)."""
+        if self.layer_freqs is None:
+            return 0
+        if layer >= len(self.layer_freqs):
+            raise ValueError(f"the cache was measured with {len(self.layer_freqs)} layers but the model fed layer "
+                             f"{layer}; build the cache with rope= the model whose keys it holds")
+        return self.layer_freqs[layer]
+
+    def rotation(self, delta: torch.Tensor) -> tuple[Turn, ...]:
+        """One rotation by `delta` (B,) positions per frequency set."""
+        return tuple(rope_rotation(delta, f) for f in self.freqs)
+
+    def rotate(self, keys: torch.Tensor, turn: Turn) -> torch.Tensor:
+        return rotate_keys(keys, *turn, self.interleaved)
 
 
 def rope_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -49,10 +63,11 @@ def rope_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             if name.endswith("inv_freq") and not name.endswith("original_inv_freq")]
 
 
-def rope_inv_freq(rope: torch.nn.Module | torch.Tensor) -> torch.Tensor:
-    """The RoPE inverse frequencies (r/2,) of a model (its one rotary embedding) or of a tensor."""
+def rope_frequencies(rope: torch.nn.Module | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The distinct RoPE inverse-frequency sets (r/2,) of a model (one per rotary embedding or layer type), or the
+    one tensor given; float64 on the CPU."""
     if isinstance(rope, torch.Tensor):
-        return rope.detach().to("cpu", torch.float64).reshape(-1)
+        return (rope.detach().to("cpu", torch.float64).reshape(-1),)
     if is_latent(getattr(rope, "config", None) or {}):
         raise ValueError(f"{type(rope).__name__} is latent attention: its cache holds a position-free latent beside "
                          "one shared RoPE key, which re-rotating keys would mistake for the latent; keep no sinks "
@@ -62,17 +77,18 @@ def rope_inv_freq(rope: torch.nn.Module | torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{type(rope).__name__} has no rotary embedding with an `inv_freq` buffer (none at all, or "
                          "a precomputed table as GPT-J's); a cache that moves keys (sinks, or a window the stream "
                          "outgrows) re-rotates them by RoPE: use a full cache")
-    freqs = [b.detach().to("cpu", torch.float64).reshape(-1) for _, b in found]
-    if any(f.shape != freqs[0].shape or not torch.equal(f, freqs[0]) for f in freqs[1:]):
-        raise ValueError(f"{type(rope).__name__} has {len(found)} different rotary embeddings "
-                         f"({', '.join(name for name, _ in found)}) and a cache re-rotates by one; pass the "
-                         "inv_freq tensor of the layers you cache as rope=...")
-    owner = next(m for m in rope.modules() if any(b is found[0][1] for b in m.buffers(recurse=False)))
-    rope_type = getattr(owner, "rope_type", "default")
-    if rope_type in _POSITION_DEPENDENT_ROPE:
-        raise ValueError(f"rope_type {rope_type!r} changes its frequencies with the position; SinkCache "
-                         "needs fixed frequencies (default, linear, llama3, yarn)")
-    return freqs[0]
+    for module in rope.modules():
+        kinds = getattr(module, "rope_type", None)
+        for kind in (kinds.values() if isinstance(kinds, dict) else (kinds,)):  # Gemma 3: one per layer type
+            if kind in _POSITION_DEPENDENT_ROPE:
+                raise ValueError(f"rope_type {kind!r} changes its frequencies with the position; SinkCache needs "
+                                 "fixed frequencies (default, linear, llama3, yarn)")
+    freqs: list[torch.Tensor] = []
+    for _, buffer in found:
+        f = buffer.detach().to("cpu", torch.float64).reshape(-1)
+        if not any(f.shape == g.shape and torch.equal(f, g) for g in freqs):
+            freqs.append(f)
+    return tuple(freqs)
 
 
 def rope_rotation(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

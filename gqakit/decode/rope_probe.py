@@ -7,8 +7,9 @@ layouts (rotate-half; interleaved in Cohere, GLM), some layers apply none (SmolL
 layers), and some models hold a rotary module they never apply (Falcon with ALiBi). So it is measured: one forward
 of three one-token rows at position 0 and one at position `SHIFT`, through transformers' own cache. A one-token
 forward attends only to itself, so every layer's input is the same at both positions and only the positional
-encoding of its keys can differ: each layer's keys must equal the first forward's rotated by `SHIFT` (a RoPE layer)
-or be unchanged (a NoPE layer). Anything else is refused in one line, and so is a model without a RoPE layer, whose
+encoding of its keys can differ: each layer's keys must equal the first forward's rotated by `SHIFT` with one of the
+model's frequency sets (a RoPE layer; Gemma 3's sliding and full layers carry sets of their own) or be unchanged (a
+NoPE layer). Anything else is refused in one line, and so is a model without a RoPE layer, whose
 positions enter elsewhere (ALiBi, learned embeddings) where re-basing would break them.
 
 `layer_windows` reads the model's own per-layer sliding windows from transformers' cache layout for the config, for
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from gqakit.decode.rope import KeyRotation, rope_rotation, rotate_keys
+from gqakit.decode.rope import KeyRotation, rope_frequencies, rope_rotation, rotate_keys
 from gqakit.hf.compat import cache_kwargs
 
 SHIFT = 1021  # positions between the two probes: most rotary pairs turn by many radians
@@ -46,13 +47,14 @@ def _probe_keys(model, position: int) -> list[torch.Tensor]:
     return [layer.keys for layer in cache.layers]
 
 
-def measure_rotation(model, inv_freq: torch.Tensor) -> KeyRotation:
-    """How `model` rotates its cached keys (see the module docstring); ValueError in one line if a cache cannot
-    re-rotate them exactly."""
+def measure_rotation(model) -> KeyRotation:
+    """How `model` rotates its cached keys (see the module docstring): for each layer, the frequency set and layout
+    its keys follow, or none (NoPE); ValueError in one line if a cache cannot re-rotate them exactly."""
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder; the bounded caches hold a decoder's self-attention keys of a "
                          "decoder-only model: use a full cache")
+    freqs = rope_frequencies(model)
     layer_windows(model.config)  # refuses layers that are no plain K/V cache
     modes = [(module, module.training) for module in model.modules()]  # restored one by one, as the caller set them
     model.eval()
@@ -62,31 +64,28 @@ def measure_rotation(model, inv_freq: torch.Tensor) -> KeyRotation:
         for module, training in modes:
             module.training = training
     tolerance = TOLERANCE.get(before[0].dtype, 1e-3)
-    cos, sin = rope_rotation(torch.full((before[0].shape[0],), SHIFT), inv_freq)
-    layouts, rotary = set(), []
+    turns = [rope_rotation(torch.full((before[0].shape[0],), SHIFT), f) for f in freqs]
+    layouts, layer_freqs = set(), []
     for index, (k0, k1) in enumerate(zip(before, after)):
-        if 2 * inv_freq.numel() > k0.shape[-1]:
-            raise ValueError(f"{name}'s RoPE has {2 * inv_freq.numel()} rotary dims but its cached keys have "
-                             f"{k0.shape[-1]}; use a full cache")
-        fits = {interleaved for interleaved in (False, True)
-                if _relative(rotate_keys(k0, cos, sin, interleaved), k1) <= tolerance}
+        fits = [(i, interleaved) for i, (f, turn) in enumerate(zip(freqs, turns)) if 2 * f.numel() <= k0.shape[-1]
+                for interleaved in (False, True) if _relative(rotate_keys(k0, *turn, interleaved), k1) <= tolerance]
         if fits:
-            layouts |= fits if len(fits) == 1 else set()
-            rotary.append(True)
+            layouts |= {fits[0][1]} if len({layout for _, layout in fits}) == 1 else set()
+            layer_freqs.append(fits[0][0])
         elif _relative(k0, k1) <= tolerance:
-            rotary.append(False)  # a NoPE layer: its keys never move
+            layer_freqs.append(None)  # a NoPE layer: its keys never move
         else:
             raise ValueError(f"{name}'s layer {index} caches keys that move with the position in a way other than "
-                             f"rotation by its RoPE frequencies (off by {_relative(rotate_keys(k0, cos, sin), k1):.2g}"
-                             "), so a cache that re-rotates keys would change its attention; use a full cache")
-    if not any(rotary):
+                             f"rotation by its RoPE frequencies, so a cache that re-rotates keys would change its "
+                             "attention; use a full cache")
+    if all(f is None for f in layer_freqs):
         raise ValueError(f"no layer of {name} rotates its keys by RoPE (its positions enter elsewhere, e.g. ALiBi or "
                          "learned embeddings), so a cache that moves keys would change its attention; use a full "
                          "cache")
     if len(layouts) > 1:
         raise ValueError(f"{name}'s layers rotate their keys in two RoPE layouts (rotate-half and interleaved), and a "
                          "cache rotates by one; use a full cache")
-    return KeyRotation(inv_freq, interleaved=layouts == {True}, rotary=tuple(rotary))
+    return KeyRotation(freqs, interleaved=layouts == {True}, layer_freqs=tuple(layer_freqs))
 
 
 def layer_windows(config) -> tuple[int | None, ...]:

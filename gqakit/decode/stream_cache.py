@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from gqakit.decode.bounded import BoundedCache, BoundedLayer, check_sizes
-from gqakit.decode.rope import KeyRotation
+from gqakit.decode.rope import KeyRotation, Turn
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,7 @@ class _Chunk:
     sinks_before: int  # sink tokens stored before this chunk
     sinks_after: int  # sink tokens once the chunk is in (the chunk's first sinks_after - sinks_before are sinks)
     recent: int  # non-sink tokens stored before the chunk (the last ones, at most W)
-    cos: torch.Tensor | None  # (U, r/2) one rotation per sink copy; None: a single unrotated copy
-    sin: torch.Tensor | None
+    turns: tuple[Turn, ...] | None  # per frequency set, (U, r/2) rotations, one per sink copy; None: one unrotated copy
 
 
 class _Frame:
@@ -82,10 +81,10 @@ class ChunkLayer(BoundedLayer):
 
     owner = "ChunkedSinkCache"
 
-    def __init__(self, frame: _Frame, rotary: bool = True):
+    def __init__(self, frame: _Frame, freq: int | None = 0):
         super().__init__()
         self.frame = frame
-        self.rotary = rotary  # False: a NoPE layer, whose keys stay where they are
+        self.freq = freq  # the frequency set its keys carry; None: a NoPE layer, whose keys stay where they are
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[0] != 1:
@@ -108,11 +107,12 @@ class ChunkLayer(BoundedLayer):
         sink_k = torch.cat([self.sink_keys, key_states[..., :take, :]], dim=-2)  # (1, G, s, d)
         sink_v = torch.cat([self.sink_values, value_states[..., :take, :]], dim=-2)
         _, g, s, d = sink_k.shape
-        if plan.cos is None or s == 0 or not self.rotary:
+        if plan.turns is None or s == 0:
             copies_k, copies_v = sink_k, sink_v
-        else:
-            u = plan.cos.shape[0]
-            rotated = self.frame.rotation.rotate(sink_k.expand(u, g, s, d), plan.cos, plan.sin)  # (U, G, s, d)
+        else:  # a NoPE layer's copies are its unrotated sinks, one per copy (its mask picks one)
+            u = plan.turns[0][0].shape[0]
+            expanded = sink_k.expand(u, g, s, d)
+            rotated = expanded if self.freq is None else self.frame.rotation.rotate(expanded, plan.turns[self.freq])
             copies_k = rotated.transpose(0, 1).reshape(1, g, u * s, d)  # copy-major: slot u * s + j
             copies_v = sink_v.expand(u, g, s, d).transpose(0, 1).reshape(1, g, u * s, d)
         keys = torch.cat([copies_k, self.keys, key_states], dim=-2)  # (1, G, U*s + recent + C, d)
@@ -162,16 +162,16 @@ class ChunkedSinkCache(BoundedCache):
 
     def _new_layer(self) -> ChunkLayer:
         rotation = self.frame.rotation
-        return ChunkLayer(self.frame, rotation is None or rotation.rotates(len(self.layers)))
+        return ChunkLayer(self.frame, 0 if rotation is None else rotation.freq_of(len(self.layers)))
 
     def _rebase(self, start: int) -> None:
         """Rotate the stored window back so that its first token sits at position S (sinks stay at 0..S-1)."""
         f = self.frame
         new_offset = start - f.window - f.sinks  # > f.offset when called
-        cos, sin = f.rotation.rotation(torch.tensor([f.offset - new_offset]))
+        turns = f.rotation.rotation(torch.tensor([f.offset - new_offset]))
         for layer in self.layers:
-            if layer.rotary and layer.is_initialized and layer.keys.shape[-2]:
-                layer.keys = f.rotation.rotate(layer.keys, cos, sin)
+            if layer.freq is not None and layer.is_initialized and layer.keys.shape[-2]:
+                layer.keys = f.rotation.rotate(layer.keys, turns[layer.freq])
         f.offset = new_offset
 
     def prepare(self, length: int, dtype: torch.dtype = torch.float32, device=None
@@ -186,7 +186,7 @@ class ChunkedSinkCache(BoundedCache):
         t = torch.arange(a, a + length)  # (C,) stream index of each query
         sinks_before, sinks_after = min(S, a), min(S, a + length)
         recent = max(0, min(a - S, W))
-        cos = sin = None
+        turns = None
         inverse = torch.zeros(length, dtype=torch.long)
         copies = 1 if sinks_after else 0
         if sinks_after:
@@ -194,9 +194,9 @@ class ChunkedSinkCache(BoundedCache):
             delta = (t - S - W).clamp(min=0) - f.offset  # (C,) >= 0
             placements, inverse = torch.unique(delta, return_inverse=True)
             if placements.numel() > 1 or int(placements[0]) != 0:
-                cos, sin = f.rotation.rotation(placements)  # (U, r/2)
+                turns = f.rotation.rotation(placements)  # per set (U, r/2)
                 copies = placements.numel()
-        f.chunk = _Chunk(a, length, sinks_before, sinks_after, recent, cos, sin)
+        f.chunk = _Chunk(a, length, sinks_before, sinks_after, recent, turns)
         f.seen += length
 
         # allowed[i, key]: token t_i sees sinks j <= t_i (its own copy only), recent / chunk tokens

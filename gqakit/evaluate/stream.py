@@ -224,7 +224,7 @@ def _check_model(model, policies: tuple[str, ...], cfg: StreamConfig, tokens: in
     keys by RoPE, which the model's keys must follow (measured, `rope_probe`) and which must see what the model's own
     sliding windows would let it; dense past the context of a model without RoPE (learned positions) has no
     positions to give."""
-    from gqakit.decode.rope import rope_buffers, rope_inv_freq
+    from gqakit.decode.rope import rope_buffers
     from gqakit.decode.rope_probe import layer_windows, measure_rotation
     from gqakit.hf.loading import context_length
 
@@ -247,7 +247,7 @@ def _check_model(model, policies: tuple[str, ...], cfg: StreamConfig, tokens: in
             raise GqakitError(f"{bounded}, and a latent-attention model ({name}) caches them beside its latent; {full}")
         try:
             windows = layer_windows(model.config)
-            measure_rotation(model, rope_inv_freq(model))
+            measure_rotation(model)
         except ValueError as e:
             raise GqakitError(f"{bounded}, but {str(e).split(';')[0]}; {full}") from None
         sinks = cfg.sinks if policy == "sinks" else 0

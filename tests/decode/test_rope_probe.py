@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from gqakit.decode.cache import SinkCache
-from gqakit.decode.rope import rope_inv_freq
+from gqakit.decode.rope import rope_frequencies
 from gqakit.decode.rope_probe import layer_windows, measure_rotation
 from gqakit.evaluate.stream import stream_nll
 from gqakit.hf.compat import cache_kwargs
@@ -46,7 +46,7 @@ def family(model_type: str, layers: int = 1, dtype=torch.float64, **overrides):
 ])
 def test_the_probe_reads_each_familys_layout_and_its_nope_layers(model_type, overrides, interleaved, rotary):
     model = family(model_type, layers=2, dtype=torch.float32, **overrides)
-    rotation = measure_rotation(model, rope_inv_freq(model))
+    rotation = measure_rotation(model)
     assert (rotation.interleaved, rotation.rotary) == (interleaved, rotary)
     assert model.training is False
 
@@ -54,7 +54,7 @@ def test_the_probe_reads_each_familys_layout_and_its_nope_layers(model_type, ove
 def test_a_training_model_is_probed_in_eval_mode_and_left_as_it_was():
     model = family("llama", attention_dropout=0.5).train()
     model.model.layers[0].mlp.eval()  # a part the caller froze
-    assert measure_rotation(model, rope_inv_freq(model)).rotary == (True,)
+    assert measure_rotation(model).rotary == (True,)
     assert model.training and model.model.layers[0].self_attn.training and not model.model.layers[0].mlp.training
 
 
@@ -107,13 +107,54 @@ def test_sink_caches_equal_the_recompute_reference_in_either_layout(model_type, 
     torch.testing.assert_close(streamed.nll, nll, atol=ATOL, rtol=0)
 
 
-def test_two_rotary_embeddings_are_refused_by_name():
-    """Gemma 3 rotates sliding and full layers by other frequencies (transformers 5.25 names its buffers
-    `sliding_attention_inv_freq` / `full_attention_inv_freq`; it was refused as having no rotary embedding)."""
-    model = family("gemma3_text", layers=2, sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=8)
-    with pytest.raises(ValueError, match="2 different rotary embeddings") as err:
-        SinkCache(2, 6, rope=model)
-    assert "inv_freq" in str(err.value) and "\n" not in str(err.value)
+def gemma3(layer_types: list[str]):
+    return family("gemma3_text", layers=len(layer_types), layer_types=layer_types, sliding_window=64,
+                  query_pre_attn_scalar=8, rope_parameters={
+                      "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                      "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})
+
+
+def test_layers_that_rotate_by_frequencies_of_their_own_are_matched_to_them():
+    """Gemma 3 rotates sliding and full layers by other frequencies (transformers 5.25 holds them as
+    `sliding_attention_inv_freq` / `full_attention_inv_freq`; the caches refused it): each layer is matched to the
+    set its keys follow."""
+    model = gemma3(["sliding_attention", "full_attention", "sliding_attention"])
+    rotation = measure_rotation(model)
+    assert len(rotation.freqs) == 2 and not rotation.interleaved
+    sliding, full = (rotation.layer_freqs[i] for i in (0, 1))
+    assert sliding != full and rotation.layer_freqs == (sliding, full, sliding)
+    assert rotation.freqs[full][-1] < rotation.freqs[sliding][-1]  # the full layers' larger base: slower pairs
+
+
+@pytest.mark.parametrize("kind", ["sliding_attention", "full_attention"])
+def test_a_gemma3_layer_equals_the_recompute_reference(kind):
+    model = gemma3([kind])
+    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3))
+    want = torch.stack([recompute(model, ids, t, 2, 6) for t in range(ids.numel() - 1)])
+    cache = SinkCache(2, 6, rope=model)
+    with torch.no_grad():
+        got = torch.stack([model(input_ids=ids[t:t + 1][None], **cache_kwargs(model, cache), use_cache=True)
+                           .logits[0, -1] for t in range(ids.numel() - 1)])
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("make", [lambda: gemma3(["sliding_attention", "full_attention"]),
+                                  lambda: family("smollm3", layers=2, no_rope_layers=[1, 0])],
+                         ids=["gemma3-two-frequencies", "smollm3-nope-layer"])
+def test_eval_streams_chunks_equal_the_sink_cache_fed_token_by_token(make):
+    """Two layers whose keys rotate differently (other frequencies, or none): eval stream's chunked cache, whose sink
+    copies and rebasing follow each layer's own rotation, equals SinkCache fed a token at a time (tested against
+    from-scratch references above and in test_sink_cache.py)."""
+    model = make()
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(4))
+    cache = SinkCache(2, 6, rope=model)
+    with torch.no_grad():
+        logits = torch.stack([model(input_ids=ids[t:t + 1][None], **cache_kwargs(model, cache), use_cache=True)
+                              .logits[0, -1] for t in range(ids.numel() - 1)])
+    want = -torch.log_softmax(logits, dim=-1).gather(-1, ids[1:, None])[:, 0]
+    for chunk, rebase_every in ((5, None), (7, 3)):
+        got = stream_nll(model, ids, "sinks", window=6, sinks=2, chunk=chunk, rebase_every=rebase_every)
+        torch.testing.assert_close(got.nll, want, atol=ATOL, rtol=0)
 
 
 def test_a_wrapped_model_is_measured_and_other_modules_are_refused():
@@ -124,7 +165,7 @@ def test_a_wrapped_model_is_measured_and_other_modules_are_refused():
     with pytest.raises(ValueError, match="neither a transformers model nor an inv_freq tensor") as err:
         SinkCache(2, 6, rope=model.model.rotary_emb)
     assert "\n" not in str(err.value)
-    assert not SinkCache(2, 6, rope=rope_inv_freq(model)).policy.rotation.interleaved  # a tensor: the caller's word
+    assert not SinkCache(2, 6, rope=rope_frequencies(model)[0]).policy.rotation.interleaved  # a tensor: taken as said
 
 
 def test_an_encoder_decoder_is_refused_by_the_probe():
@@ -133,4 +174,4 @@ def test_an_encoder_decoder_is_refused_by_the_probe():
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1,
                                              num_heads=4)).eval()
     with pytest.raises(ValueError, match="T5ForConditionalGeneration is an encoder-decoder"):
-        measure_rotation(t5, torch.ones(4, dtype=torch.float64))
+        measure_rotation(t5)
