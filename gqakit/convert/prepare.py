@@ -45,8 +45,7 @@ def prepare(cfg: ConvertConfig, share: Share = Share()):
                           f"and at {opt('groups', 1)} one group holds them all; drop {opt('grouping')}")
     if cfg.calibration is None and methods.get(cfg.method).calibration == "required":  # the model's own samples:
         calibration_window(config, calibration_tokens(cfg), cfg.calibration_window)  # checked before any sampling
-    if not cfg.dry_run:
-        check_output(model_dir, out, cfg.force)
+    check_output(model_dir, out, cfg.force)  # reads paths only: a dry run refuses the -o the run would refuse
     calibration = None
     if uses_calibration(cfg) and not cfg.dry_run:
         from gqakit.convert.calibrated import open_calibration

@@ -221,3 +221,16 @@ def test_a_value_beyond_the_output_dtypes_range_is_refused_not_written_as_inf(sr
 def test_options_the_conversion_would_ignore_are_refused(src, tmp_path, capsys, extra, needle):
     groups = "1" if "mla" in extra else "2"
     fails(capsys, ["--groups", groups, str(src), "-o", str(tmp_path / "out"), *extra], needle)
+
+
+def test_a_dry_run_refuses_the_output_the_run_would_refuse(src, tmp_path, capsys):
+    """It printed 'would write' for an existing -o, the model folder, a folder inside it and a file under --force,
+    all of which the run refuses (a review's finding); it checks the paths as the run does, writing nothing."""
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "afile").write_text("mine")
+    for out, force, needle in ((tmp_path / "taken", False, "already exists"), (src, False, "choose an -o outside it"),
+                               (src / "sub", False, "inside the model folder"),
+                               (tmp_path / "afile", True, "is a file")):
+        fails(capsys, ["--groups", "1", str(src), "-o", str(out), "--dry-run", *(["--force"] if force else [])],
+              needle)
+    assert (tmp_path / "afile").read_text() == "mine" and not (src / "sub").exists()
