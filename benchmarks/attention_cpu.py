@@ -4,8 +4,9 @@ Causal attention, batch 1, 8 query heads, head_dim 64, forward + backward, side 
 
   (a) peak memory of forward + backward for tiled / eager (matmul-softmax-matmul with repeat_kv) /
       sdpa (F.scaled_dot_product_attention, is_causal=True); each case runs in a fresh subprocess
-      that reports its ru_maxrss high-water mark minus the mark reached before the call (inputs,
-      library start-up and a tiny warm-up call are in the baseline, so this is what the call adds);
+      that resets its VmHWM high-water mark to its RSS after the inputs, library start-up and a tiny
+      warm-up call, and reports the mark after the call minus that (what the call adds; ru_maxrss
+      would carry this process's own mark across fork and exec and hide any smaller peak);
   (b) median time of forward + backward, tiled and sdpa, and their ratio; with `--decode`, also decode steps:
       one query against a cache of N keys (forward only, no grad), the call a generation step makes;
   (c) a sliding window (W = 512) against full causal attention in the same tiled kernel.
@@ -40,7 +41,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from _measure import background_jobs, co_running, logger, maxrss_kib
+from _measure import background_jobs, co_running, logger, reset_peak, status_kib
 from gqakit.attention.masks import MaskSpec
 from gqakit.attention.reference import repeat_kv
 from gqakit.attention.tiled import tiled_attention
@@ -134,16 +135,20 @@ def worker(args) -> None:
     impl, T = args.worker[0], int(args.worker[1])
     run_case(args, impl, *make_inputs(args, 256))  # warm-up: one-time allocations into the baseline
     q, k, v = make_inputs(args, T)
-    before = maxrss_kib()  # KiB on Linux, a high-water mark
+    # VmHWM, this address space's own high-water mark, reset to the RSS now (ru_maxrss would carry the parent's
+    # across fork and exec, hiding any peak below it)
+    if not reset_peak():
+        raise SystemExit("cannot reset VmHWM (/proc/self/clear_refs); table (a) needs Linux >= 4.0")
+    before = status_kib("VmHWM")
     run_case(args, impl, q, k, v)
-    after = maxrss_kib()
+    after = status_kib("VmHWM")
     print(json.dumps({"peak_mib": (after - before) / 1024}))
 
 
 def memory_table(args) -> list[str]:
     rows = ["| T | tiled MiB | eager MiB | sdpa MiB | eager / tiled |", "|---|---|---|---|---|"]
     passthrough = ["--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--head-dim",
-                   str(args.head_dim), "--block", str(args.block)]
+                   str(args.head_dim), "--block", str(args.block), "--batch", str(args.batch)]
     if args.span_k is not None:
         passthrough += ["--span-k", str(args.span_k)]
     if args.threads:
@@ -277,7 +282,7 @@ def main(argv=None) -> None:
     print(f"max |tiled - sdpa| at T={min(args.seq)}: {err:.2e}\n")
 
     if not args.skip_memory:
-        print("### (a) peak memory added by forward + backward (ru_maxrss, fresh process per cell)\n")
+        print("### (a) peak memory added by forward + backward (VmHWM, fresh process per cell)\n")
         print("\n".join(memory_table(args)) + "\n")
     cache: dict = {}
     rows, ratios = time_table(args, cache)

@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                     "head_dim, with --rope-dim MQA's cache of 2 x head_dim + 1 values)")
     ap.add_argument("--rope-dim", type=int, default=None, help="the mla-fit entries' shared RoPE key (default: "
                     "head_dim / 2)")
-    ap.add_argument("--scratch", default=str(ROOT / "runs"), help="where the synthetic checkpoint goes")
+    ap.add_argument("--scratch", default=str(ROOT / "scratch"), help="where the synthetic checkpoint goes "
+                    "(git-ignored, as benchmarks/README.md says)")
     ap.add_argument("--max-shard-size", default="5GB")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each method, interleaved; medians are reported")
     args = ap.parse_args(argv)

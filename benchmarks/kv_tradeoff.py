@@ -1,4 +1,4 @@
-"""Quality against KV-cache bytes, side by side: every model under every cache, one table and one plot.
+"""Quality against KV-cache bytes, side by side: every model under every cache asked for, one table and one plot.
 
 What a user buys is a smaller KV cache at the least loss, so each converted model is set beside the original
 under transformers' quantized caches (`gqakit eval ppl --kv-cache dense|fp8|int4|int2`), at the bytes per token
@@ -32,7 +32,8 @@ def evaluate(models: list[str], cache: str, args, folder: Path) -> list[dict]:
            "--max-tokens", str(args.max_tokens), "--max-length", str(args.max_length), "--kv-cache", cache,
            "--kv-chunk", str(args.kv_chunk), "-o", str(out), "-q"]
     log(" ".join(["gqakit", *cmd[3:]]))
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:  # its one-line error is on stderr above
+        raise SystemExit(f"kv_tradeoff: gqakit eval ppl failed under --kv-cache {cache} (see its error above)")
     rows = json.loads((out / "results.json").read_text(encoding="utf-8"))["results"]["rows"]
     return [{**r, "cache": cache, "path": m} for r, m in zip(rows, models)]
 
@@ -137,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reports", nargs="+", help="instead of evaluating: `gqakit eval ppl` reports already made, "
                                                 "folders or their results.json (the first report's model is the "
                                                 "reference)")
-    p.add_argument("--caches", nargs="+", default=list(CACHES[:3]), choices=CACHES, help="cache kinds")
+    p.add_argument("--caches", nargs="+", default=list(CACHES[:3]), choices=CACHES,
+                   help="cache kinds (default: dense fp8 int4; int2 on request)")
     p.add_argument("--max-tokens", type=int, default=0, help="tokens scored (0: the whole text)")
     p.add_argument("--max-length", type=int, default=2048, help="window length (disjoint windows)")
     p.add_argument("--kv-chunk", type=int, default=128, help="tokens per forward through the cache")

@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> None:
         for b in batches:
             run("compiled", models, start, b, args.length, 0)
         compile_s = time.perf_counter() - t0
+    for b in batches:  # one untimed run of every other variant per batch size: none is timed cold
+        for v in variants:
+            if v != "compiled":  # compiled ran above
+                run(v, models, start, b, args.length, 0)
     rates: dict[tuple[str, int], list[float]] = {}
     for r in range(args.repeats):
         for b in batches:
@@ -101,8 +105,8 @@ def main(argv: list[str] | None = None) -> None:
 
     params = sum(p.numel() for p in model.parameters())
     print(f"## Sampling tokens/s: {os.path.basename(os.path.normpath(args.model))} ({params / 1e6:.1f}M parameters)\n")
-    print(f"`{command_line(__file__, argv)}`; {args.length} tokens per row, median of {args.repeats}; "
-          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, bf16 units: {bf16_units()}; "
+    print(f"`{command_line(__file__, argv)}`; {args.length} tokens per row, median of {args.repeats} after an "
+          f"untimed run; {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, bf16 units: {bf16_units()}; "
           f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after (1 min).\n")
     print("| variant | " + " | ".join(f"batch {b}" for b in batches) + " | what |")
     print("|---|" + "---|" * len(batches) + "---|")
