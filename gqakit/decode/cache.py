@@ -77,7 +77,8 @@ class _Policy:
     def capacity(self) -> int:
         return self.sinks + self.window
 
-    def bind(self, batch: int, head_dim: int) -> None:
+    def bind(self, batch: int, head_dim: int, freq: int | None) -> None:
+        """Take the batch size from a layer's first keys, and check that its frequency set fits its head_dim."""
         if self.padding is None:
             self.padding = torch.zeros(batch, dtype=torch.long)
         elif self.padding.shape[0] != batch:
@@ -85,8 +86,9 @@ class _Policy:
                              f"the model fed batch {batch}; build one cache per batch")
         if self.shift is None:
             self.shift = torch.zeros(batch, dtype=torch.long)
-        if self.rotation is not None and self.rotation.rotary_dims > head_dim:
-            raise ValueError(f"RoPE has {self.rotation.rotary_dims} rotary dims but head_dim is {head_dim}; "
+        dims = 2 * self.rotation.freqs[freq].numel() if self.rotation is not None and freq is not None else 0
+        if dims > head_dim:  # each layer against its own set (Gemma 4's layer types differ in head_dim)
+            raise ValueError(f"RoPE has {dims} rotary dims but head_dim is {head_dim}; "
                              "pass the rope of the model whose keys are cached")
 
     def real_tokens(self, seen: int) -> torch.Tensor:
@@ -145,7 +147,7 @@ class SinkLayer(BoundedLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys = key_states[..., :0, :].clone()  # (B, G, 0, d)
         self.values = value_states[..., :0, :].clone()
-        self.policy.bind(key_states.shape[0], key_states.shape[-1])
+        self.policy.bind(key_states.shape[0], key_states.shape[-1], self.freq)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs

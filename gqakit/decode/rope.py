@@ -35,10 +35,6 @@ class KeyRotation:
         """Per cache layer, whether its keys carry RoPE (None: every layer)."""
         return None if self.layer_freqs is None else tuple(f is not None for f in self.layer_freqs)
 
-    @property
-    def rotary_dims(self) -> int:
-        return 2 * max(f.numel() for f in self.freqs)
-
     def freq_of(self, layer: int) -> int | None:
         """The frequency set layer `layer`'s keys carry (None: a NoPE layer)."""
         if self.layer_freqs is None:

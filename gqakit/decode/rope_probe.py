@@ -67,8 +67,10 @@ def measure_rotation(model) -> KeyRotation:
     turns = [rope_rotation(torch.full((before[0].shape[0],), SHIFT), f) for f in freqs]
     layouts, layer_freqs = set(), []
     for index, (k0, k1) in enumerate(zip(before, after)):
-        fits = [(i, interleaved) for i, (f, turn) in enumerate(zip(freqs, turns)) if 2 * f.numel() <= k0.shape[-1]
-                for interleaved in (False, True) if _relative(rotate_keys(k0, *turn, interleaved), k1) <= tolerance]
+        errors = sorted((_relative(rotate_keys(k0, *turn, interleaved), k1), i, interleaved)
+                        for i, (f, turn) in enumerate(zip(freqs, turns)) if 2 * f.numel() <= k0.shape[-1]
+                        for interleaved in (False, True))
+        fits = [(i, interleaved) for error, i, interleaved in errors if error <= tolerance]  # the best first
         if fits:
             layouts |= {fits[0][1]} if len({layout for _, layout in fits}) == 1 else set()
             layer_freqs.append(fits[0][0])

@@ -81,7 +81,8 @@ class GridConfig:
 # uptrain keys the grid sets per cell, refused in its shared `uptrain:` section (a teacher there distilled the cells
 # reported as not distilled; seed, alpha and model were silently overridden)
 PER_CELL = {"model": "the converted model", "output_dir": "the cell's folder", "alpha": "alphas / mqa_alphas",
-            "seed": "the grid's seed", "teacher": "distill: true cells distil from model"}
+            "seed": "the grid's seed", "teacher": "distill: true cells distil from model",
+            "force": "each cell replaces its own folder; force=true at the top starts the grid over"}
 
 # keys that pick which cells run or which files stay; every other key changes the numbers of every cell
 SELECTION = ("output_dir", "groups", "methods", "alphas", "mqa_alphas", "distill", "mha_control", "keep_models",

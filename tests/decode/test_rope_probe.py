@@ -85,6 +85,18 @@ def recompute(model, ids: torch.Tensor, t: int, sinks: int, window: int) -> torc
         return model(input_ids=ids[keep][None], position_ids=torch.arange(len(keep))[None]).logits[0, -1]
 
 
+def fed_one_at_a_time(model, ids: torch.Tensor, sinks: int = 2, window: int = 6) -> torch.Tensor:
+    """Logits after each token of `ids` but the last, through one SinkCache fed a token at a time."""
+    cache = SinkCache(sinks, window, rope=model)
+    with torch.no_grad():
+        return torch.stack([model(input_ids=ids[t:t + 1][None], **cache_kwargs(model, cache), use_cache=True)
+                            .logits[0, -1] for t in range(ids.numel() - 1)])
+
+
+def nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return -torch.log_softmax(logits, dim=-1).gather(-1, ids[1:, None])[:, 0]
+
+
 @pytest.mark.parametrize("model_type, overrides", [
     ("llama", {}),
     ("cohere", {}),
@@ -97,14 +109,9 @@ def test_sink_caches_equal_the_recompute_reference_in_either_layout(model_type, 
     model = family(model_type, **overrides)
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
     want = torch.stack([recompute(model, ids, t, sinks, window) for t in range(ids.numel() - 1)])
-    cache = SinkCache(sinks, window, rope=model)
-    with torch.no_grad():
-        got = torch.stack([model(input_ids=ids[t:t + 1][None], **cache_kwargs(model, cache), use_cache=True)
-                           .logits[0, -1] for t in range(ids.numel() - 1)])
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-    nll = -torch.log_softmax(want, dim=-1).gather(-1, ids[1:, None])[:, 0]
+    torch.testing.assert_close(fed_one_at_a_time(model, ids, sinks, window), want, atol=ATOL, rtol=0)
     streamed = stream_nll(model, ids, "sinks" if sinks else "window", window=window, sinks=sinks, chunk=5)
-    torch.testing.assert_close(streamed.nll, nll, atol=ATOL, rtol=0)
+    torch.testing.assert_close(streamed.nll, nll(want, ids), atol=ATOL, rtol=0)
 
 
 def gemma3(layer_types: list[str]):
@@ -131,11 +138,7 @@ def test_a_gemma3_layer_equals_the_recompute_reference(kind):
     model = gemma3([kind])
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3))
     want = torch.stack([recompute(model, ids, t, 2, 6) for t in range(ids.numel() - 1)])
-    cache = SinkCache(2, 6, rope=model)
-    with torch.no_grad():
-        got = torch.stack([model(input_ids=ids[t:t + 1][None], **cache_kwargs(model, cache), use_cache=True)
-                           .logits[0, -1] for t in range(ids.numel() - 1)])
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(fed_one_at_a_time(model, ids), want, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("make", [lambda: gemma3(["sliding_attention", "full_attention"]),
@@ -147,11 +150,7 @@ def test_eval_streams_chunks_equal_the_sink_cache_fed_token_by_token(make):
     from-scratch references above and in test_sink_cache.py)."""
     model = make()
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(4))
-    cache = SinkCache(2, 6, rope=model)
-    with torch.no_grad():
-        logits = torch.stack([model(input_ids=ids[t:t + 1][None], **cache_kwargs(model, cache), use_cache=True)
-                              .logits[0, -1] for t in range(ids.numel() - 1)])
-    want = -torch.log_softmax(logits, dim=-1).gather(-1, ids[1:, None])[:, 0]
+    want = nll(fed_one_at_a_time(model, ids), ids)
     for chunk, rebase_every in ((5, None), (7, 3)):
         got = stream_nll(model, ids, "sinks", window=6, sinks=2, chunk=chunk, rebase_every=rebase_every)
         torch.testing.assert_close(got.nll, want, atol=ATOL, rtol=0)
@@ -175,3 +174,37 @@ def test_an_encoder_decoder_is_refused_by_the_probe():
                                              num_heads=4)).eval()
     with pytest.raises(ValueError, match="T5ForConditionalGeneration is an encoder-decoder"):
         measure_rotation(t5)
+
+
+def test_layer_types_with_their_own_head_dim_are_checked_each_against_its_set():
+    """Gemma 4's sliding layers (head_dim 8, full rotary) and full layers (head_dim 16, partial rotary) carry sets of
+    other sizes: SinkCache checked every layer against the largest set and refused the sliding ones mid-generation
+    (a review's finding); each layer is checked against its own set, and a full Gemma 4 layer equals the recompute."""
+    pytest.importorskip("transformers.models.gemma4", reason="Gemma 4 arrived after this transformers")
+    base = dict(head_dim=8, global_head_dim=16, sliding_window=64)
+    two = family("gemma4_text", layers=2, layer_types=["sliding_attention", "full_attention"], **base)
+    rotation = measure_rotation(two)
+    assert sorted(f.numel() for f in rotation.freqs) == [4, 8] and None not in rotation.layer_freqs
+    ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(5))
+    want = nll(fed_one_at_a_time(two, ids), ids)
+    torch.testing.assert_close(stream_nll(two, ids, "sinks", window=6, sinks=2, chunk=5).nll, want, atol=ATOL, rtol=0)
+    one = family("gemma4_text", layers=1, layer_types=["full_attention"], **base)
+    torch.testing.assert_close(fed_one_at_a_time(one, ids),
+                               torch.stack([recompute(one, ids, t, 2, 6) for t in range(ids.numel() - 1)]),
+                               atol=ATOL, rtol=0)
+
+
+def test_a_layer_takes_the_set_that_fits_it_best():
+    """Two sets within tolerance of a layer's keys: the closer one (it took the first that fitted: 1.7e-4 off where
+    the other was 1e-6, in a review's Gemma 3 with nearly equal bases)."""
+    model = gemma3(["sliding_attention", "full_attention"])
+    rotation = measure_rotation(model)
+    sliding, full = rotation.layer_freqs
+    rope = model.model.rotary_emb
+    exact = rope._buffers.pop("full_attention_inv_freq")
+    near = exact.double() * (1 + 5e-7)  # within tolerance of the full layer's keys (5e-4 rad at 1,021), yet worse
+    rope.register_buffer("near_full_attention_inv_freq", near.float(), persistent=False)  # listed before the real one
+    rope.register_buffer("full_attention_inv_freq", exact, persistent=False)
+    again = measure_rotation(model)
+    assert len(again.freqs) == 3 and torch.equal(again.freqs[1], near.float().double())  # the near set comes first
+    assert torch.equal(again.freqs[again.layer_freqs[1]], rotation.freqs[full])  # yet the exact one is chosen

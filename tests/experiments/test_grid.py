@@ -119,6 +119,7 @@ def test_cells_made_with_other_settings_are_refused_not_reported_under_these(tmp
     ({"uptrain": {"seed": 5}}, "uptrain.seed is set by the grid for each cell (the grid's seed)"),
     ({"uptrain": {"alpha": 0.5}}, "uptrain.alpha is set by the grid for each cell"),
     ({"uptrain": {"model": "other"}}, "uptrain.model is set by the grid for each cell"),
+    ({"uptrain": {"force": False}}, "uptrain.force is set by the grid for each cell"),
 ])
 def test_grid_refuses_bad_method_or_calibration_in_one_line(tmp_path, fields, message):
     with pytest.raises(GqakitError) as e:
