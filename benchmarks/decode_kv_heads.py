@@ -9,8 +9,8 @@ its cache never holds more than S + W positions, whatever the context. `mla` in 
 as `convert-gqa --to mla` writes it (transformers' stock DeepseekV3 holding an MQA exactly: a latent of head_dim + 1
 and one shared RoPE key per token), whose cache is as small as MQA's but whose stock forward re-expands the whole
 latent through kv_b_proj into every head's keys and values at every step (no weight absorption); sinks are refused
-for it (they would re-rotate the latent). All configurations run side by side in one process, in an interleaved
-order, so ratios are comparable.
+for it (they would re-rotate the latent). All configurations run side by side in one process, every one at a
+context before the next context (each configuration's steps back to back), so ratios are comparable.
 
 The model is a random model of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads of 64, intermediate 1536,
 vocab 49,152; `--shape embedded` for the embedded model's 8 x 256 shape): speed depends on shapes, not weights.
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     models = {kv: build(shape, kv, dtype, max(contexts) + args.decode + 8) for kv in kv_list}
     results = {}
-    for context in contexts:  # interleaved: every configuration at one context before the next context
+    for context in contexts:  # every configuration at one context before the next context
         for kv, model in models.items():
             for sinks in (None, (args.sinks, args.window)):
                 if sinks is not None and (context <= sum(sinks) or kv == "mla"):
