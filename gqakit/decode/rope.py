@@ -24,16 +24,24 @@ Turn = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of one rotation per row, 
 class KeyRotation:
     """How a cache re-rotates a model's stored keys: the RoPE inverse-frequency sets (each (r/2,), float64; several
     where layer types rotate by their own, as Gemma 3's sliding and full layers), the layout, and per cache layer
-    which set its keys carry (None: a NoPE layer, whose keys never move). `layer_freqs` None: every layer, set 0."""
+    which set its keys carry (None: a NoPE layer, whose keys never move). `layer_freqs` None: every layer, set 0.
+    `windows`: per cache layer, the model's own sliding window (None: full attention), as measured with the model;
+    None where no model was measured (an inv_freq tensor given)."""
 
     freqs: tuple[torch.Tensor, ...]
     interleaved: bool = False
     layer_freqs: tuple[int | None, ...] | None = None
+    windows: tuple[int | None, ...] | None = None
 
     @property
     def rotary(self) -> tuple[bool, ...] | None:
         """Per cache layer, whether its keys carry RoPE (None: every layer)."""
         return None if self.layer_freqs is None else tuple(f is not None for f in self.layer_freqs)
+
+    def narrowest_window(self) -> tuple[int, int] | None:
+        """(layer, width) of the narrowest sliding window among the model's layers, or None (none, or unknown)."""
+        slides = [(width, layer) for layer, width in enumerate(self.windows or ()) if width is not None]
+        return None if not slides else min(slides)[::-1]
 
     def freq_of(self, layer: int) -> int | None:
         """The frequency set layer `layer`'s keys carry (None: a NoPE layer)."""
@@ -57,6 +65,14 @@ def rope_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     `sliding_attention_inv_freq` (transformers 5.25); not the `original_inv_freq` copies dynamic scaling restores."""
     return [(name, b) for name, b in model.named_buffers()
             if name.endswith("inv_freq") and not name.endswith("original_inv_freq")]
+
+
+def positions_end(model: torch.nn.Module) -> int | None:
+    """The context past which a model without RoPE has no positions to give (a learned table ends there), or None: a
+    model with RoPE, or one whose context is unknown."""
+    from gqakit.hf.fields import context_length
+
+    return None if rope_buffers(model) else context_length(model.config.to_dict())
 
 
 def rope_frequencies(rope: torch.nn.Module | torch.Tensor) -> tuple[torch.Tensor, ...]:

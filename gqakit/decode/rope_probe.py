@@ -12,8 +12,9 @@ model's frequency sets (a RoPE layer; Gemma 3's sliding and full layers carry se
 NoPE layer). Anything else is refused in one line, and so is a model without a RoPE layer, whose
 positions enter elsewhere (ALiBi, learned embeddings) where re-basing would break them.
 
-`layer_windows` reads the model's own per-layer sliding windows from transformers' cache layout for the config, for
-caches that replace the model's masks with their own (`stream_cache.ChunkedSinkCache`).
+`layer_windows` reads the model's own per-layer sliding windows from transformers' cache layout for the config; the
+measured rotation carries them, for caches that replace the model's masks with their own
+(`stream_cache.ChunkedSinkCache`).
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def measure_rotation(model) -> KeyRotation:
         raise ValueError(f"{name} is an encoder-decoder; the bounded caches hold a decoder's self-attention keys of a "
                          "decoder-only model: use a full cache")
     freqs = rope_frequencies(model)
-    layer_windows(model.config)  # refuses layers that are no plain K/V cache
+    windows = layer_windows(model.config)  # refuses layers that are no plain K/V cache
     modes = [(module, module.training) for module in model.modules()]  # restored one by one, as the caller set them
     model.eval()
     try:
@@ -87,7 +88,7 @@ def measure_rotation(model) -> KeyRotation:
     if len(layouts) > 1:
         raise ValueError(f"{name}'s layers rotate their keys in two RoPE layouts (rotate-half and interleaved), and a "
                          "cache rotates by one; use a full cache")
-    return KeyRotation(freqs, interleaved=layouts == {True}, layer_freqs=tuple(layer_freqs))
+    return KeyRotation(freqs, interleaved=layouts == {True}, layer_freqs=tuple(layer_freqs), windows=windows)
 
 
 def layer_windows(config) -> tuple[int | None, ...]:

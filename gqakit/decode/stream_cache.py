@@ -63,19 +63,6 @@ class _Frame:
         self.chunk: _Chunk | None = None
 
 
-def _check_windows(config, sinks: int, window: int) -> None:
-    """Refuse a model whose own sliding window is narrower than what this cache's mask shows a token (S + W + 1 keys):
-    the mask replaces the model's, so those layers would see keys they never see."""
-    from gqakit.decode.rope_probe import layer_windows
-
-    narrow = [(i, w) for i, w in enumerate(layer_windows(config)) if w is not None and w < sinks + window + 1]
-    if narrow:
-        index, width = min(narrow, key=lambda item: item[1])
-        raise ValueError(f"layer {index} of {type(config).__name__} attends to a sliding window of {width} tokens, "
-                         f"fewer than the sinks + window + 1 = {sinks + window + 1} keys this cache shows a token; its "
-                         f"mask replaces the model's, so keep sinks + window <= {width - 1}")
-
-
 class ChunkLayer(BoundedLayer):
     """One layer: stored sinks (1, G, <= S, d) and recent non-sink tokens (1, G, <= W, d)."""
 
@@ -155,8 +142,12 @@ class ChunkedSinkCache(BoundedCache):
         rebase_every = sinks + window if rebase_every is None else rebase_every
         if rebase_every < 1:
             raise ValueError(f"rebase_every must be >= 1, got {rebase_every}")
-        if isinstance(rope, torch.nn.Module):  # a model (check_sizes refused any other module)
-            _check_windows(getattr(rope, "_orig_mod", rope).config, sinks, window)
+        narrow = rotation.narrowest_window() if rotation is not None else None  # measured with a model
+        if narrow is not None and narrow[1] < sinks + window + 1:  # its mask would replace the model's
+            raise ValueError(f"layer {narrow[0]} of {type(rope.config).__name__} attends to a sliding window of "
+                             f"{narrow[1]} tokens, fewer than the sinks + window + 1 = {sinks + window + 1} keys this "
+                             f"cache shows a token; its mask replaces the model's, so keep sinks + window <= "
+                             f"{narrow[1] - 1}")
         self.frame = self.state = _Frame(sinks, window, rotation, rebase_every)
         super().__init__(layer_class_to_replicate=self._new_layer)
 

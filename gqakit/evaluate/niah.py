@@ -125,7 +125,8 @@ def run_niah(cfg: NiahConfig, command: str = "", out=None, generate: Generate | 
     from gqakit.common import plots, report
     from gqakit.evaluate.generation import greedy_generator, held_note
     from gqakit.evaluate.kvcache import report_fields
-    from gqakit.hf.loading import check_model_folder, context_length, describe, load_model
+    from gqakit.hf.fields import context_length
+    from gqakit.hf.loading import check_model_folder, describe, load_model
 
     out = out or sys.stdout
     _check(cfg)

@@ -169,7 +169,7 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
     from gqakit.common import plots, report
     from gqakit.attention.registration import apply_attention
     from gqakit.evaluate.kvcache import check_options, report_fields
-    from gqakit.decode.rope import rope_buffers
+    from gqakit.decode.rope import positions_end
     from gqakit.hf.loading import describe, load_model
 
     out, err = out or sys.stdout, err or sys.stderr
@@ -185,12 +185,13 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
     in_force = apply_attention(model, cfg.attention, options)
     shortest = min(lengths)  # refuse a too-short length (cheap) before warning about long ones
     build_prompt(tok, shortest, depths[0], make_key(cfg.seed, shortest, depths[0], 0))
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context and not rope_buffers(model) and max(lengths) + cfg.new_tokens - 1 > context:  # the last reply token
+    end = positions_end(model)
+    if end and max(lengths) + cfg.new_tokens - 1 > end:  # the last reply token is not fed
         raise GqakitError(f"{opt('lengths', f'{max(lengths):,}')} + {opt('new_tokens', cfg.new_tokens)} positions run "
-                          f"past the {context:,}-token context of {type(model).__name__}, whose positions are not RoPE "
-                          f"(they end there); use lengths up to {context + 1 - cfg.new_tokens:,}")  # is not fed
-    warning = reach_warning(lengths, context, in_force, len(depths) * cfg.trials)
+                          f"past the {end:,}-token context of {type(model).__name__}, whose positions are not RoPE "
+                          f"(they end there); use lengths up to {end + 1 - cfg.new_tokens:,}")
+    warning = reach_warning(lengths, getattr(model.config, "max_position_embeddings", None), in_force,
+                            len(depths) * cfg.trials)
     if warning:
         print(f"gqakit: {warning}", file=err, flush=True)
     cases = build_cases(tok, lengths, depths, cfg.trials, cfg.seed, cfg.progress)

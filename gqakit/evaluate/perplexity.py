@@ -251,7 +251,8 @@ def _context(path: str) -> tuple[int | None, bool | None]:
     """(max_position_embeddings, is it an encoder-decoder) of a local checkpoint folder, checked early (config.json,
     safetensors headers) so that a broken second model fails before the first is evaluated; (None, None) for a hub
     name (known once loaded)."""
-    from gqakit.hf.loading import check_model_folder, context_length, is_encoder_decoder
+    from gqakit.hf.fields import context_length
+    from gqakit.hf.loading import check_model_folder, is_encoder_decoder
 
     config = check_model_folder(path)
     return (None, None) if config is None else (context_length(config), is_encoder_decoder(config))
@@ -354,7 +355,8 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     from gqakit.common import plots, report
     from gqakit.common.text import load_columns, load_documents
     from gqakit.attention.registration import apply_attention
-    from gqakit.hf.loading import context_length, describe, load_model
+    from gqakit.hf.fields import context_length
+    from gqakit.hf.loading import describe, load_model
 
     out = out or sys.stdout
     _check(cfg)

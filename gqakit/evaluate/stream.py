@@ -224,13 +224,12 @@ def _check_model(model, policies: tuple[str, ...], cfg: StreamConfig, tokens: in
     keys by RoPE, which the model's keys must follow (measured, `rope_probe`) and which must see what the model's own
     sliding windows would let it; dense past the context of a model without RoPE (learned positions) has no
     positions to give."""
-    from gqakit.decode.rope import rope_buffers
-    from gqakit.decode.rope_probe import layer_windows, measure_rotation
-    from gqakit.hf.loading import context_length
+    from gqakit.decode.rope import positions_end
+    from gqakit.decode.rope_probe import measure_rotation
 
     name, full = type(model).__name__, f"use {opt('policies', 'dense')} or {opt('policies', 'recompute')}"
-    context = context_length(model.config.to_dict())
-    if context and not rope_buffers(model):  # learned positions end at the context
+    context = positions_end(model)
+    if context:  # learned positions end at the context
         fed = tokens - 1  # the last token is not fed; recompute's forwards hold W + R of them at most
         longest = min(cfg.window + (cfg.recompute_every or cfg.chunk), fed)
         if "dense" in policies and fed > context:
@@ -241,22 +240,26 @@ def _check_model(model, policies: tuple[str, ...], cfg: StreamConfig, tokens: in
             raise GqakitError(f"{opt('policies', 'recompute')} feeds {longest:,} positions per forward "
                               f"({opt('window')} + R) but {name} has no RoPE and a {context:,}-token context; lower "
                               f"{opt('window')} or {opt('recompute_every')} (R, default {opt('chunk')})")
-    for policy in (p for p in policies if p in ("sinks", "window")):
-        bounded = f"{opt('policies', policy)} keeps a bounded cache whose keys it moves by RoPE"
-        if is_latent(model.config):
-            raise GqakitError(f"{bounded}, and a latent-attention model ({name}) caches them beside its latent; {full}")
-        try:
-            windows = layer_windows(model.config)
-            measure_rotation(model)
-        except ValueError as e:
-            raise GqakitError(f"{bounded}, but {str(e).split(';')[0]}; {full}") from None
+    bounded = [p for p in policies if p in ("sinks", "window")]
+    if not bounded:
+        return
+    moves = f"{opt('policies', bounded[0])} keeps a bounded cache whose keys it moves by RoPE"
+    if is_latent(model.config):
+        raise GqakitError(f"{moves}, and a latent-attention model ({name}) caches them beside its latent; {full}")
+    try:
+        rotation = measure_rotation(model)  # once: both policies move the same keys
+    except ValueError as e:
+        raise GqakitError(f"{moves}, but {str(e).split(';')[0]}; {full}") from None
+    narrow = rotation.narrowest_window()
+    for policy in bounded:
         sinks = cfg.sinks if policy == "sinks" else 0
-        narrow = min((w for w in windows if w is not None), default=None)
-        if narrow is not None and narrow < sinks + cfg.window + 1:
-            fix = (f"lower {opt('window')} to {narrow - 1 - sinks:,}" if narrow - 1 - sinks >= 1 else
+        if narrow is not None and narrow[1] < sinks + cfg.window + 1:
+            width = narrow[1]
+            fix = (f"lower {opt('window')} to {width - 1 - sinks:,}" if width - 1 - sinks >= 1 else
                    f"lower {opt('sinks')}")
-            raise GqakitError(f"{bounded} and shows each token {sinks + cfg.window + 1:,} keys, but {name}'s "
-                              f"sliding-window layers see {narrow:,}; {fix} or {full}")
+            raise GqakitError(f"{opt('policies', policy)} keeps a bounded cache whose keys it moves by RoPE and shows "
+                              f"each token {sinks + cfg.window + 1:,} keys, but {name}'s sliding-window layers see "
+                              f"{width:,}; {fix} or {full}")
 
 
 def _table(cfg: StreamConfig, summary: dict) -> str:

@@ -16,7 +16,6 @@ import torch
 from gqakit.common.dtypes import NAMES as DTYPES
 from gqakit.common.errors import GqakitError, opt
 from gqakit.hf.compat import LOAD_KWARGS
-from gqakit.hf.fields import context_length  # noqa: F401  (read here by eval)
 from gqakit.hf.architectures.latent import is_latent
 
 

@@ -208,3 +208,16 @@ def test_a_layer_takes_the_set_that_fits_it_best():
     again = measure_rotation(model)
     assert len(again.freqs) == 3 and torch.equal(again.freqs[1], near.float().double())  # the near set comes first
     assert torch.equal(again.freqs[again.layer_freqs[1]], rotation.freqs[full])  # yet the exact one is chosen
+
+
+def test_the_chunked_cache_refuses_a_sliding_window_narrower_than_what_it_shows():
+    """Its 4-D mask replaces the model's, so a layer sliding over fewer than sinks + window + 1 keys is refused (the
+    window the probe read with the model); one that fits is taken."""
+    from gqakit.decode.stream_cache import ChunkedSinkCache
+
+    model = family("mistral", layers=2, sliding_window=8)
+    assert measure_rotation(model).narrowest_window() == (0, 8)
+    with pytest.raises(ValueError, match="layer 0 of MistralConfig attends to a sliding window of 8 tokens") as err:
+        ChunkedSinkCache(2, 6, rope=model)
+    assert "keep sinks + window <= 7" in str(err.value) and "\n" not in str(err.value)
+    assert ChunkedSinkCache(2, 5, rope=model).frame.rotation.windows == (8, 8)

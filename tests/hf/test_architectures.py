@@ -302,7 +302,7 @@ def test_the_context_length_is_read_from_config_json_as_transformers_reads_it(mo
     context reached its position table, an IndexError)."""
     from transformers import AutoConfig
 
-    from gqakit.hf.loading import context_length
+    from gqakit.hf.fields import context_length
 
     config = AutoConfig.for_model(model_type)
     assert config.max_position_embeddings
@@ -315,6 +315,6 @@ def test_t5s_n_positions_is_no_context():
     one, it refused eval ppl windows past 512 and shrank the default window; a review's finding)."""
     from transformers import AutoConfig
 
-    from gqakit.hf.loading import context_length
+    from gqakit.hf.fields import context_length
 
     assert context_length(AutoConfig.for_model("t5", n_positions=512).to_dict()) is None
