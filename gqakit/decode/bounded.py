@@ -83,7 +83,8 @@ class BoundedLayer(CacheLayerMixin):
 
 
 class BoundedCache(Cache):
-    """A transformers `Cache` of `BoundedLayer`s whose shared state (`self.state`) has `sinks` and `window`."""
+    """A transformers `Cache` of `BoundedLayer`s whose shared state (`self.state`) has `sinks`, `window` and
+    `rotation` (a measured `KeyRotation`, or None)."""
 
     state = None
 
@@ -94,6 +95,12 @@ class BoundedCache(Cache):
     @property
     def window(self) -> int:
         return self.state.window
+
+    def next_layer_freq(self) -> int | None:
+        """The frequency set of the layer transformers appends next (layer `len(self.layers)`: layers are appended in
+        order); set 0 where no rotation was measured."""
+        rotation = self.state.rotation
+        return 0 if rotation is None else rotation.freq_of(len(self.layers))
 
     def cache_bytes(self) -> int:
         """Bytes held between forwards by every layer (keys, values and whatever else a layer keeps)."""

@@ -231,8 +231,7 @@ class SinkCache(BoundedCache):
         super().__init__(layer_class_to_replicate=self._new_layer)
 
     def _new_layer(self) -> SinkLayer:
-        rotation = self.policy.rotation
-        return SinkLayer(self.policy, 0 if rotation is None else rotation.freq_of(len(self.layers)))
+        return SinkLayer(self.policy, self.next_layer_freq())
 
     def _seen(self) -> int:
         return self.layers[0].columns if self.layers else 0

@@ -152,8 +152,7 @@ class ChunkedSinkCache(BoundedCache):
         super().__init__(layer_class_to_replicate=self._new_layer)
 
     def _new_layer(self) -> ChunkLayer:
-        rotation = self.frame.rotation
-        return ChunkLayer(self.frame, 0 if rotation is None else rotation.freq_of(len(self.layers)))
+        return ChunkLayer(self.frame, self.next_layer_freq())
 
     def _rebase(self, start: int) -> None:
         """Rotate the stored window back so that its first token sits at position S (sinks stay at 0..S-1)."""
