@@ -91,6 +91,10 @@ def _partial_rope(default: float) -> Callable[[dict, dict], None]:
 _ROPE_KEYS = ("partial_rotary_factor", "rope_theta", "rope_scaling")  # what _partial_rope folds into rope_parameters
 
 
+_CARRIED = dict(rms_norm_eps=1e-6, hidden_act="silu", initializer_range=0.02, bos_token_id=1, eos_token_id=2,
+                pad_token_id=None, attention_dropout=0.0)
+
+
 def _lm(vocab: int, hidden: int, heads: int, kv: int | None, layers: int, inter: int, tie: bool, *,
         derives: str = "", partial_rotary: float | None = None, **more) -> ConfigClass:
     """A decoder's count fields (vocab_size, hidden_size, heads, K/V heads, layers, intermediate_size, tied head),
@@ -150,9 +154,11 @@ CLASSES: dict[str, ConfigClass] = {
                         "decoder_start_token_id": 0}, _T5_NAMES, derive=_t5(scales_by_tie=False)),
     # the families of the architecture tables: the fields the memory plan's count reads, and those that decide
     # which tensors a layer has (`hf.architectures.shapes`)
+    # Llama and Mistral also with what --to mla carries into its DeepseekV3 config (latent_config), and Mistral's window
     "llama": _lm(32000, 4096, 32, None, 32, 11008, False, head_dim=None, attention_bias=False, mlp_bias=False,
-                 derives="kv head_dim"),
-    "mistral": _lm(32000, 4096, 32, 8, 32, 14336, False, head_dim=None, derives="kv head_dim"),
+                 derives="kv head_dim", max_position_embeddings=2048, **_CARRIED),
+    "mistral": _lm(32000, 4096, 32, 8, 32, 14336, False, head_dim=None, derives="kv head_dim",
+                   max_position_embeddings=131072, sliding_window=4096, **_CARRIED),
     "qwen2": _lm(151936, 4096, 32, 32, 32, 22016, False, derives="kv"),
     "qwen3": _lm(151936, 4096, 32, 32, 32, 22016, False, head_dim=128, attention_bias=False, derives="kv"),
     "gemma": _lm(256000, 3072, 16, 16, 28, 24576, True, head_dim=256, attention_bias=False),

@@ -190,3 +190,47 @@ def test_latent_shapes_that_do_not_fit_are_refused_in_one_line(tmp_path, args, n
     src = make_tiny_llama(tmp_path / "src", heads=4, kv_heads=2, head_dim=8)
     run_refused(tmp_path, "convert-gqa", "--groups", "1", *args, str(src), "-o", str(tmp_path / "o"),
                 needles=(needle,))
+
+
+def _drop_keys(folder: Path, *keys: str) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key in keys:
+        config.pop(key)
+    path.write_text(json.dumps(config))
+
+
+def test_a_mistral_whose_config_json_leaves_its_window_to_the_class_is_refused(tmp_path):
+    """config.json without `sliding_window` means Mistral's class default, 4096: converted as if it had none, the
+    latent model attended past it (5.5e-4 in logits from position 4096 on, a review measured)."""
+    src = make_model("mistral", tmp_path / "src", sliding_window=None, max_position_embeddings=8192)
+    _drop_keys(src, "sliding_window")
+    run_refused(tmp_path, "convert-gqa", "--groups", "1", "--to", "mla", str(src), "-o", str(tmp_path / "o"),
+                needles=("sliding window of 4096", "drop --to mla"))
+
+
+def test_fields_config_json_leaves_to_the_class_keep_the_sources_defaults(tmp_path):
+    """The DeepseekV3 config took DeepseekV3's own defaults for what the source's config.json left out (a 4096-token
+    context where Llama's is 2048: dynamic RoPE scaling then started elsewhere; token ids 0 / 1 for 1 / 2)."""
+    src = make_tiny_llama(tmp_path / "src")
+    _drop_keys(src, "max_position_embeddings", "bos_token_id", "eos_token_id", "rms_norm_eps")
+    convert(src, tmp_path / "mla", "--to", "mla")
+    config = json.loads((tmp_path / "mla" / "config.json").read_text())
+    assert (config["max_position_embeddings"], config["bos_token_id"], config["eos_token_id"],
+            config["rms_norm_eps"]) == (2048, 1, 2, 1e-6)
+
+
+def test_a_pruned_head_is_fitted_without_a_singular_solve(tmp_path):
+    """A head whose queries (or output columns) are all zero reads nothing from its group: the fit's weight for
+    that group was singular and the command crashed with a traceback; its keys now take any finite value."""
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_llama(tmp_path / "src", heads=4, head_dim=16)
+    weights = load_file(src / "model.safetensors")
+    weights["model.layers.0.self_attn.q_proj.weight"][16:32] = 0  # head 1 asks nothing
+    weights["model.layers.1.self_attn.o_proj.weight"][:, 32:48] = 0  # head 2 writes nothing
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    convert(src, tmp_path / "mla", "--to", "mla", "--kv-rank", "16")
+    model = load_exact(tmp_path / "mla")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert torch.isfinite(logits(model)).all()

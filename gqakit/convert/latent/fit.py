@@ -204,7 +204,9 @@ def _weighted_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
             else:
                 read = (sum(x @ x.T for x in (_q_nope(q, h, d, nope) for h in members)) if kind == "k"
                         else sum(x.T @ x for x in (_o_head(o, h, d) for h in members)))
-                ridge = 1e-6 * read.diagonal().mean()  # directions nothing reads stay finite
+                # directions nothing reads stay finite; a group no query or output reads at all (pruned heads)
+                # takes a tiny identity: its keys or values never reach the output, whatever they hold
+                ridge = max(1e-6 * float(read.diagonal().mean()), 1e-12)
                 blocks.append(_sqrt_psd(read + ridge * torch.eye(size, dtype=F64)))
             start = (0 if kind == "k" else groups * N) + m * size
             weighted[start:start + size] = blocks[-1] @ rows

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from gqakit.common.errors import opt
-from gqakit.hf.config_defaults import rope_of
+from gqakit.hf.config_defaults import filled_or_given, rope_of
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
@@ -119,7 +119,7 @@ def host_refusal(family: str, config: dict) -> str | None:
     if family not in HOSTS:
         return (f"is a {family} model, whose layers the stock DeepseekV3 class cannot compute (it has RMSNorms, a "
                 f"SiLU-gated MLP and sequential residuals); latent attention hosts {', '.join(HOSTS)}")
-    rope = rope_of(config)
+    rope, config = rope_of(config), filled_or_given(config)  # the class's defaults where config.json is silent
     if rope.get("rope_type", rope.get("type")) not in ROPE_TYPES:
         return f"uses {rope.get('rope_type', rope.get('type'))} RoPE scaling, which DeepseekV3 applies differently"
     factor = rope.get("partial_rotary_factor")
@@ -136,7 +136,9 @@ def host_refusal(family: str, config: dict) -> str | None:
 
 
 def latent_config(config: dict, shape: LatentShape, layers: int) -> dict:
-    """The target's config.json from the (grouped) source's: every layer dense, no MoE, no multi-token prediction."""
+    """The target's config.json from the (grouped) source's, with its class's defaults where it is silent (DeepseekV3's
+    differ: a 4096-token context, token ids 0 / 1): every layer dense, no MoE, no multi-token prediction."""
+    config = filled_or_given(config)
     keep = ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings", "rms_norm_eps",
             "hidden_act", "initializer_range", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
             "attention_dropout", "dtype", "torch_dtype", "use_cache")
