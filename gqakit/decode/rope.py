@@ -1,9 +1,10 @@
 """RoPE maths for caches that move keys: the inverse frequencies of a model, and exact re-rotation of stored keys.
 
 Two layouts pair a key's rotary dims: rotate-half (Llama, Mistral, Qwen, OLMo, Phi3's partial rotary) pairs dim i
-with i + r/2; interleaved (Cohere, GLM; GPT-J's too, whose precomputed table is not read) pairs 2i with 2i + 1.
-Which one a model uses, and which of its layers rotate at all, is measured from its keys (`rope_probe`). Angles are
-formed in float64 and reduced mod 2 pi, so a large shift costs no precision. Pure tensor functions.
+with i + r/2; interleaved (Cohere, GLM, GPT-J, CodeGen) pairs 2i with 2i + 1. Frequencies come from a model's
+`inv_freq` buffers, or are read back from a precomputed sin | cos table (GPT-J's and CodeGen's `embed_positions`).
+Which layout a model uses, and which of its layers rotate at all, is measured from its keys (`rope_probe`). Angles
+are formed in float64 and reduced mod 2 pi, so a large shift costs no precision. Pure tensor functions.
 """
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ class KeyRotation:
     where layer types rotate by their own, as Gemma 3's sliding and full layers), the layout, and per cache layer
     which set its keys carry (None: a NoPE layer, whose keys never move). `layer_freqs` None: every layer, set 0.
     `windows`: per cache layer, the model's own sliding window (None: full attention), as measured with the model;
-    None where no model was measured (an inv_freq tensor given)."""
+    None where no model was measured (an inv_freq tensor given). `positions`: how many positions the model has where
+    a precomputed RoPE table ends (GPT-J), else None."""
 
     freqs: tuple[torch.Tensor, ...]
     interleaved: bool = False
     layer_freqs: tuple[int | None, ...] | None = None
     windows: tuple[int | None, ...] | None = None
+    positions: int | None = None
 
     @property
     def rotary(self) -> tuple[bool, ...] | None:
@@ -67,12 +70,47 @@ def rope_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             if name.endswith("inv_freq") and not name.endswith("original_inv_freq")]
 
 
+def rope_tables(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every precomputed RoPE table of a module: a buffer `embed_positions` (P, r) whose row p is sin(p f) | cos(p f)
+    (GPT-J, CodeGen; a learned position table is a parameter, not a buffer)."""
+    return [(name, b) for name, b in model.named_buffers()
+            if name.split(".")[-1] == "embed_positions" and b.dim() == 2 and b.shape[0] >= 2 and b.shape[1] % 2 == 0]
+
+
+TABLE_TOLERANCE = 2e-2  # |sin, cos - the table| of a true RoPE table: float32 angles at 32k positions are ~2e-3 off,
+# a bfloat16 table's entries 4e-3; anything else (not sin | cos of p f) is off by order 1
+
+
+def table_frequencies(table: torch.Tensor) -> torch.Tensor | None:
+    """The inverse frequencies f (r/2,) float64 of a sin | cos RoPE table (P, r), or None if it is no such table.
+
+    Row 1 gives f mod 2 pi; rows 2, 4, 8, ... refine it, the turns each adds counted from the estimate so far (so the
+    table's rounding costs at most about 1 / P of one entry's error); then every row is checked against sin | cos of
+    p f."""
+    t = table.detach().to("cpu", torch.float64)
+    half, last = t.shape[1] // 2, t.shape[0] - 1
+    sin, cos = t[:, :half], t[:, half:]
+    f = torch.atan2(sin[1], cos[1])
+    row = 1
+    while row < last:
+        row = min(2 * row, last)
+        angle = torch.atan2(sin[row], cos[row])
+        f = (angle + 2 * math.pi * torch.round((row * f - angle) / (2 * math.pi))) / row
+    p = torch.arange(t.shape[0], dtype=torch.float64)[:, None] * f[None, :]
+    if (f < 0).any() or float((torch.cat([p.sin(), p.cos()], dim=1) - t).abs().max()) > TABLE_TOLERANCE:
+        return None
+    return f
+
+
 def positions_end(model: torch.nn.Module) -> int | None:
-    """The context past which a model without RoPE has no positions to give (a learned table ends there), or None: a
-    model with RoPE, or one whose context is unknown."""
+    """The context past which a model has no positions to give (a learned table or a precomputed RoPE table ends
+    there), or None: a model whose RoPE is computed at any position, or whose context is unknown."""
     from gqakit.hf.fields import context_length
 
-    return None if rope_buffers(model) else context_length(model.config.to_dict())
+    if rope_buffers(model):
+        return None
+    tables = [b.shape[0] for _, b in rope_tables(model)]
+    return min(tables) if tables else context_length(model.config.to_dict())
 
 
 def rope_frequencies(rope: torch.nn.Module | torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -86,18 +124,24 @@ def rope_frequencies(rope: torch.nn.Module | torch.Tensor) -> tuple[torch.Tensor
                          "(a plain window) for this model")
     found = rope_buffers(rope)
     if not found:
-        raise ValueError(f"{type(rope).__name__} has no rotary embedding with an `inv_freq` buffer (none at all, or "
-                         "a precomputed table as GPT-J's); a cache that moves keys (sinks, or a window the stream "
-                         "outgrows) re-rotates them by RoPE: use a full cache")
+        tables = [table_frequencies(b) for _, b in rope_tables(rope)]
+        if tables and all(f is not None for f in tables):
+            return _distinct(tables)
+        raise ValueError(f"{type(rope).__name__} has no rotary embedding with an `inv_freq` buffer or a sin | cos "
+                         "table; a cache that moves keys (sinks, or a window the stream outgrows) re-rotates them by "
+                         "RoPE: use a full cache")
     for module in rope.modules():
         kinds = getattr(module, "rope_type", None)
         for kind in (kinds.values() if isinstance(kinds, dict) else (kinds,)):  # Gemma 3: one per layer type
             if kind in _POSITION_DEPENDENT_ROPE:
                 raise ValueError(f"rope_type {kind!r} changes its frequencies with the position; SinkCache needs "
                                  "fixed frequencies (default, linear, llama3, yarn)")
+    return _distinct([buffer.detach().to("cpu", torch.float64).reshape(-1) for _, buffer in found])
+
+
+def _distinct(sets: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     freqs: list[torch.Tensor] = []
-    for _, buffer in found:
-        f = buffer.detach().to("cpu", torch.float64).reshape(-1)
+    for f in sets:
         if not any(f.shape == g.shape and torch.equal(f, g) for g in freqs):
             freqs.append(f)
     return tuple(freqs)

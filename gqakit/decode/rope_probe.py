@@ -5,7 +5,8 @@ exact only if every layer's cached key at position p + d is its key at p rotated
 frequencies, in the layout the cache rotates by. Nothing in a config says so reliably: RoPE pairs dims in two
 layouts (rotate-half; interleaved in Cohere, GLM), some layers apply none (SmolLM3's and Llama 4's NoPE
 layers), and some models hold a rotary module they never apply (Falcon with ALiBi). So it is measured: one forward
-of three one-token rows at position 0 and one at position `SHIFT`, through transformers' own cache. A one-token
+of three one-token rows at position 0 and one at position `SHIFT` (the last one of a precomputed RoPE table that ends
+before it), through transformers' own cache. A one-token
 forward attends only to itself, so every layer's input is the same at both positions and only the positional
 encoding of its keys can differ: each layer's keys must equal the first forward's rotated by `SHIFT` with one of the
 model's frequency sets (a RoPE layer; Gemma 3's sliding and full layers carry sets of their own) or be unchanged (a
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from gqakit.decode.rope import KeyRotation, rope_frequencies, rope_rotation, rotate_keys
+from gqakit.decode.rope import KeyRotation, positions_end, rope_frequencies, rope_rotation, rotate_keys
 from gqakit.hf.compat import cache_kwargs
 
 SHIFT = 1021  # positions between the two probes: most rotary pairs turn by many radians
@@ -57,15 +58,17 @@ def measure_rotation(model) -> KeyRotation:
                          "decoder-only model: use a full cache")
     freqs = rope_frequencies(model)
     windows = layer_windows(model.config)  # refuses layers that are no plain K/V cache
+    end = positions_end(model)  # a precomputed table (GPT-J) ends there
+    shift = SHIFT if end is None else min(SHIFT, end - 1)
     modes = [(module, module.training) for module in model.modules()]  # restored one by one, as the caller set them
     model.eval()
     try:
-        before, after = _probe_keys(model, 0), _probe_keys(model, SHIFT)
+        before, after = _probe_keys(model, 0), _probe_keys(model, shift)
     finally:
         for module, training in modes:
             module.training = training
     tolerance = TOLERANCE.get(before[0].dtype, 1e-3)
-    turns = [rope_rotation(torch.full((before[0].shape[0],), SHIFT), f) for f in freqs]
+    turns = [rope_rotation(torch.full((before[0].shape[0],), shift), f) for f in freqs]
     layouts, layer_freqs = set(), []
     for index, (k0, k1) in enumerate(zip(before, after)):
         errors = sorted((_relative(rotate_keys(k0, *turn, interleaved), k1), i, interleaved)
@@ -88,7 +91,8 @@ def measure_rotation(model) -> KeyRotation:
     if len(layouts) > 1:
         raise ValueError(f"{name}'s layers rotate their keys in two RoPE layouts (rotate-half and interleaved), and a "
                          "cache rotates by one; use a full cache")
-    return KeyRotation(freqs, interleaved=layouts == {True}, layer_freqs=tuple(layer_freqs), windows=windows)
+    return KeyRotation(freqs, interleaved=layouts == {True}, layer_freqs=tuple(layer_freqs), windows=windows,
+                       positions=end)
 
 
 def layer_windows(config) -> tuple[int | None, ...]:

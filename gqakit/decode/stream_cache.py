@@ -62,6 +62,27 @@ class _Frame:
         self.offset = 0
         self.chunk: _Chunk | None = None
 
+    def rebases(self, start: int) -> bool:
+        """Whether the chunk fed from stream index `start` first moves the window back (`_grown`)."""
+        return self.rotation is not None and _grown(start, self.sinks, self.window, self.offset, self.rebase_every)
+
+
+def _grown(start: int, sinks: int, window: int, offset: int, every: int) -> bool:
+    """Whether positions have grown by `every` since the window last started at position S (`_rebase`)."""
+    return start - sinks - window - offset >= every
+
+
+def positions_needed(sinks: int, window: int, chunk: int, tokens: int, rebase_every: int | None = None) -> int:
+    """How many positions (the largest position id + 1) `ChunkedSinkCache` built with rope= feeds a model over a
+    stream of `tokens` tokens, `chunk` per forward (the last token is not fed)."""
+    every = sinks + window if rebase_every is None else rebase_every
+    offset = top = 0
+    for start in range(0, tokens - 1, chunk):
+        if _grown(start, sinks, window, offset, every):
+            offset = start - window - sinks
+        top = max(top, min(start + chunk, tokens - 1) - offset)
+    return top
+
 
 class ChunkLayer(BoundedLayer):
     """One layer: stored sinks (1, G, <= S, d) and recent non-sink tokens (1, G, <= W, d)."""
@@ -171,8 +192,12 @@ class ChunkedSinkCache(BoundedCache):
         S, W, a = f.sinks, f.window, f.seen
         if length < 1:
             raise ValueError(f"a chunk needs at least one token, got {length}")
-        if f.rotation is not None and a - S - W - f.offset >= f.rebase_every:
+        if f.rebases(a):
             self._rebase(a)
+        end = f.rotation.positions if f.rotation is not None else None  # a precomputed RoPE table ends there
+        if end is not None and a + length - f.offset > end:
+            raise ValueError(f"this chunk would take positions up to {a + length - 1 - f.offset}, past the model's "
+                             f"{end}-position RoPE table; feed shorter chunks or keep fewer sinks + window")
         t = torch.arange(a, a + length)  # (C,) stream index of each query
         sinks_before, sinks_after = min(S, a), min(S, a + length)
         recent = max(0, min(a - S, W))

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from gqakit.decode.cache import SinkCache
+from gqakit.decode.rope import positions_end
 from gqakit.hf.compat import cache_kwargs
 from gqakit.hf.loading import end_token_ids
 
@@ -52,6 +53,27 @@ def _check(max_new_tokens: int, chunk_size: int, temperature: float, top_p: floa
         raise ValueError(f"temperature must be > 0, got {temperature}; use do_sample=False for greedy")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def positions_needed(prompt: int, max_new_tokens: int, sinks: int, window: int, chunk_size: int = 256,
+                     rebase_every: int | None = None) -> int:
+    """How many positions (the largest position id + 1) `stream_tokens` feeds a model for an unpadded prompt of
+    `prompt` tokens (a padded row is fed lower ones): `_forward`'s rebasing replayed, chunk by chunk, then token by
+    token until the first rebase while decoding, after which positions cycle between S + W and the limit."""
+    capacity = sinks + window
+    limit = capacity + (capacity if rebase_every is None else rebase_every)
+    offset = top = 0  # offset: tokens a full row has evicted at its last rebase (SinkCache.rebase)
+    for start in range(0, prompt, chunk_size):
+        q = min(chunk_size, prompt - start)
+        if start + q - 1 - offset >= limit:
+            offset = max(offset, start - capacity)
+        top = max(top, start + q - offset)
+    for step in range(max_new_tokens - 1):  # the last token is not fed
+        start = prompt + step
+        if start - offset >= limit:  # rebased: this token sits at S + W, each later one a position further
+            return max(top, capacity + 1, min(limit, capacity + max_new_tokens - 1 - step))
+        top = max(top, start + 1 - offset)
+    return top
 
 
 def _forward(model, cache: SinkCache, ids: torch.Tensor, limit: int) -> torch.Tensor:
@@ -92,6 +114,11 @@ def stream_tokens(model, input_ids: torch.Tensor, max_new_tokens: int, *, sinks:
         cache = SinkCache(sinks, window, rope=model if rotates else None, attention_mask=attention_mask)
     capacity = cache.sinks + cache.window
     limit = capacity + (rebase_every if rebase_every is not None else capacity)
+    end = positions_end(model)  # learned positions, or a precomputed RoPE table (GPT-J), end there
+    needed = positions_needed(input_ids.shape[1], max_new_tokens, cache.sinks, cache.window, chunk_size, rebase_every)
+    if end is not None and needed > end:
+        raise ValueError(f"streaming feeds positions up to {needed - 1} but {type(model).__name__}'s positions end at "
+                         f"{end}; keep fewer sinks + window, or a smaller chunk_size or rebase_every")
     generator = torch.Generator().manual_seed(seed)
 
     for start in range(0, input_ids.shape[1], chunk_size):

@@ -222,24 +222,25 @@ def _check(cfg: StreamConfig) -> tuple[str, ...]:
 def _check_model(model, policies: tuple[str, ...], cfg: StreamConfig, tokens: int) -> None:
     """Refuse, before any policy runs, a policy this model cannot run exactly: the bounded ones (window, sinks) move
     keys by RoPE, which the model's keys must follow (measured, `rope_probe`) and which must see what the model's own
-    sliding windows would let it; dense past the context of a model without RoPE (learned positions) has no
-    positions to give."""
-    from gqakit.decode.rope import positions_end
+    sliding windows would let it; no policy may feed positions past those a model has (learned positions, or a
+    precomputed RoPE table as GPT-J's, end at its context)."""
+    from gqakit.decode.rope import positions_end, rope_tables
     from gqakit.decode.rope_probe import measure_rotation
+    from gqakit.decode.stream_cache import positions_needed
 
     name, full = type(model).__name__, f"use {opt('policies', 'dense')} or {opt('policies', 'recompute')}"
     context = positions_end(model)
-    if context:  # learned positions end at the context
+    if context:
+        ends = f"{name}'s positions end at {context:,} ({'its RoPE table' if rope_tables(model) else 'no RoPE'})"
         fed = tokens - 1  # the last token is not fed; recompute's forwards hold W + R of them at most
         longest = min(cfg.window + (cfg.recompute_every or cfg.chunk), fed)
         if "dense" in policies and fed > context:
-            raise GqakitError(f"{opt('policies', 'dense')} feeds {fed:,} positions but {name} has no RoPE and a "
-                              f"{context:,}-token context; lower {opt('tokens')} to {context + 1 - cfg.bos:,} or use "
-                              f"{opt('policies', 'recompute')}")
+            raise GqakitError(f"{opt('policies', 'dense')} feeds {fed:,} positions but {ends}; lower {opt('tokens')} "
+                              f"to {context + 1 - cfg.bos:,} or use {opt('policies', 'recompute')}")
         if "recompute" in policies and longest > context:
             raise GqakitError(f"{opt('policies', 'recompute')} feeds {longest:,} positions per forward "
-                              f"({opt('window')} + R) but {name} has no RoPE and a {context:,}-token context; lower "
-                              f"{opt('window')} or {opt('recompute_every')} (R, default {opt('chunk')})")
+                              f"({opt('window')} + R) but {ends}; lower {opt('window')} or {opt('recompute_every')} "
+                              f"(R, default {opt('chunk')})")
     bounded = [p for p in policies if p in ("sinks", "window")]
     if not bounded:
         return
@@ -253,6 +254,11 @@ def _check_model(model, policies: tuple[str, ...], cfg: StreamConfig, tokens: in
     narrow = rotation.narrowest_window()
     for policy in bounded:
         sinks = cfg.sinks if policy == "sinks" else 0
+        needed = positions_needed(sinks, cfg.window, cfg.chunk, tokens)
+        if rotation.positions is not None and needed > rotation.positions:
+            raise GqakitError(f"{opt('policies', policy)} feeds positions up to {needed - 1:,} (about 2 x (sinks + "
+                              f"window) + {opt('chunk')}: the window moves back once it has grown by sinks + window) "
+                              f"but {ends}; lower {opt('window')} or {opt('chunk')}")
         if narrow is not None and narrow[1] < sinks + cfg.window + 1:
             width = narrow[1]
             fix = (f"lower {opt('window')} to {width - 1 - sinks:,}" if width - 1 - sinks >= 1 else

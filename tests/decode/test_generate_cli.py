@@ -127,3 +127,22 @@ def test_a_bounded_cache_refuses_a_model_without_rope_in_one_line(tmp_path, caps
     code, out, err = run(capsys, tmp_path / "gpt2", "--prompt", "a single man", "--max-new-tokens", 4)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "has no rotary embedding" in err and "use --attention default" in err
+
+
+def test_a_rope_table_model_streams_with_sinks_where_its_positions_reach(tmp_path, capsys):
+    """GPT-J holds RoPE as a 64-position table (refused before: no inv_freq): sinks + window re-base within it and
+    stream 100 tokens; a window whose re-basing would run past the table is refused in one line."""
+    from transformers import GPTJConfig
+
+    tok = train_bpe([TEXT], vocab_size=300)
+    cfg = GPTJConfig(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=64,
+                     bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gptj")
+    tok.save_pretrained(tmp_path / "gptj")
+    args = (tmp_path / "gptj", "--prompt", "a single man", "--attention", "sinks", "--sinks", 2, "--max-new-tokens",
+            100, "--ignore-eos")
+    code, out, err = run(capsys, *args, "--window", 14)
+    assert code == 0 and "2 sinks + 14 recent tokens" in err, err
+    code, out, err = run(capsys, *args, "--window", 40)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "GPTJForCausalLM's positions end at 64; lower --window" in err

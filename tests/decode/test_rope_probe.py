@@ -43,6 +43,8 @@ def family(model_type: str, layers: int = 1, dtype=torch.float64, **overrides):
     ("cohere", {}, True, (True, True)),  # rotate_half on x[..., ::2] / x[..., 1::2]
     ("glm", dict(partial_rotary_factor=0.5), True, (True, True)),
     ("smollm3", dict(no_rope_layers=[1, 0]), False, (True, False)),  # 1: the layer uses RoPE
+    ("gptj", dict(rotary_dim=4), True, (True, True)),  # a precomputed sin | cos table, rotate_every_two
+    ("codegen", dict(rotary_dim=4, n_ctx=512), True, (True, True)),
 ])
 def test_the_probe_reads_each_familys_layout_and_its_nope_layers(model_type, overrides, interleaved, rotary):
     model = family(model_type, layers=2, dtype=torch.float32, **overrides)
@@ -101,6 +103,8 @@ def nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     ("llama", {}),
     ("cohere", {}),
     ("glm", dict(partial_rotary_factor=0.5)),
+    ("gptj", dict(rotary_dim=4)),
+    ("codegen", dict(rotary_dim=4, n_ctx=512)),
 ])
 @pytest.mark.parametrize("sinks, window", [(3, 6), (0, 5)])
 def test_sink_caches_equal_the_recompute_reference_in_either_layout(model_type, overrides, sinks, window):
@@ -221,3 +225,54 @@ def test_the_chunked_cache_refuses_a_sliding_window_narrower_than_what_it_shows(
         ChunkedSinkCache(2, 6, rope=model)
     assert "keep sinks + window <= 7" in str(err.value) and "\n" not in str(err.value)
     assert ChunkedSinkCache(2, 5, rope=model).frame.rotation.windows == (8, 8)
+
+
+def test_a_rope_tables_frequencies_are_read_back_exactly():
+    """GPT-J / CodeGen hold RoPE as a sin | cos table (no inv_freq; the bounded caches refused them): the frequencies
+    are read back from it to the float32 inv_freq the table was made from, for a table shorter than the probe's
+    shift too; a table of anything else is not taken for RoPE."""
+    from gqakit.decode.rope import table_frequencies
+
+    for positions in (512, 32):
+        model = family("gptj", rotary_dim=8, max_position_embeddings=positions)
+        (freqs,) = rope_frequencies(model)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.int64) / 8))  # GPT-J's, in float32
+        torch.testing.assert_close(freqs, inv_freq.double(), atol=1e-8, rtol=0)
+        assert measure_rotation(model).positions == positions
+    assert table_frequencies(torch.randn(32, 8, generator=torch.Generator().manual_seed(0))) is None
+
+
+def test_a_short_rope_table_streams_past_its_end_through_eval_streams_rebasing():
+    """A GPT-J of 32 positions over a 60-token stream: eval stream's chunks re-base within the table and equal the
+    recompute; a cache fed past the table is refused in one line (it was an IndexError)."""
+    from gqakit.decode.stream_cache import ChunkedSinkCache
+
+    model = family("gptj", rotary_dim=8, max_position_embeddings=32)
+    ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(5))
+    want = torch.stack([recompute(model, ids, t, 3, 6) for t in range(ids.numel() - 1)])
+    streamed = stream_nll(model, ids, "sinks", window=6, sinks=3, chunk=5)
+    torch.testing.assert_close(streamed.nll, nll(want, ids), atol=ATOL, rtol=0)
+    cache = ChunkedSinkCache(3, 6, rope=model, rebase_every=100)
+    for _ in range(6):
+        cache.prepare(5)
+    with pytest.raises(ValueError, match="past the model's 32-position RoPE table") as err:
+        cache.prepare(5)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("prompt, new, chunk, rebase_every", [(10, 30, 4, None), (13, 3, 16, None), (5, 30, 1, 2)])
+def test_stream_tokens_runs_a_rope_table_as_far_as_its_positions_reach(prompt, new, chunk, rebase_every):
+    """`positions_needed` replays the loop's re-basing: a table exactly that long decodes (past its end in tokens),
+    one position shorter is refused in one line before any forward (it was an IndexError mid-stream)."""
+    from gqakit.decode.streaming import positions_needed, stream_tokens
+
+    needed = positions_needed(prompt, new, 2, 4, chunk, rebase_every)
+    ids = torch.randint(3, VOCAB, (1, prompt), generator=torch.Generator().manual_seed(6))
+    kwargs = dict(sinks=2, window=4, chunk_size=chunk, rebase_every=rebase_every)
+    fits = family("gptj", rotary_dim=8, max_position_embeddings=needed)
+    assert len(list(stream_tokens(fits, ids, new, **kwargs))) == new
+    short = family("gptj", rotary_dim=8, max_position_embeddings=needed - 1)
+    with pytest.raises(ValueError, match=f"streaming feeds positions up to {needed - 1} but GPTJForCausalLM's "
+                                         f"positions end at {needed - 1}") as err:
+        next(stream_tokens(short, ids, new, **kwargs))
+    assert "\n" not in str(err.value)

@@ -197,15 +197,18 @@ def test_eager_attention_and_bfloat16_run_the_same_masks(stream):
 
 @pytest.fixture(scope="module")
 def positions_models(tmp_path_factory):
-    """A GPT-2 (learned positions, a 64-token context) and a Mistral whose layers slide over 8 tokens."""
-    from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig
+    """A GPT-2 (learned positions, a 64-token context), a Mistral whose layers slide over 8 tokens and a GPT-J whose
+    RoPE table holds 16 positions."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPTJConfig, MistralConfig
 
     root, tok = tmp_path_factory.mktemp("positions"), tokenizer()
     ids = dict(bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
     configs = {"gpt2": GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=4, n_positions=64, **ids),
                "mistral": MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
-                                        **ids)}
+                                        **ids),
+               "gptj": GPTJConfig(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=16,
+                                  **ids)}
     for name, config in configs.items():
         AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
         tok.save_pretrained(root / name)
@@ -214,8 +217,11 @@ def positions_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,argv,needle", [
-    ("gpt2", ["--policy", "dense"], "--policy dense feeds 99 positions but GPT2LMHeadModel has no RoPE and a "
-                                    "64-token context; lower --tokens to 65 or use --policy recompute"),
+    ("gpt2", ["--policy", "dense"], "--policy dense feeds 99 positions but GPT2LMHeadModel's positions end at 64 "
+                                    "(no RoPE); lower --tokens to 65 or use --policy recompute"),
+    ("gptj", ["--policy", "sinks", "--sinks", 2, "--window", 8, "--chunk", 4],
+     "--policy sinks feeds positions up to 21 (about 2 x (sinks + window) + --chunk: the window moves back once it has "
+     "grown by sinks + window) but GPTJForCausalLM's positions end at 16 (its RoPE table); lower --window or --chunk"),
     ("gpt2", ["--policy", "recompute", "--window", 60, "--chunk", 16], "--policy recompute feeds 76 positions per "
                                                                         "forward (--window + R) but GPT2LMHeadModel"),
     ("gpt2", ["--policy", "window", "--window", 16], "--policy window keeps a bounded cache whose keys it moves by "
@@ -239,6 +245,15 @@ def test_recompute_on_a_stream_shorter_than_its_window_runs_within_the_context(p
     code, out, err = run_eval("stream", positions_models / "gpt2", "--text", positions_models / "text.txt", "--tokens",
                               40, "--policy", "recompute", "--window", 60, "--chunk", 16, "-q", "-o",
                               positions_models / "short")
+    assert code == 0, err
+
+
+def test_a_rope_table_model_streams_past_its_table_when_its_positions_fit(positions_models):
+    """GPT-J's RoPE is a precomputed table of 16 positions (the bounded caches refused it: no inv_freq): sinks 2 +
+    window 6 fed 4 tokens at a time re-base within 16 positions, over a 100-token stream."""
+    code, out, err = run_eval("stream", positions_models / "gptj", "--text", positions_models / "text.txt", "--tokens",
+                              100, "--policy", "sinks", "--sinks", 2, "--window", 6, "--chunk", 4, "-q", "-o",
+                              positions_models / "gptj-sinks")
     assert code == 0, err
 
 
