@@ -188,8 +188,8 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
     end = positions_end(model)
     if end and max(lengths) + cfg.new_tokens - 1 > end:  # the last reply token is not fed
         raise GqakitError(f"{opt('lengths', f'{max(lengths):,}')} + {opt('new_tokens', cfg.new_tokens)} positions run "
-                          f"past the {end:,}-token context of {type(model).__name__}, whose positions come from a table "
-                          f"that ends there (learned, or a precomputed RoPE table); use lengths up to "
+                          f"past the {end:,}-token context of {type(model).__name__}, whose positions come from a "
+                          f"table that ends there (learned, or a precomputed RoPE table); use lengths up to "
                           f"{end + 1 - cfg.new_tokens:,}")
     warning = reach_warning(lengths, getattr(model.config, "max_position_embeddings", None), in_force,
                             len(depths) * cfg.trials)
