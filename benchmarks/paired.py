@@ -13,7 +13,20 @@ import json
 import sys
 from pathlib import Path
 
+from gqakit.common.digest import sha256_of
 from gqakit.evaluate.spread import paired_ratio_interval
+
+
+WINDOWS = ("text", "dataset", "text_column", "target_column", "max_tokens", "max_length", "stride", "bos")
+
+
+def _same(key: str, x, y) -> bool:
+    """Equal config values; a text given under two paths counts as one when both files hold the same bytes."""
+    if x == y:
+        return True
+    if key == "text" and x and y and Path(x).is_file() and Path(y).is_file():
+        return sha256_of(Path(x)) == sha256_of(Path(y))
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,13 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
+    def report(folder: str) -> dict:
+        return json.loads((Path(folder) / "results.json").read_text())
+
     def row(folder: str, model: str) -> dict:
-        rows = {r["model"]: r for r in json.loads((Path(folder) / "results.json").read_text())["results"]["rows"]}
+        rows = {r["model"]: r for r in report(folder)["results"]["rows"]}
         if model not in rows:
             p.error(f"{model!r} is not a model of {folder}; it has {', '.join(rows)}")
         return rows[model]
 
     a, b = row(args.report, args.a), row(args.b_report or args.report, args.b)
+    if args.b_report:  # equal window lengths are not the same windows: the text and how it was cut must match
+        ours, theirs = (report(folder).get("config") or {} for folder in (args.report, args.b_report))
+        differ = [key for key in WINDOWS if not _same(key, ours.get(key), theirs.get(key))]
+        if differ:
+            p.error(f"the two reports scored other text or windows ({', '.join(differ)} differ); compare reports of "
+                    "one text, cut the same way")
     if a["window_tokens"] != b["window_tokens"]:
         p.error("the two rows scored different windows")
     ratio, low, high = paired_ratio_interval(a["window_nll"], b["window_nll"], a["window_tokens"], args.bootstrap,

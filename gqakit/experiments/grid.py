@@ -29,6 +29,7 @@ import torch
 
 from gqakit.common.digest import sha256_of
 from gqakit.common.errors import GqakitError
+from gqakit.common.overlap import refuse_shared
 from gqakit.common.options import check_fields, option
 from gqakit.common.recipes import from_dict, load_recipe, to_dict
 from gqakit.convert import methods
@@ -191,11 +192,16 @@ def _check(cfg: GridConfig) -> None:
     if pretraining_tokens(cfg.model) is None:
         raise GqakitError(f"{cfg.model} records no pretraining_tokens (pretraining.json), so alpha has no meaning; "
                           "use a model that records its pretraining budget")
-    check(_shared_recipe(cfg))
+    shared = _shared_recipe(cfg)
+    check(shared)
     if not Path(cfg.eval_text).is_file():
         raise GqakitError(f"eval_text {cfg.eval_text} does not exist; fix the path")
     if cfg.calibration is not None and not Path(cfg.calibration).exists():
         raise GqakitError(f"calibration {cfg.calibration} does not exist; fix the path")
+    fitted = [*(("uptrain data", d) for d in shared.data),
+              *((("calibration", cfg.calibration),) if cfg.calibration else ())]
+    refuse_shared(("eval_text", cfg.eval_text), fitted, "score the grid on a text that no cell is fitted or "
+                  "trained on")
 
 
 def run_cell(cfg: GridConfig, cell: dict, work: Path, ids: torch.Tensor, mha_ppl: float | None) -> dict:

@@ -151,6 +151,7 @@ def resolve_budget(cfg: UptrainConfig, data_parallel: int) -> Budget:
 
 def _check_paths(cfg: UptrainConfig) -> None:
     """The inputs and the output folder, and the data keys that the data's kinds would leave unread."""
+    from gqakit.common.overlap import refuse_shared
     from gqakit.hf.folder import model_folder
     from gqakit.uptrain.data.sources import refuse_unread_text_column, resolve_source
 
@@ -176,6 +177,9 @@ def _check_paths(cfg: UptrainConfig) -> None:
     for name, path in inputs:  # the run folder may be replaced (force) or written into: it holds no input
         if path is not None and not path.startswith("hf:") and (inside(Path(path), out) or inside(out, Path(path))):
             raise GqakitError(f"output_dir {out} overlaps the {name} path {path}; choose an output_dir outside it")
+    for held in cfg.eval_data:
+        refuse_shared(("eval_data", held), [("data", d) for d in cfg.data],
+                      "hold out a text that is not in data (or drop eval_data: data's last documents are held out)")
     for path in (cfg.model, cfg.teacher):
         if path is not None:
             model_folder(path).tensors  # config.json, and safetensors weights that are all there (headers only)
@@ -286,11 +290,39 @@ def check(cfg: UptrainConfig) -> dict:
         raise GqakitError(f"distillation with context_parallel runs the teacher inside the student's ring, which "
                           f"would give it the student's attention={cfg.attention}; drop the teacher or use "
                           "attention=default")
-    layer_types = set(model_config.get("layer_types") or ())
-    if cfg.context_parallel > 1 and len(layer_types) > 1:
+    if cfg.context_parallel > 1:
+        _check_ring(cfg, model_config, limit)
+    return model_config
+
+
+def _check_ring(cfg: UptrainConfig, model_config: dict, limit: int | None) -> None:
+    """context_parallel > 1: what ring attention, one MaskSpec over a padded layout, cannot run exactly."""
+    from transformers import AutoConfig
+
+    P = cfg.context_parallel
+    text = model_config.get("text_config") or model_config
+    layer_types = set(text.get("layer_types") or ())
+    if len(layer_types) > 1:
         raise GqakitError(f"context_parallel does not support models that mix attention layer types "
                           f"({', '.join(sorted(layer_types))}); train this model with context_parallel=1")
-    if cfg.context_parallel > 1 and cfg.seq_len < 2 * cfg.context_parallel:
-        raise GqakitError(f"seq_len={cfg.seq_len} is shorter than 2 * context_parallel={2 * cfg.context_parallel}; "
+    chunk = text.get("attention_chunk_size")
+    if layer_types - {"full_attention", "sliding_attention"} or (not layer_types and chunk):
+        raise GqakitError(f"context_parallel runs ring attention with full or sliding-window masks, and {cfg.model} "
+                          f"attends in chunks (attention_chunk_size {chunk}), which the ring would drop; train this "
+                          "model with context_parallel=1")
+    if cfg.seq_len < 2 * P:
+        raise GqakitError(f"seq_len={cfg.seq_len} is shorter than 2 * context_parallel={2 * P}; "
                           "lower context_parallel or raise seq_len")
-    return model_config
+    padded = -(-cfg.seq_len // (2 * P)) * 2 * P  # RingLayout.padded_len: end padding takes positions past seq_len
+    if limit and cfg.seq_len <= limit < padded:
+        raise GqakitError(f"seq_len={cfg.seq_len} is padded to {padded} positions for context_parallel={P} (a "
+                          f"multiple of 2 x {P}), past {cfg.model}'s {limit}; use a seq_len that is a multiple of "
+                          f"{2 * P}, e.g. {padded - 2 * P}")
+    if cfg.teacher is not None:  # the teacher runs inside the student's ring, under its MaskSpec
+        windows = {path: getattr(AutoConfig.from_pretrained(path).get_text_config(decoder=True), "sliding_window", None)
+                   for path in (cfg.model, cfg.teacher)}
+        if windows[cfg.model] != windows[cfg.teacher]:
+            raise GqakitError(f"distillation with context_parallel runs the teacher inside the student's ring, with "
+                              f"the student's attention window ({windows[cfg.model] or 'none'}), but teacher "
+                              f"{cfg.teacher} attends within {windows[cfg.teacher] or 'no window'}; use a teacher "
+                              "with the student's window, or context_parallel=1")

@@ -9,10 +9,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def report(folder: Path, model: str, nll: list[float], tokens: list[int]) -> Path:
+def report(folder: Path, model: str, nll: list[float], tokens: list[int], **config) -> Path:
     folder.mkdir()
     row = {"model": model, "window_nll": nll, "window_tokens": tokens}
-    (folder / "results.json").write_text(json.dumps({"kind": "ppl", "results": {"rows": [row]}}))
+    config = {"text": "emma.txt", "max_length": 512, "stride": None, **config}
+    (folder / "results.json").write_text(json.dumps({"kind": "ppl", "config": config, "results": {"rows": [row]}}))
     return folder
 
 
@@ -38,3 +39,24 @@ def test_other_windows_and_unknown_models_are_refused(tmp_path):
     assert other.returncode == 2 and "scored different windows" in other.stderr
     unknown = paired(str(a), "mla", "gqa", "--b-report", str(b))
     assert unknown.returncode == 2 and "'gqa' is not a model of" in unknown.stderr
+
+
+def test_reports_of_other_texts_or_cuts_are_refused(tmp_path):
+    """Equal window lengths were the only check: a model against itself on Emma and on Shakespeare came out
+    "significantly" different (1.15x, a review). The text (by its bytes when two paths are given) and the cut must
+    match."""
+    emma = tmp_path / "emma.txt"
+    emma.write_text("Emma Woodhouse, handsome, clever, and rich")
+    same = tmp_path / "copy.txt"
+    same.write_text(emma.read_text())
+    shakespeare = tmp_path / "shakespeare.txt"
+    shakespeare.write_text("First Citizen: Before we proceed any further, hear me speak.")
+    a = report(tmp_path / "a", "mqa", [230.0, 410.0], [100, 100], text=str(emma))
+    for name, config, ok in (("copy", dict(text=str(same)), True), ("other", dict(text=str(shakespeare)), False),
+                             ("stride", dict(text=str(emma), stride=50), False)):
+        b = report(tmp_path / name, "mqa", [232.0, 412.0], [100, 100], **config)
+        out = paired(str(a), "mqa", "mqa", "--b-report", str(b))
+        if ok:
+            assert out.returncode == 0, out.stderr
+        else:
+            assert out.returncode == 2 and "the two reports scored other text or windows" in out.stderr, out.stderr

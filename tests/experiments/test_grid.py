@@ -16,12 +16,12 @@ from uptrain_tiny import make_text, make_uptrain_model
 
 def test_grid_runs_every_cell_once_and_writes_one_table_and_plot(tmp_path, capsys):
     model = make_uptrain_model(tmp_path / "mha", kv_heads=4, pretraining_tokens=3_200)
-    text = make_text(tmp_path / "train.txt")
+    text = make_text(tmp_path / "eval.txt")
     cfg = from_dict(GridConfig, {
         "model": str(model), "output_dir": str(tmp_path / "grid"), "groups": [2], "methods": ["mean", "random"],
         "alphas": [0.1], "mqa_alphas": [], "distill": [False, True], "eval_text": str(text), "eval_tokens": 256,
         "eval_window": 32,
-        "uptrain": {"data": [str(text)], "seq_len": 32, "batch_size": 2, "lr": 1.0e-3, "progress": False,
+        "uptrain": {"data": [str(_train_text(text))], "seq_len": 32, "batch_size": 2, "lr": 1.0e-3, "progress": False,
                     "eval_fraction": 0.0, "threads": 1},
     })
     rows = run_grid(cfg)
@@ -47,17 +47,23 @@ def test_grid_runs_every_cell_once_and_writes_one_table_and_plot(tmp_path, capsy
     assert grid_table(rows) == table.strip()
 
 
+def _train_text(eval_text: Path, chars: int = 12_000) -> Path:
+    """Training text beside `eval_text`, from another part of the book (the grid refuses to train on its eval_text)."""
+    return make_text(Path(eval_text).with_name("train.txt"), chars=chars, start=100_000)
+
+
 def _tiny_grid(tmp_path, model, text, **fields) -> dict:
     return {"model": str(model), "output_dir": str(tmp_path / "grid"), "groups": [2], "alphas": [], "mqa_alphas": [],
             "distill": [False], "mha_control": False, "eval_text": str(text), "eval_tokens": 256, "eval_window": 32,
-            "uptrain": {"data": [str(text)], "seq_len": 32, "batch_size": 2, "progress": False, "threads": 1},
+            "uptrain": {"data": [str(_train_text(text))], "seq_len": 32, "batch_size": 2, "progress": False,
+                        "threads": 1},
             **fields}
 
 
 def test_grid_adds_aligned_and_fit_rows_and_keeps_finished_cells(tmp_path):
     model = make_uptrain_model(tmp_path / "mha", kv_heads=4, pretraining_tokens=3_200)
     text = make_text(tmp_path / "eval.txt")
-    calibration = make_text(tmp_path / "calibration.txt", chars=8_000)
+    calibration = make_text(tmp_path / "calibration.txt", chars=8_000, start=150_000)
     first = run_grid(from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean"])))
     cells = tmp_path / "grid" / "cells"
     stamps = {p.name: p.stat().st_mtime_ns for p in cells.iterdir()}
@@ -128,6 +134,24 @@ def test_grid_refuses_bad_method_or_calibration_in_one_line(tmp_path, fields, me
     assert str(e.value).startswith("grid.yaml: ")
 
 
+@pytest.mark.parametrize("where", ["uptrain data", "calibration"])
+def test_grid_refuses_to_score_on_text_it_trains_or_fits_on(tmp_path, where):
+    """eval_text inside the uptraining data or the calibration text (here a copy of its start, under another name)
+    ran silently: every cell was scored on text it was fitted on."""
+    from gqakit.experiments.grid import _check
+
+    model = make_uptrain_model(tmp_path / "mha", kv_heads=4, pretraining_tokens=3_200)
+    text = make_text(tmp_path / "eval.txt")
+    inside = make_text(tmp_path / "book.txt", chars=30_000)  # eval.txt is its first 12,000 characters
+    fields = ({"uptrain": {"data": [str(inside)], "seq_len": 32, "batch_size": 2}} if where == "uptrain data" else
+              {"methods": ["fit"], "calibration": str(inside)})
+    cfg = from_dict(GridConfig, _tiny_grid(tmp_path, model, text, **fields))
+    with pytest.raises(GqakitError) as e:
+        _check(cfg)
+    assert f"eval_text {text} and {where} {inside} hold the same text" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def test_grid_on_an_encoder_decoder_scores_span_corruption(tmp_path):
     """The paper's own setting: a T5 grouped, scored and uptrained on span corruption; the alpha-0 cells equal
     `gqakit eval ppl` of the converted models (the same corrupted windows), and no KD column is written for a
@@ -139,7 +163,8 @@ def test_grid_on_an_encoder_decoder_scores_span_corruption(tmp_path):
     text = make_text(tmp_path / "eval.txt", chars=20_000)
     cfg = from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean", "first"], alphas=[0.1],
                                            eval_window=64, keep_models=True,
-                                           uptrain={"data": [str(text)], "seq_len": 64, "batch_size": 2,
+                                           uptrain={"data": [str(_train_text(text, 20_000))], "seq_len": 64,
+                                                    "batch_size": 2,
                                                     "progress": False, "threads": 1, "eval_fraction": 0.0}))
     rows = {r["name"]: r for r in run_grid(cfg)}
     assert rows["gqa2-mean-a0.1"]["steps"] == 2  # 10% of 2,560 tokens in steps of 2 x 64

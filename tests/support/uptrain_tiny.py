@@ -45,8 +45,10 @@ def make_family_model(family: str, path: Path, **overrides) -> Path:
     return Path(path)
 
 
-def make_text(path: Path, chars: int = 12_000) -> Path:
-    Path(path).write_text(Path(HELDOUT_TEXT).read_text(encoding="utf-8")[:chars], encoding="utf-8")
+def make_text(path: Path, chars: int = 12_000, start: int = 0) -> Path:
+    """`chars` characters of held-out Emma from `start` (texts from disjoint slices are different texts to
+    gqakit's overlap check; two from the same start are one)."""
+    Path(path).write_text(Path(HELDOUT_TEXT).read_text(encoding="utf-8")[start:start + chars], encoding="utf-8")
     return Path(path)
 
 

@@ -5,6 +5,8 @@ import csv
 import json
 import math
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -429,14 +431,15 @@ def test_a_warmup_longer_than_the_run_is_named(tiny, tmp_path, capsys, warmup, w
     (dict(text_column="body"), "text_column=body names a column of .jsonl / .json / .parquet data"),
     (dict(eval_fraction=0.0, eval_every=1), "eval_every=1 evaluates held-out data, but the recipe holds none"),
     (dict(warmup_steps=2, warmup_fraction=0.2), "warmup_fraction=0.2 is read only when warmup_steps is 0"),
-    (dict(eval_data=["TEXT"], eval_fraction=0.1), "eval_fraction=0.1 holds out part of data, but eval_data is given"),
+    (dict(eval_data=["HELD"], eval_fraction=0.1), "eval_fraction=0.1 holds out part of data, but eval_data is given"),
 ])
 def test_a_recipe_key_that_would_change_nothing_is_refused(tiny, tmp_path, fields, needle):
     """Keys that only act with another (a teacher, column data, held-out data) are refused before any work, not
     ignored."""
     from gqakit.common.errors import GqakitError
 
-    named = {"MODEL": str(tiny["model"]), "TEXT": str(tiny["text"])}
+    named = {"MODEL": str(tiny["model"]), "TEXT": str(tiny["text"]),
+             "HELD": str(make_text(tmp_path / "held.txt", start=100_000))}
     fields = {k: [named[x] for x in v] if isinstance(v, list) else named.get(v, v) if isinstance(v, str) else v
               for k, v in fields.items()}
     with pytest.raises(GqakitError, match=re.escape(needle)):
@@ -518,3 +521,43 @@ def test_a_decoders_held_out_figure_is_what_the_card_says_eval_ppl_reproduces(ti
     row = json.loads((tmp_path / "ppl" / "results.json").read_text())["results"]["rows"][0]
     assert row["scored_tokens"] == 4 * 32
     assert record["initial_eval_ppl"] == pytest.approx(row["perplexity"], rel=1e-5)
+
+
+def _edited(src: Path, dst: Path, **config) -> Path:
+    """A copy of the model folder `src` whose config.json has `config`'s keys set."""
+    shutil.copytree(src, dst)
+    path = dst / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return dst
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("chunked", "attends in chunks (attention_chunk_size 8), which the ring would drop"),
+    ("chunked-types", "attends in chunks"),
+    ("padded", "seq_len=45 is padded to 48 positions for context_parallel=2 (a multiple of 2 x 2), past"),
+    ("teacher", "runs the teacher inside the student's ring, with the student's attention window (none), but "
+                "teacher"),
+])
+def test_what_the_ring_cannot_run_exactly_is_refused(tiny, tmp_path, case, needle):
+    """A review's cases, each silently wrong or a crash with context_parallel=2: Llama 4's chunked layers ran as full
+    causal attention (the ring keeps one MaskSpec); a full-attention teacher ran under a windowed student's spec;
+    the ring's end padding took positions past a learned table (an IndexError)."""
+    from gqakit.common.errors import GqakitError
+    from gqakit.uptrain.config import check
+
+    fields = {"steps": 1, "context_parallel": 2}
+    if case == "chunked":
+        fields["model"] = str(_edited(tiny["model"], tmp_path / "m", attention_chunk_size=8))
+    elif case == "chunked-types":
+        fields["model"] = str(_edited(tiny["model"], tmp_path / "m", layer_types=["chunked_attention"] * 2,
+                                      attention_chunk_size=8))
+    elif case == "padded":
+        fields.update(model=str(_edited(tiny["model"], tmp_path / "m", max_position_embeddings=45)), seq_len=45)
+    else:
+        fields["teacher"] = str(_edited(tiny["model"], tmp_path / "t", model_type="mistral", sliding_window=8,
+                                        architectures=["MistralForCausalLM"]))
+    with pytest.raises(GqakitError) as e:
+        check(_cfg(tiny, tmp_path, **fields))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    if case == "padded":  # a multiple of 2P fits
+        check(_cfg(tiny, tmp_path / "fits", **{**fields, "seq_len": 44}))

@@ -1,0 +1,65 @@
+"""Whether held-out text is also training or calibration text: the check that keeps a held-out score held out.
+
+Two inputs count as one text when they are the same file or folder, or when some file of one starts with the same
+bytes as some file of the other (its first `HEAD` bytes, or all of the shorter one): a copy, a prefix or a
+truncation of the other, the same file under two names. Only those heads are read, so the check costs nothing on
+large corpora; a passage cut from the middle of a training file is not caught (keep held-out text in files of its
+own). Hub datasets (`hf:NAME`) are not read.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from gqakit.common.errors import GqakitError
+
+HEAD = 4096  # bytes: different books, articles or datasets differ well within it; a shared licence header does not
+MAX_FILES = 10_000  # files of one folder looked at (the first, in sorted order)
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))[:MAX_FILES]
+    return []
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(HEAD)
+
+
+def shared_text(a: str | Path, b: str | Path) -> tuple[Path, Path] | None:
+    """A pair of files, one from each input, that hold the same text by the module's rule (the inputs themselves when
+    they are one path), or None."""
+    a, b = Path(a).expanduser(), Path(b).expanduser()
+    if str(a).startswith("hf:") or str(b).startswith("hf:") or not a.exists() or not b.exists():
+        return None
+    if a.resolve() == b.resolve():
+        return a, b
+    heads = {}
+    for path in _files(b):
+        head = _head(path)
+        if head:
+            heads.setdefault(head, path)
+    for path in _files(a):
+        head = _head(path)
+        if not head:
+            continue
+        for other, where in heads.items():
+            n = min(len(head), len(other))
+            if head[:n] == other[:n]:
+                return path, where
+    return None
+
+
+def refuse_shared(held: tuple[str, str], used: list[tuple[str, str]], fix: str) -> None:
+    """Refuse in one line when the held-out input `held` (key, path) holds the same text as one of `used`."""
+    key, path = held
+    for other_key, other in used:
+        pair = shared_text(path, other)
+        if pair is not None:
+            detail = ("the same file" if pair[0].resolve() == pair[1].resolve() else
+                      f"{pair[0]} and {pair[1]} start alike: a copy, or one a part of the other")
+            raise GqakitError(f"{key} {path} and {other_key} {other} hold the same text ({detail}), so the held-out "
+                              f"score would count text the model was fitted on; {fix}")

@@ -1,0 +1,39 @@
+"""Held-out text that is also training or calibration text (gqakit/common/overlap.py): the same file, a copy, a
+prefix or a truncation are one text; other parts of a book, other books, hub names are not."""
+from __future__ import annotations
+
+import shutil
+
+from cli_contract import run_refused
+from gqakit.common.overlap import shared_text
+from uptrain_tiny import make_text, make_uptrain_model, write_recipe
+
+
+def test_copies_prefixes_and_the_same_file_are_one_text_other_slices_are_not(tmp_path):
+    book = make_text(tmp_path / "book.txt", chars=30_000)
+    start = make_text(tmp_path / "start.txt", chars=500)  # a short prefix: shorter than the bytes compared
+    other = make_text(tmp_path / "other.txt", chars=12_000, start=100_000)
+    copy = tmp_path / "folder" / "copy.txt"
+    copy.parent.mkdir()
+    shutil.copy(book, copy)
+    (tmp_path / "empty.txt").write_text("")
+    assert shared_text(book, book) == (book, book)
+    assert shared_text(start, book) == (start, book) and shared_text(book, start) == (book, start)
+    assert shared_text(tmp_path / "folder", book) == (copy, book)  # a folder: each of its files
+    assert shared_text(other, book) is None and shared_text(tmp_path / "empty.txt", book) is None
+    assert shared_text("hf:wikitext", book) is None and shared_text(tmp_path / "missing.txt", book) is None
+
+
+def test_uptrain_refuses_eval_data_that_is_its_training_text(tmp_path):
+    """A review's case: data and eval_data the same file ran and printed a "held-out perplexity" of text it trained
+    on; a copy under another name too."""
+    model = make_uptrain_model(tmp_path / "gqa")
+    data = make_text(tmp_path / "train.txt")
+    copy = tmp_path / "heldout.txt"
+    shutil.copy(data, copy)
+    for held in (data, copy):
+        recipe = write_recipe(tmp_path / "r.yaml", model=str(model), data=[str(data)], eval_data=[str(held)],
+                              output_dir=str(tmp_path / "run"), steps=2)
+        run_refused(tmp_path, "gqakit", "uptrain", str(recipe),
+                    needles=(f"eval_data {held} and data {data} hold the same text",
+                             "hold out a text that is not in data"))
