@@ -32,7 +32,7 @@ from gqakit.attention.masks import AttentionOptionError, dropout_refusal
 from gqakit.attention.registration import check_model
 from gqakit.attention.ring_layout import (  # noqa: F401 (re-exported)
     RingGroups, RingLayout, check_ring_size, ring_batch, ring_groups)
-from gqakit.attention.tiled import tiled_attention, tiled_attention_backward
+from gqakit.attention.tiled import tiled_attention, tiled_attention_backward, without_autocast
 
 _NEG_INF = float("-inf")
 Pair = tuple[int, int, int, int, int, int]  # q rows [qa, qb) at global qpos; src key rows [ka, kb) at kpos
@@ -197,6 +197,7 @@ def _merge_(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: to
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
+    @without_autocast
     def forward(ctx, q, k, v, scale: float, layout: RingLayout, group, spec: MaskSpec, block_q: int, block_k: int):
         plan = _plan(layout.world_size, layout.seq_len, layout.kind, spec)
         comm, r, P = _Comm(group, layout, "forward"), layout.rank, layout.world_size
@@ -228,6 +229,7 @@ class _RingAttention(torch.autograd.Function):
         return acc.to(q.dtype), acc_lse
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
         scale, layout, group, spec, block_q, block_k = ctx.args
@@ -329,6 +331,7 @@ class RingConfig:
     spec: MaskSpec = MaskSpec()
     block_q: int = 128
     block_k: int = 128
+    positions_checked: list = dataclasses.field(default_factory=list)  # the position_ids last found right
 
 
 _ACTIVE: contextvars.ContextVar[RingConfig | None] = contextvars.ContextVar("gqakit_ring", default=None)
@@ -383,6 +386,7 @@ def ring_attention_function(module: torch.nn.Module, query: torch.Tensor, key: t
         raise AttentionOptionError(f"gqakit_ring got {query.shape[-2]} queries but {key.shape[-2]} keys: it runs "
                                    "training / prefill over a sharded sequence without a KV cache; "
                                    "pass use_cache=False")
+    _check_positions(cfg, kwargs.get("position_ids"))
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if window and cfg.spec.window != window:
         raise AttentionOptionError(f"this layer uses sliding_window={window} but the ring MaskSpec has window="
@@ -394,6 +398,20 @@ def ring_attention_function(module: torch.nn.Module, query: torch.Tensor, key: t
     out = ring_attention(query, key, value, scale=scale, layout=cfg.layout, group=cfg.group, spec=cfg.spec,
                          block_q=cfg.block_q, block_k=cfg.block_k)  # (B, H, Tl, d)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_positions(cfg: RingConfig, positions: torch.Tensor | None) -> None:
+    """The ring masks by its layout's positions; position_ids that differ (packed documents restarting them) would
+    rotate by one numbering and mask by another: 4.5 in logits off for a second document, a review measured.
+    Checked once per tensor (every layer of a forward gets the same one)."""
+    if positions is None or any(positions is seen for seen in cfg.positions_checked):
+        return
+    want = cfg.layout.positions().to(positions.device)
+    if positions.shape[-1] != want.numel() or not torch.equal(positions, want.expand_as(positions)):
+        raise AttentionOptionError("position_ids differ from the ring layout's global positions (e.g. packed "
+                                   "documents that restart them), and ring attention masks by the layout's; pass "
+                                   "ring_batch's position_ids, or use context_parallel=1 for packed documents")
+    cfg.positions_checked[:] = [positions]
 
 
 def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,

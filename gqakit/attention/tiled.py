@@ -265,10 +265,22 @@ def _sink_rows(s_aux: torch.Tensor, B: int, G: int, Tq: int, dtype: torch.dtype)
     return _fold_q(s_aux.to(dtype).view(1, H, 1).expand(B, H, Tq), G)
 
 
+def without_autocast(step):
+    """An autograd Function's forward or backward run with autocast off (for the device of its first tensor): the
+    kernel picks its own dtypes (accumulation in fp32, the output in q's), where autocast would round its matmuls to
+    bf16 and mix dtypes in its in-place accumulations (a crash under mixed_precision=bf16)."""
+    @functools.wraps(step)
+    def run(ctx, first, *args):
+        with torch.autocast(first.device.type, enabled=False):
+            return step(ctx, first, *args)
+    return run
+
+
 class _TiledAttention(torch.autograd.Function):
     """Returns (out, lse); both are differentiable (lse feeds ring attention's merge), in q, k, v and s_aux."""
 
     @staticmethod
+    @without_autocast
     def forward(ctx, q, k, v, s_aux, scale: float, tiles: _Tiles):
         B, H, Tq, d = q.shape
         G, r, dv = k.shape[1], H // k.shape[1], v.shape[3]
@@ -335,6 +347,7 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @without_autocast
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, s_aux = ctx.saved_tensors
         with one_thread_here(q.device):

@@ -282,6 +282,40 @@ def test_attention_function_refuses_what_it_cannot_do():
             ring_attention_function(_Attn(), q, k, k, torch.ones(1, 1, 8, 8, dtype=torch.bool))
         out, _ = ring_attention_function(_Attn(), q, k, k, None, scaling=0.5)
         assert out.shape == (1, 8, 2, 4)
+        # packed documents restart position_ids: RoPE would follow them and the ring's mask the layout (a review
+        # measured a second document 4.5 off in logits)
+        restarted = torch.cat([torch.arange(5), torch.arange(3)])[None]
+        with pytest.raises(AttentionOptionError, match="position_ids differ from the ring layout's global positions"):
+            ring_attention_function(_Attn(), q, k, k, None, position_ids=restarted)
+        out, _ = ring_attention_function(_Attn(), q, k, k, None, position_ids=torch.arange(8)[None].expand(3, -1))
+        assert out.shape == (1, 8, 2, 4)
     with pytest.raises(AttentionOptionError, match="padded batches"):
         ring_mask(1, 8, 8, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]]))
     assert ring_mask(1, 8, 8, attention_mask=torch.ones(1, 8, dtype=torch.bool)) is None
+
+
+@pytest.mark.parametrize("kernel", ["tiled", "ring"])
+def test_the_kernels_run_under_autocast_as_outside_it(kernel):
+    """mixed_precision=bf16 wraps the forward in autocast: the tiled kernel's matmuls came back in bf16 and its fp32
+    accumulation refused them (a crash of every bf16 run with attention=tiled or context_parallel > 1, a review).
+    The kernels pick their own dtypes, so under autocast they give the very bits they give outside it."""
+    from gqakit.attention.tiled import tiled_attention
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 13, 8, generator=gen).bfloat16().requires_grad_()
+    k, v = (torch.randn(2, 2, 13, 8, generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    spec, layout = MaskSpec(window=5, sinks=2), RingLayout(1, 0, 13)
+
+    def run():
+        if kernel == "tiled":
+            out = tiled_attention(q, k, v, scale=0.3, spec=spec, block_q=4, block_k=4)
+        else:
+            out = ring_attention(*(layout.shard(x, 2) for x in (q, k, v)), scale=0.3, layout=layout, spec=spec,
+                                 block_q=4, block_k=4)
+        return (out, *torch.autograd.grad(out.float().square().sum(), (q, k, v)))
+
+    plain = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = run()
+    for a, b in zip(mixed, plain):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)

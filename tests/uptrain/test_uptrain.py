@@ -355,8 +355,10 @@ def test_gradient_checkpointing_gives_the_same_run(tiny, tmp_path):
     assert a == pytest.approx(b, abs=1e-6)
 
 
-def test_bf16_autocast_trains_fp32_weights(tiny, tmp_path):
-    record = uptrain(_cfg(tiny, tmp_path, steps=2, mixed_precision="bf16", save_dtype="float32"))
+@pytest.mark.parametrize("attention", ["default", "tiled"])
+def test_bf16_autocast_trains_fp32_weights(tiny, tmp_path, attention):
+    """attention=tiled under bf16 autocast crashed (its fp32 accumulation was handed bf16 matmuls, a review)."""
+    record = uptrain(_cfg(tiny, tmp_path, steps=2, mixed_precision="bf16", save_dtype="float32", attention=attention))
     losses = _losses(tmp_path / "run")
     assert all(math.isfinite(v) for v in losses.values())
     assert record["save_dtype"] == "float32"
