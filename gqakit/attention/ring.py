@@ -390,7 +390,9 @@ def ring_attention_function(module: torch.nn.Module, query: torch.Tensor, key: t
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if window and cfg.spec.window != window:
         raise AttentionOptionError(f"this layer uses sliding_window={window} but the ring MaskSpec has window="
-                                   f"{cfg.spec.window}; pass spec=MaskSpec(window={window}) to ring_context")
+                                   f"{cfg.spec.window}; pass spec=MaskSpec(window={window}) to ring_context if every "
+                                   "layer slides by it (one ring cannot run a model that mixes full and sliding "
+                                   "layers)")
     if getattr(module, "is_causal", True) != cfg.spec.causal:
         raise AttentionOptionError(f"this layer is {'' if module.is_causal else 'not '}causal but the ring MaskSpec "
                                    f"has causal={cfg.spec.causal}; pass a MaskSpec with causal={module.is_causal}")
