@@ -26,3 +26,53 @@ def test_the_device_check_runs_dry_on_cpu(tmp_path):
                                                                     "report.json", "report.md", "run.log"]
     own = (tmp_path / "out" / "image-packages.txt").read_text().split()
     assert any(line.startswith("torch==") for line in own), own[:5]  # the environment's own packages
+
+
+def _summary(work: Path, out: Path) -> tuple[int, dict]:
+    run = subprocess.run(["python", str(REPO / "benchmarks" / "gpu" / "summary.py"), str(work), str(out)],
+                         capture_output=True, text=True, timeout=120)
+    return run.returncode, json.loads((out / "report.json").read_text())
+
+
+def test_tests_skipped_at_the_deadline_are_not_a_pass(tmp_path):
+    """A run whose tests were skipped past GQAKIT_TEST_DEADLINE exited 0 and said "Every check held" (a review):
+    not run is not passed. The reason the conftest skips with is the one the summary counts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cuda_conftest", REPO / "tests" / "cuda" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    summary = (REPO / "benchmarks" / "gpu" / "summary.py").read_text()
+    assert f'DEADLINE_SKIP = "{conftest.DEADLINE_SKIP}"' in summary
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "parts.tsv").write_text("pytest\t150\t140\t0\n")
+    cases = "".join(f'<testcase classname="c" name="t{i}" time="1"/>' for i in range(3))
+    skips = "".join(f'<testcase classname="c" name="s{i}" time="0"><skipped message="{why}"/></testcase>'
+                    for i, why in enumerate([conftest.DEADLINE_SKIP, conftest.DEADLINE_SKIP, "no CUDA"]))
+    (work / "pytest.xml").write_text(f'<testsuite tests="6" failures="0" errors="0" skipped="3">{cases}{skips}'
+                                     "</testsuite>")
+    rc, report = _summary(work, tmp_path / "out")
+    assert rc == 1 and report["pytest"]["unrun"] == 2
+    assert report["failed"] == ["pytest: 2 tests did not run (the time budget for the tests ran out)"]
+
+
+def test_an_interrupted_benchmark_still_writes_what_finished(tmp_path):
+    """run.sh's timeout now interrupts (SIGINT, not SIGTERM, which left no junit report and no JSON): decode.py
+    reports the variants that finished and fails its check."""
+    import signal
+    import time
+
+    out = tmp_path / "decode.json"
+    proc = subprocess.Popen(["python", str(REPO / "benchmarks" / "gpu" / "decode.py"), "--dry-run", "--json",
+                             str(out)], cwd=REPO, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and "building GQA" not in (line := proc.stderr.readline()):
+        pass  # the first variant (MHA) has finished once the second is being built
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    report = json.loads(out.read_text())
+    assert "MHA" in report["variants"]
+    assert any(c.startswith("interrupted at the time limit after") for c in report["failed_checks"])

@@ -43,7 +43,8 @@ part() {  # part NAME BUDGET_S RESERVE_S COMMAND...: run under timeout (leaving 
     fi
     echo "== $name (budget ${budget} s): $*"
     local t0=$(date +%s)
-    BUDGET_S=$budget timeout -k 10 "$budget" "$@"
+    # SIGINT, not SIGTERM: pytest then writes its junit report of what finished, and the benchmarks their JSON
+    BUDGET_S=$budget timeout -s INT -k 15 "$budget" "$@"
     local rc=$?
     printf '%s\t%s\t%s\t%s\n' "$name" "$budget" $(( $(date +%s) - t0 )) "$rc" >>"$WORK/parts.tsv"
     echo "== $name: exit $rc after $(( $(date +%s) - t0 )) s"
