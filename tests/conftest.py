@@ -38,9 +38,14 @@ def token_cache_root(tmp_path_factory):
 
 # The longest test (it runs every documented command) goes first: when the suite runs in parallel processes
 # (pytest -n 2 --dist worksteal, the README's command), the other worker takes the rest around it instead of
-# one worker finishing it alone at the end.
-FIRST = ("tests/test_readme_commands.py::test_every_readme_command_runs",)
+# one worker finishing it alone at the end. The GPU check's longest tests (torchrun launches, conversions) go
+# first too: collected last, they started nearest its deadline (they skip at once without CUDA).
+FIRST = ("tests/test_readme_commands.py::test_every_readme_command_runs", "tests/cuda/test_cuda_uptrain.py",
+         "tests/cuda/test_cuda_convert_decode.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.nodeid not in FIRST)  # stable: every other test keeps its place
+    def rank(item) -> int:  # FIRST's order, then every other test in its place (a stable sort)
+        return next((i for i, prefix in enumerate(FIRST) if item.nodeid.startswith(prefix)), len(FIRST))
+
+    items.sort(key=rank)
