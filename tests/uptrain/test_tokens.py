@@ -204,6 +204,22 @@ def test_a_stale_cache_is_rebuilt_never_used(tok, tmp_path, capsys):
     assert len([p for p in (tmp_path / "root").iterdir() if p.is_dir()]) == 1
 
 
+def test_a_rewrite_that_keeps_size_and_mtime_is_stale(tok, tmp_path, capsys):
+    """`cp -p`, `tar x` or an image with fixed timestamps can rewrite a file and keep its size and mtime: the cache
+    then served the old text's tokens silently (a review); the change time, which writing sets, now tells."""
+    text = make_text(tmp_path / "t.txt", chars=3_000)
+    _prepare([str(text)], tok, tmp_path / "root", seq_len=16)
+    stat = text.stat()
+    other = EMMA[5_000:5_000 + stat.st_size]  # the same size in bytes (Emma's text here is ASCII)
+    assert len(other.encode("utf-8")) == stat.st_size
+    text.write_text(other, encoding="utf-8")
+    os.utime(text, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the old mtime back, as cp -p leaves it
+    assert (text.stat().st_size, text.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    data = _prepare([str(text)], tok, tmp_path / "root", seq_len=16)
+    assert "is stale" in capsys.readouterr().err
+    assert torch.equal(_train_stream(data), tokenize_stream([other], tok))
+
+
 def test_caches_are_never_pruned_behind_the_users_back(tok, tmp_path, capsys):
     """A cache whose data folder is missing (an unmounted drive), whose data is unchanged, or that another process
     holds locked is kept; only a cache that nothing can use again goes, and is named."""

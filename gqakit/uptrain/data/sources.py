@@ -46,7 +46,7 @@ class Source:
     entry: str  # as the user wrote it
     kind: str  # text | rows | saved | hub | cache
     path: Path | None = None
-    files: tuple[Path, ...] = ()  # the files whose (size, mtime) identify the content
+    files: tuple[Path, ...] = ()  # the files whose (size, mtime, ctime) identify the content
     builder: str | None = None  # json | parquet, for rows
 
 
@@ -111,14 +111,17 @@ def refuse_unread_text_column(sources: list[Source], given: str, drop: str) -> N
 
 
 def describe_files(sources: list[Source]) -> list[dict]:
-    """(path, size, mtime_ns) of every file behind the sources: what a cache of them must match."""
+    """(path, size, mtime_ns, ctime_ns) of every file behind the sources: what a cache of them must match. The
+    change time too: a copy or an unpacked archive may keep a rewritten file's size and modification time (cp -p,
+    tar x, images with fixed timestamps), but writing it sets its ctime, which no tool sets back."""
     out = []
     for source in sources:
         if source.kind == "hub":
-            out.append({"path": source.entry, "size": None, "mtime_ns": None})
+            out.append({"path": source.entry, "size": None, "mtime_ns": None, "ctime_ns": None})
         for f in source.files:
             stat = f.stat()
-            out.append({"path": str(f.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+            out.append({"path": str(f.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                        "ctime_ns": stat.st_ctime_ns})
     return out
 
 

@@ -6,7 +6,7 @@
       documents.bin   int64 document boundaries, D + 1 of them: document d is tokens [b[d], b[d + 1])
                       and ends with its EOS (b[0] = 0, b[D] = the token count)
       header.json     written LAST: format version, dtype, token and document counts, EOS id, tokenizer
-                      fingerprint, sources (path, size, mtime_ns), text column, blake2b checksums of both
+                      fingerprint, sources (path, size, mtime_ns, ctime_ns), text column, blake2b checksums of both
                       .bin files
 
 Why flat binary files: a billion-token corpus is 2 GB of uint16 that any rank can read a window of
@@ -193,7 +193,7 @@ def open_cache(path: str | Path, *, fingerprint: str | None = None, tokenizer_na
 
     `fingerprint`: the tokenizer in use (None: not checked), `tokenizer_name` where it came from (for the
     fix in the message). `sources`: the current (path, size,
-    mtime_ns) of the data it was made from (None: not checked; a cache the user made may outlive its
+    mtime_ns, ctime_ns) of the data it was made from (None: not checked; a cache the user made may outlive its
     sources). `verify`: recompute the checksums (do it on one process, once)."""
     path = Path(path)
     header = read_header(path)
