@@ -56,6 +56,9 @@ def measure_rotation(model) -> KeyRotation:
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder; the bounded caches hold a decoder's self-attention keys of a "
                          "decoder-only model: use a full cache")
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"{name} is on the meta device (no weights to run); load its weights before building a "
+                         "cache that measures it")
     freqs = rope_frequencies(model)
     windows = layer_windows(model.config)  # refuses layers that are no plain K/V cache
     end = positions_end(model)  # a precomputed table (GPT-J) ends there

@@ -276,3 +276,14 @@ def test_stream_tokens_runs_a_rope_table_as_far_as_its_positions_reach(prompt, n
                                          f"positions end at {needed - 1}") as err:
         next(stream_tokens(short, ids, new, **kwargs))
     assert "\n" not in str(err.value)
+
+
+def test_a_model_on_the_meta_device_is_refused_in_one_line():
+    """It raised torch's own multi-line error from the probe's forward."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=VOCAB, hidden_size=32,
+                                                                      intermediate_size=64, num_hidden_layers=1,
+                                                                      num_attention_heads=4))
+    with pytest.raises(ValueError, match="LlamaForCausalLM is on the meta device") as err:
+        SinkCache(2, 6, rope=model)
+    assert "\n" not in str(err.value)
