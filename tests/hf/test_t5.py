@@ -152,6 +152,25 @@ def test_generation_caches_grouped_heads(source, attn, tmp_path):
     assert cache_bytes(output_cache(got)) * HEADS == cache_bytes(output_cache(want))
 
 
+def test_a_static_cache_scores_as_the_dynamic_one(source, tmp_path):
+    """A static cache's sequence length is a tensor that moves when the cache is updated: read before the update and
+    not copied, it put the relative position bias one position off (logits 0.07-2.0 off, a review)."""
+    name, path, model = source
+    if model.config.num_decoder_layers != model.config.num_layers:
+        pytest.skip("generate() sizes a static cache by num_layers (the encoder's depth): this decoder is deeper")
+    out = tmp_path / "gqa2"
+    assert convert_main([str(path), "--groups", "2", "-o", str(out), "--quiet"]) == 0
+    converted = load(out, "eager")
+    kwargs = dict(attention_mask=MASK, max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
+                  output_logits=True)
+    with torch.no_grad():
+        static = converted.generate(INPUTS, cache_implementation="static", **kwargs)
+        dynamic = converted.generate(INPUTS, **cache_kwargs(converted, EncoderDecoderCache(DynamicCache(),
+                                                                                         DynamicCache())), **kwargs)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), atol=1e-5, rtol=0)
+
+
 def test_a_grouped_t5_converts_again(source, tmp_path):
     """gqakit's own T5 is itself a family: GQA-2 -> MQA pools the pooled heads (the same as MHA -> MQA)."""
     name, path, model = source

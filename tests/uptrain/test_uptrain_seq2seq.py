@@ -200,5 +200,5 @@ def test_held_out_masks_do_not_follow_the_recipes_seed(t5, tmp_path):
     row = json.loads((tmp_path / "ppl" / "results.json").read_text())["results"]["rows"][0]
     assert row["scored_tokens"] > 0 and initial[0] == pytest.approx(initial[3], rel=1e-9)
     assert initial[0] == pytest.approx(row["perplexity"], rel=1e-5)
-    assert "as `gqakit eval ppl --max-length 64` corrupts the same tokens" in (tmp_path / "0" / "run" / "README.md"
-                                                                               ).read_text()
+    card = (tmp_path / "0" / "run" / "README.md").read_text()
+    assert "as `gqakit eval ppl --max-length 64 --max-tokens 320` corrupts the same tokens" in card

@@ -10,6 +10,7 @@ each K/V head repeated for its group. Registered with transformers' Auto classes
 """
 from __future__ import annotations
 
+import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import T5Config, T5ForConditionalGeneration
@@ -66,6 +67,8 @@ class GroupedT5Attention(stock.T5Attention):
     def forward(self, hidden_states, mask=None, key_value_states=None, position_bias=None, cache=None, **kwargs):
         rows = hidden_states.shape[:-1]
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+        if isinstance(past, torch.Tensor):  # a static cache's length is a tensor that the update below moves on
+            past = past.clone()
         query = self.q(hidden_states).view(*rows, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
         key, value = self._keys_and_values(hidden_states, key_value_states, cache, kwargs)
         if position_bias is None:

@@ -24,17 +24,21 @@ def source_dtype(model_dir: str) -> str:
     return dtype if dtype in dtypes.NAMES else "float32"
 
 
-def _reproduced_by(cfg: dict, source: Path) -> str:
-    """The eval ppl windows that score the same targets as the held-out sequences (docs/uptrain.md)."""
+def _reproduced_by(cfg: dict, source: Path, data: dict) -> str:
+    """The eval ppl windows that score the same targets as the held-out sequences (docs/uptrain.md); with eval_data,
+    the --max-tokens that cuts its text to them (held out of the training data, they are no prefix of a file)."""
     from gqakit.hf.folder import model_folder
 
-    seq_len = cfg["seq_len"]
+    seq_len, rows = cfg["seq_len"], data.get("eval_sequences") or 0
     if cfg.get("target_column"):
         return ", input/target pairs as `gqakit eval ppl --target-column` reads them"
+    on = data.get("held_out") == "eval_data"
     if model_folder(source).config.get("is_encoder_decoder"):
-        return f", span-corrupted as `gqakit eval ppl --max-length {seq_len}` corrupts the same tokens"
+        cut = f" --max-tokens {rows * seq_len}" if on else ""
+        return f", span-corrupted as `gqakit eval ppl --max-length {seq_len}{cut}` corrupts the same tokens"
+    cut = f" --max-tokens {rows * seq_len + 1}" if on else ""
     return (f": {seq_len} targets each from {seq_len + 1} tokens, as `gqakit eval ppl --max-length {seq_len + 1} "
-            f"--stride {seq_len}` scores the same tokens")
+            f"--stride {seq_len}{cut}` scores the same tokens" + (" of eval_data" if on else ""))
 
 
 def _card(source: Path, record: dict) -> str:
@@ -70,8 +74,8 @@ def _card(source: Path, record: dict) -> str:
         precision = cfg.get("mixed_precision", "no")
         lines.append(f"| held-out perplexity | {record['initial_eval_ppl']:.2f} before, "
                      f"{record['final_eval_ppl']:.2f} after (held-out sequences as training reads them, no BOS"
-                     f"{_reproduced_by(cfg, source)}; the float32 weights, before the cast to "
-                     f"{record.get('save_dtype', 'the source dtype')}"
+                     f"{_reproduced_by(cfg, source, record.get('data') or {})}; the float32 weights, before the cast "
+                     f"to {record.get('save_dtype', 'the source dtype')}"
                      + (f", computed under {precision} autocast as training" if precision != "no" else "") + ") |")
     if record['attention_options']:
         lines += ["", f"Trained with gqakit attention `{cfg['attention']}`: load it with "
