@@ -177,7 +177,8 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> str:
         if end is not None and needed > end:
             raise GqakitError(f"{opt('attention', cfg.attention)} feeds positions up to {needed - 1:,} (sinks + window "
                               f"+ a prompt chunk, or twice sinks + window before the cache moves back) but "
-                              f"{type(model).__name__}'s positions end at {end:,}; lower {opt('window')}")
+                              f"{type(model).__name__}'s positions end at {end:,}; lower {opt('sinks')} or "
+                              f"{opt('window')}")
         pieces = streaming.streaming_generate(
             model, tok, ids, cfg.max_new_tokens, sinks=sinks, window=cfg.window, do_sample=cfg.do_sample,
             temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, eos_token_id=eos)

@@ -106,10 +106,10 @@ def kernels(args, device) -> dict:
     return out
 
 
-def attention_part(args, device, dtype, budget: Budget) -> tuple[dict, list[str]]:
+def attention_part(args, device, dtype, budget: Budget, rows: dict, failed: list[str]) -> None:
+    """Fills `rows` and `failed` as it goes (an interrupted run keeps the rows it finished)."""
     import torch
 
-    rows, failed = {}, []
     seqs = [int(x) for x in args.seq.split(",")]
     fns = kernels(args, device)
     for T in seqs:
@@ -149,7 +149,6 @@ def attention_part(args, device, dtype, budget: Budget) -> tuple[dict, list[str]
             log(f"attention {name} T={T}: {row}")
         del q, k, v, grad, references
         release(device)
-    return rows, failed
 
 
 # ---- (b) gqakit uptrain against the bare loop -------------------------------------------------------------
@@ -233,7 +232,8 @@ def report(res: dict, args) -> None:
             f"{row['tflops']:.1f}", _fmt(row.get("max_diff_vs_sdpa"), ".2e")], 4))
     up = res["uptrain"]
     if not up:
-        print("\n### (b) gqakit uptrain: not run (--parts)")
+        why = "interrupted at the time limit" if res.get("interrupted") else "not in --parts"
+        print(f"\n### (b) gqakit uptrain: not run ({why})")
     else:
         print(f"\n### (b) gqakit uptrain vs a bare PyTorch loop: {up['parameters'] / 1e6:.0f}M parameters, "
               f"{args.batch} x {args.train_seq} tokens per step, mixed_precision={up['mixed_precision']}\n")
@@ -241,7 +241,7 @@ def report(res: dict, args) -> None:
         for kind in ["bare", *args.shardings.split(",")]:
             row = up.get(kind, {"error": "not run"})
             lead = ["bare PyTorch" if kind == "bare" else f"gqakit {kind}"]
-            print(_line(lead, "FAILED" if "error" in row else None, lambda: [
+            print(_line(lead, "FAILED" if "error" in row else row.get("skipped"), lambda: [
                 f"{row['step_s']:.4f}", f"{row['tokens_per_s']:,.0f}", _fmt(row.get("vs_bare"), ".2f"),
                 f"{row['launch_s']:.0f}"], 4))
     print("\n### checks\n")
@@ -261,11 +261,12 @@ def main(argv=None) -> int:
     res["attention"], res["uptrain"], failed, more = {}, {}, [], []
     try:
         if "attention" in parts:
-            res["attention"], failed = attention_part(args, device, dtype, Budget(budget.left() / len(parts)))
+            attention_part(args, device, dtype, Budget(budget.left() / len(parts)), res["attention"], failed)
         if "uptrain" in parts:
             res["uptrain"], more = uptrain_part(args, device, budget)
     except KeyboardInterrupt:  # run.sh's timeout interrupts (SIGINT): keep and report what finished
-        more = [*more, "interrupted at the time limit: the parts after the last row shown did not run"]
+        res["interrupted"] = True
+        more = [*more, "interrupted at the time limit: the rows after the last one shown did not run"]
     res["failed_checks"] = failed + more
     report(res, args)
     write_json(args.json, res)

@@ -1,10 +1,12 @@
 """Whether held-out text is also training or calibration text: the check that keeps a held-out score held out.
 
-Two inputs count as one text when they are the same file or folder, or when some file of one starts with the same
-bytes as some file of the other (its first `HEAD` bytes, or all of the shorter one): a copy, a prefix or a
-truncation of the other, the same file under two names. Only those heads are read, so the check costs nothing on
-large corpora; a passage cut from the middle of a training file is not caught (keep held-out text in files of its
-own). Hub datasets (`hf:NAME`) are not read.
+Two inputs count as one text when they are the same file or folder, or when some data file of one starts with the
+same bytes as some data file of the other: their first `HEAD` bytes, or all of the shorter one when that is at least
+`MIN_SHARED` bytes or the two files are equal (a copy, a prefix or a truncation of the other, the same file under
+two names). In a folder only data files count (.txt, .jsonl, .json, .parquet, .arrow), not the metadata that any two
+datasets of one schema share (`save_to_disk`'s dataset_info.json / state.json, READMEs, licences). Only those heads
+are read, so the check costs little on large corpora; a passage cut from the middle of a training file is not caught
+(keep held-out text in files of its own). Hub datasets (`hf:NAME`) are not read.
 """
 from __future__ import annotations
 
@@ -13,14 +15,17 @@ from pathlib import Path
 from gqakit.common.errors import GqakitError
 
 HEAD = 4096  # bytes: different books, articles or datasets differ well within it; a shared licence header does not
-MAX_FILES = 10_000  # files of one folder looked at (the first, in sorted order)
+MIN_SHARED = 256  # bytes a shorter file must hold to count as a part of another it begins (unless they are equal)
+DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".arrow")
+METADATA = ("dataset_info.json", "dataset_dict.json", "state.json")
 
 
 def _files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))[:MAX_FILES]
+        return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES
+                      and p.name not in METADATA and not p.name.startswith((".", "README", "LICENSE")))
     return []
 
 
@@ -37,16 +42,21 @@ def shared_text(a: str | Path, b: str | Path) -> tuple[Path, Path] | None:
         return None
     if a.resolve() == b.resolve():
         return a, b
-    heads = {}
+    # b's heads by their first MIN_SHARED bytes (a match shares at least those), and whole by content (equal files)
+    by_start: dict[bytes, list[tuple[bytes, Path]]] = {}
+    whole: dict[bytes, Path] = {}
     for path in _files(b):
         head = _head(path)
         if head:
-            heads.setdefault(head, path)
+            whole.setdefault(head, path)
+            by_start.setdefault(head[:MIN_SHARED], []).append((head, path))
     for path in _files(a):
         head = _head(path)
-        if not head:
+        if head in whole and len(head) < HEAD:  # two whole files, equal (short ones included)
+            return path, whole[head]
+        if len(head) < MIN_SHARED:
             continue
-        for other, where in heads.items():
+        for other, where in by_start.get(head[:MIN_SHARED], ()):
             n = min(len(head), len(other))
             if head[:n] == other[:n]:
                 return path, where

@@ -258,7 +258,7 @@ def _check_model(model, policies: tuple[str, ...], cfg: StreamConfig, tokens: in
         if rotation.positions is not None and needed > rotation.positions:
             raise GqakitError(f"{opt('policies', policy)} feeds positions up to {needed - 1:,} (about 2 x (sinks + "
                               f"window) + {opt('chunk')}: the window moves back once it has grown by sinks + window) "
-                              f"but {ends}; lower {opt('window')} or {opt('chunk')}")
+                              f"but {ends}; lower {opt('sinks')}, {opt('window')} or {opt('chunk')}")
         if narrow is not None and narrow[1] < sinks + cfg.window + 1:
             width = narrow[1]
             fix = (f"lower {opt('window')} to {width - 1 - sinks:,}" if width - 1 - sinks >= 1 else

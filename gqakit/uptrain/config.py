@@ -295,6 +295,10 @@ def check(cfg: UptrainConfig) -> dict:
     return model_config
 
 
+# model types whose positions come from a table that ends at the context (learned, or GPT-J's precomputed RoPE)
+TABLE_POSITIONS = ("gpt2", "gptj", "codegen", "gpt_bigcode", "gqakit_gpt_bigcode", "opt")
+
+
 def _check_ring(cfg: UptrainConfig, model_config: dict, limit: int | None) -> None:
     """context_parallel > 1: what ring attention, one MaskSpec over a padded layout, cannot run exactly."""
     from transformers import AutoConfig
@@ -314,14 +318,19 @@ def _check_ring(cfg: UptrainConfig, model_config: dict, limit: int | None) -> No
         raise GqakitError(f"seq_len={cfg.seq_len} is shorter than 2 * context_parallel={2 * P}; "
                           "lower context_parallel or raise seq_len")
     padded = -(-cfg.seq_len // (2 * P)) * 2 * P  # RingLayout.padded_len: end padding takes positions past seq_len
-    if limit and cfg.seq_len <= limit < padded:
+    # harmless under fixed RoPE (padding is masked and unscored); a position table ends there, and dynamic / longrope
+    # scaling changes every token's frequencies with the largest position
+    rope = (text.get("rope_parameters") or text.get("rope_scaling") or {}).get("rope_type")
+    ends = text.get("model_type") in TABLE_POSITIONS or rope in ("dynamic", "longrope")
+    if ends and limit and cfg.seq_len <= limit < padded:
         raise GqakitError(f"seq_len={cfg.seq_len} is padded to {padded} positions for context_parallel={P} (a "
                           f"multiple of 2 x {P}), past {cfg.model}'s {limit}; use a seq_len that is a multiple of "
                           f"{2 * P}, e.g. {padded - 2 * P}")
     if cfg.teacher is not None:  # the teacher runs inside the student's ring, under its MaskSpec
         windows = {path: getattr(AutoConfig.from_pretrained(path).get_text_config(decoder=True), "sliding_window", None)
                    for path in (cfg.model, cfg.teacher)}
-        if windows[cfg.model] != windows[cfg.teacher]:
+        seen = {path: None if w is None or w >= cfg.seq_len else w for path, w in windows.items()}  # what it hides
+        if seen[cfg.model] != seen[cfg.teacher]:
             raise GqakitError(f"distillation with context_parallel runs the teacher inside the student's ring, with "
                               f"the student's attention window ({windows[cfg.model] or 'none'}), but teacher "
                               f"{cfg.teacher} attends within {windows[cfg.teacher] or 'no window'}; use a teacher "

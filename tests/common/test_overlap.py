@@ -24,6 +24,27 @@ def test_copies_prefixes_and_the_same_file_are_one_text_other_slices_are_not(tmp
     assert shared_text("hf:wikitext", book) is None and shared_text(tmp_path / "missing.txt", book) is None
 
 
+def test_datasets_of_one_schema_are_not_one_text(tmp_path):
+    """Two save_to_disk datasets (a train / test split) share a byte-identical dataset_info.json, and two rows
+    folders a README: only data files are compared (a review found the split refused)."""
+    import datasets
+
+    split = datasets.Dataset.from_dict({"text": [f"document {i} about apples and rivers" * 20 for i in range(60)]}
+                                       ).train_test_split(test_size=10, seed=0)
+    split["train"].save_to_disk(str(tmp_path / "train"))
+    split["test"].save_to_disk(str(tmp_path / "test"))
+    assert (tmp_path / "train" / "dataset_info.json").read_bytes() == (tmp_path / "test" / "dataset_info.json"
+                                                                          ).read_bytes()
+    assert shared_text(tmp_path / "test", tmp_path / "train") is None
+    split["train"].save_to_disk(str(tmp_path / "again"))
+    assert shared_text(tmp_path / "again", tmp_path / "train") is not None  # the same rows saved twice
+    for name, rows in (("a", range(0, 30)), ("b", range(30, 60))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "README.md").write_text("# my corpus\n" * 40)
+        (tmp_path / name / "rows.jsonl").write_text("".join(f'{{"text": "row {i} " }}\n' * 20 for i in rows))
+    assert shared_text(tmp_path / "a", tmp_path / "b") is None
+
+
 def test_uptrain_refuses_eval_data_that_is_its_training_text(tmp_path):
     """A review's case: data and eval_data the same file ran and printed a "held-out perplexity" of text it trained
     on; a copy under another name too."""

@@ -221,7 +221,8 @@ def positions_models(tmp_path_factory):
                                     "(no RoPE); lower --tokens to 65 or use --policy recompute"),
     ("gptj", ["--policy", "sinks", "--sinks", 2, "--window", 8, "--chunk", 4],
      "--policy sinks feeds positions up to 21 (about 2 x (sinks + window) + --chunk: the window moves back once it has "
-     "grown by sinks + window) but GPTJForCausalLM's positions end at 16 (its RoPE table); lower --window or --chunk"),
+     "grown by sinks + window) but GPTJForCausalLM's positions end at 16 (its RoPE table); lower --sinks, --window "
+     "or --chunk"),
     ("gpt2", ["--policy", "recompute", "--window", 60, "--chunk", 16], "--policy recompute feeds 76 positions per "
                                                                         "forward (--window + R) but GPT2LMHeadModel"),
     ("gpt2", ["--policy", "window", "--window", 16], "--policy window keeps a bounded cache whose keys it moves by "

@@ -516,7 +516,7 @@ def test_a_decoders_held_out_figure_is_what_the_card_says_eval_ppl_reproduces(ti
     held.write_text(open(HELDOUT_TEXT, encoding="utf-8").read()[30_000:36_000], encoding="utf-8")
     record = uptrain(_cfg(tiny, tmp_path, steps=1, eval_data=[str(held)], eval_sequences=4, lr=1e-9))
     card = (tmp_path / "run" / "README.md").read_text()
-    assert "`gqakit eval ppl --max-length 33 --stride 32`" in card
+    assert "`gqakit eval ppl --max-length 33 --stride 32 --max-tokens 129` scores the same tokens of eval_data" in card
     code, _, err = run_eval("ppl", tiny["model"], "--text", held, "--max-length", 33, "--stride", 32, "--max-tokens",
                             4 * 32 + 1, "-o", tmp_path / "ppl", "-q")
     assert code == 0, err
@@ -543,7 +543,9 @@ def _edited(src: Path, dst: Path, **config) -> Path:
 def test_what_the_ring_cannot_run_exactly_is_refused(tiny, tmp_path, case, needle):
     """A review's cases, each silently wrong or a crash with context_parallel=2: Llama 4's chunked layers ran as full
     causal attention (the ring keeps one MaskSpec); a full-attention teacher ran under a windowed student's spec;
-    the ring's end padding took positions past a learned table (an IndexError)."""
+    the ring's end padding took positions past a learned table (an IndexError; under dynamic RoPE it would rescale
+    every token's frequencies). Fixed RoPE pads past its context harmlessly, and a window no sequence reaches hides
+    nothing: both run."""
     from gqakit.common.errors import GqakitError
     from gqakit.uptrain.config import check
 
@@ -554,12 +556,20 @@ def test_what_the_ring_cannot_run_exactly_is_refused(tiny, tmp_path, case, needl
         fields["model"] = str(_edited(tiny["model"], tmp_path / "m", layer_types=["chunked_attention"] * 2,
                                       attention_chunk_size=8))
     elif case == "padded":
-        fields.update(model=str(_edited(tiny["model"], tmp_path / "m", max_position_embeddings=45)), seq_len=45)
+        dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+        fields.update(model=str(_edited(tiny["model"], tmp_path / "m", max_position_embeddings=45,
+                                        rope_parameters=dynamic)), seq_len=45)
     else:
         fields["teacher"] = str(_edited(tiny["model"], tmp_path / "t", model_type="mistral", sliding_window=8,
                                         architectures=["MistralForCausalLM"]))
     with pytest.raises(GqakitError) as e:
         check(_cfg(tiny, tmp_path, **fields))
     assert needle in str(e.value) and "\n" not in str(e.value)
-    if case == "padded":  # a multiple of 2P fits
+    if case == "padded":  # a multiple of 2P fits; fixed RoPE pads past its context
         check(_cfg(tiny, tmp_path / "fits", **{**fields, "seq_len": 44}))
+        fixed = _edited(tiny["model"], tmp_path / "fixed", max_position_embeddings=45)
+        check(_cfg(tiny, tmp_path / "fixed-run", **{**fields, "model": str(fixed)}))
+    if case == "teacher":  # a window of 64 hides nothing from sequences of 32
+        wide = _edited(tiny["model"], tmp_path / "wide", model_type="mistral", sliding_window=64,
+                       architectures=["MistralForCausalLM"])
+        check(_cfg(tiny, tmp_path / "wide-run", **{**fields, "teacher": str(wide)}))
