@@ -26,7 +26,13 @@ def kv_summary(plan: Plan) -> str:
         change = f"{before / after:.2f}x smaller"
     else:
         change = f"{after / before:.2f}x larger"
-    return f"KV cache per token at the stored dtype: {before:,} -> {after:,} bytes ({change})"
+    return f"KV cache per token at the stored dtype: {before:,} -> {after:,} bytes ({change}){_slides(plan)}"
+
+
+def _slides(plan: Plan) -> str:
+    """Where layers slide, the per-token figure holds up to their window: past it they cache no more tokens."""
+    w = plan.sliding_window
+    return f"; sliding-window layers cache at most {w:,} tokens each" if w else ""
 
 
 def describe_plan(plan: Plan) -> str:
@@ -259,7 +265,7 @@ f" (re-hosted: {plan.rehosted.describe()})" if plan.rehosted else ""} |
 | K/V heads | {plan.num_key_value_heads} -> {"a fitted latent" if plan.latent_fit else f"{plan.groups} ({plan.mode})"} |
 {encoder_row}{attention_row}| method | {plan.method}{seed} |
 | head_dim | {plan.head_dim} |
-| {bytes_label} | {before:,} -> {after:,} |
+| {bytes_label} | {before:,} -> {after:,}{_slides(plan)} |
 | dtype | {cfg.dtype} |
 {_method_rows(cfg, plan, calibration)}
 {reads}

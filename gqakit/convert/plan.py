@@ -16,7 +16,7 @@ from gqakit.hf.architectures.latent import LatentShape, fitted_shape, host_refus
 from gqakit.hf.headers import CODES, ITEMSIZES, DerivedTensor, TensorInfo, assign_shards, shard_names
 from gqakit.hf.architectures.refused import refusal
 from gqakit.hf.architectures.rehost import Rehosted, find_rehost, rehost, rehosted_architectures
-from gqakit.hf.config_defaults import rope_of
+from gqakit.hf.config_defaults import filled_or_given, rope_of
 from gqakit.hf.fields import ModelFields, architecture_of, positive_int, read_fields
 from gqakit.convert import methods
 from gqakit.convert.latent.ops import latent_tensors
@@ -64,6 +64,7 @@ class Plan:
     # --to mla: each layer's latent attention, written as transformers' DeepseekV3 (None: grouped K/V heads)
     latent: LatentShape | None = None
     latent_fit: bool = False  # the latent is fitted to the source's K/V heads (--kv-rank / --rope-dim), not an MQA
+    sliding_window: int | None = None  # the window of the layers that slide (they cache at most that many tokens)
 
     @functools.cached_property
     def shards(self) -> list[list[int]]:
@@ -456,8 +457,15 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         max_shard_bytes=max_shard_bytes, source_kv_itemsize=ITEMSIZES[kv_probe.dtype],
         target_kv_itemsize=ITEMSIZES[target(kv_probe)], initializer_range=fields.initializer_range,
         rehosted=rehosted, qkv_layout=qkv_layouts(spec, heads, kv_heads, groups), encoder_layers=encoder,
-        latent=latent, latent_fit=latent_fit,
+        latent=latent, latent_fit=latent_fit, sliding_window=_sliding_window(config),
     )
+
+
+def _sliding_window(config: dict) -> int | None:
+    """The window of a model's sliding-window layers (Mistral's every layer, Gemma 2 / 3's sliding ones), or None."""
+    known = filled_or_given(config)
+    window = known.get("sliding_window")
+    return window if isinstance(window, int) and known.get("use_sliding_window", True) is not False else None
 
 
 def qkv_layouts(spec: ArchSpec, heads: int, kv_heads: int, groups: int) -> tuple[str, str]:
