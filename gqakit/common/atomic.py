@@ -275,3 +275,17 @@ def atomic_output(out: Path, force: bool) -> Iterator[Path]:
             raise
     if old is not None:
         _remove_old(old)
+
+
+def replace_file(path: Path, write) -> None:
+    """Write one file atomically: `write(tmp)` fills `.NAME.gqakit-tmp-PID` beside it, which then replaces `path`
+    (a stop or a full disk leaves the previous file, never half of one)."""
+    path = Path(path)
+    tmp = sibling(path, "tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+

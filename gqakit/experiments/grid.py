@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from gqakit.common.digest import sha256_of
+from gqakit.common.atomic import Terminated, replace_file, sigterm_as_interrupt
 from gqakit.common.errors import GqakitError
 from gqakit.common.overlap import refuse_shared
 from gqakit.common.options import check_fields, option
@@ -119,10 +120,21 @@ def _settings(cfg: GridConfig) -> dict:
     return json.loads(json.dumps(settings))  # tuples read back as lists
 
 
+# What a grid folder holds: its record, its cells, the models it keeps, its report (and files being replaced)
+GRID_ENTRIES = ("grid.json", "cells", "models", "results.md", "results.csv", "results.json", "gqa_paper.png")
+
+
 def _claim(cfg: GridConfig, out: Path) -> None:
-    """Refuse to reuse cells (or kept models) made under other settings, whose numbers would be reported under
-    these; with force, delete them. Then record these settings in OUTPUT/grid.json."""
+    """Refuse a folder the grid did not make, and to reuse cells (or kept models) made under other settings, whose
+    numbers would be reported under these; with force, delete them. Then record these settings in OUTPUT/grid.json."""
     record, cells, models = out / "grid.json", out / "cells", out / "models"
+    if out.exists() and not out.is_dir():
+        raise GqakitError(f"output_dir {out} is a file; give a folder for the grid")
+    entries = sorted(p.name for p in out.iterdir() if ".gqakit-tmp-" not in p.name) if out.is_dir() else []
+    foreign = [name for name in entries if name not in GRID_ENTRIES]
+    if foreign or (entries and not record.is_file()):  # force replaces what the grid wrote, nothing else
+        what = f"holds {', '.join(foreign[:3])}, which" if foreign else "has no grid.json: what it holds"
+        raise GqakitError(f"output_dir {out} {what} the grid did not write; choose a new or empty folder")
     now = _settings(cfg)
     if cfg.force:
         for folder in (cells, models):
@@ -137,7 +149,11 @@ def _claim(cfg: GridConfig, out: Path) -> None:
                               "reported under these settings. Choose another output_dir, or pass force=true to "
                               "start the grid over")
     cells.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({**to_dict(cfg), "settings": now}, indent=2) + "\n")
+    _write(record, json.dumps({**to_dict(cfg), "settings": now}, indent=2) + "\n")
+
+
+def _write(path: Path, text: str) -> None:
+    replace_file(path, lambda tmp: tmp.write_text(text))
 
 
 def _cells(cfg: GridConfig) -> list[dict]:
@@ -248,6 +264,17 @@ def run_cell(cfg: GridConfig, cell: dict, work: Path, ids: torch.Tensor, mha_ppl
     return row
 
 
+def _finished(path: Path) -> dict | None:
+    """A finished cell's row, or None: not run yet, or a file a crash left unreadable (run again, with a notice)."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        print(f"[grid] {path} is unreadable (a stopped run's?): running that cell again", flush=True)
+        return None
+
+
 def run_grid(cfg: GridConfig) -> list[dict]:
     from transformers import AutoTokenizer
 
@@ -262,13 +289,12 @@ def run_grid(cfg: GridConfig) -> list[dict]:
     rows, mha_ppl = [], None
     for cell in _cells(cfg):
         path = cells_dir / f"{_name(cell)}.json"
-        if path.is_file():
-            row = json.loads(path.read_text())
-        else:
+        row = _finished(path)
+        if row is None:
             print(f"[grid] {_name(cell)} ...", flush=True)
             row = run_cell(cfg, cell, work, ids, mha_ppl)
             row["versions"] = versions()
-            path.write_text(json.dumps(row, indent=2) + "\n")
+            _write(path, json.dumps(row, indent=2) + "\n")
         print(f"[grid] {row['name']}: perplexity {row['perplexity']:.2f} ({row['seconds']:.0f} s)", flush=True)
         mha_ppl = mha_ppl or row["perplexity"]
         rows.append(row)
@@ -284,10 +310,16 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m gqakit.experiments.grid RECIPE.yaml [key=value ...]", file=sys.stderr)
         return 2
     try:
-        run_grid(load_recipe(GridConfig, argv[0], argv[1:]))
+        with sigterm_as_interrupt():  # SIGTERM stops it as Ctrl-C does
+            run_grid(load_recipe(GridConfig, argv[0], argv[1:]))
     except GqakitError as e:
         print(f"gqakit grid: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        print(f"gqakit grid: {'terminated' if terminated else 'interrupted'}; the finished cells are kept: run the "
+              "same command again to go on", file=sys.stderr)
+        return 143 if terminated else 130
     return 0
 
 

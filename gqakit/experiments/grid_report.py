@@ -5,6 +5,7 @@ import csv
 import json
 from pathlib import Path
 
+from gqakit.common.atomic import replace_file
 from gqakit.common.recipes import to_dict
 from gqakit.convert import methods
 
@@ -72,18 +73,21 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("uptraining alpha (fraction of pretraining tokens)")
     axes[0][0].set_ylabel("held-out perplexity (log)")
     axes[0][-1].legend(frameon=False, fontsize=8)
-    fig.savefig(path)
+    fig.savefig(path, format="png")  # path may be a working name without the suffix
 
 
 def write_grid_report(out: Path, rows: list[dict], cfg, eval_tokens: int) -> None:
     out = Path(out)
     table = grid_table(rows)
-    (out / "results.md").write_text(table + "\n")
-    with (out / "results.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "results.json").write_text(json.dumps({"config": to_dict(cfg), "eval_tokens": eval_tokens,
-                                                   "results": rows}, indent=2) + "\n")
-    plot(rows, out / "gqa_paper.png")
+    replace_file(out / "results.md", lambda tmp: tmp.write_text(table + "\n"))
+
+    def write_csv(tmp: Path) -> None:
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, FIELDS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+    replace_file(out / "results.csv", write_csv)
+    report = json.dumps({"config": to_dict(cfg), "eval_tokens": eval_tokens, "results": rows}, indent=2) + "\n"
+    replace_file(out / "results.json", lambda tmp: tmp.write_text(report))
+    replace_file(out / "gqa_paper.png", lambda tmp: plot(rows, tmp))
     print(table)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gqakit.common.errors import GqakitError
-from gqakit.common.recipes import from_dict
+from gqakit.common.recipes import from_dict, to_dict
 from gqakit.experiments.grid import GridConfig, run_grid
 from gqakit.experiments.grid_report import grid_table
 from uptrain_tiny import make_text, make_uptrain_model
@@ -179,3 +179,40 @@ def test_grid_on_an_encoder_decoder_scores_span_corruption(tmp_path):
     assert [r["objective"] for r in scored] == ["span_corruption"] * 2
     assert scored[0]["perplexity"] == pytest.approx(rows["mha"]["perplexity"], rel=1e-6)
     assert scored[1]["perplexity"] == pytest.approx(rows["gqa2-mean-a0"]["perplexity"], rel=1e-6)
+
+
+def test_the_grid_writes_only_into_a_folder_of_its_own(tmp_path, monkeypatch, capsys):
+    """An output_dir holding the user's results.json, results.md and models/mine.txt was overwritten and its
+    models/ deleted (a review); a cell file a crash cut short stopped every later run with a JSONDecodeError; Ctrl-C
+    printed a traceback."""
+    from gqakit.experiments import grid
+    from gqakit.experiments.grid import _claim, _finished
+
+    model = make_uptrain_model(tmp_path / "mha", kv_heads=4, pretraining_tokens=3_200)
+    mine = tmp_path / "mine"
+    (mine / "models").mkdir(parents=True)
+    for name in ("results.json", "results.md", "models/mine.txt"):
+        (mine / name).write_text("the user's")
+    cfg = from_dict(GridConfig, {**_tiny_grid(tmp_path, model, make_text(tmp_path / "eval.txt")),
+                                 "output_dir": str(mine)})
+    for force in (False, True):
+        with pytest.raises(GqakitError, match="has no grid.json: what it holds the grid did not write"):
+            _claim(from_dict(GridConfig, {**to_dict(cfg), "force": force}), mine)
+    (mine / "grid.json").write_text("{}")
+    (mine / "notes.txt").write_text("mine too")
+    with pytest.raises(GqakitError, match="holds notes.txt, which the grid did not write"):
+        _claim(cfg, mine)
+    assert sorted(p.name for p in mine.rglob("*")) == ["grid.json", "mine.txt", "models", "notes.txt",
+                                                        "results.json", "results.md"]
+    cut = tmp_path / "cell.json"
+    cut.write_text('{"name": "mha", "perplex')
+    assert _finished(cut) is None and "unreadable" in capsys.readouterr().out
+
+    def stopped(cfg):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(grid, "run_grid", stopped)
+    recipe = tmp_path / "grid.yaml"
+    recipe.write_text(json.dumps(_tiny_grid(tmp_path, model, tmp_path / "eval.txt")))
+    assert grid.main([str(recipe)]) == 130
+    assert capsys.readouterr().err == ("gqakit grid: interrupted; the finished cells are kept: run the same command "
+                                       "again to go on\n")

@@ -106,6 +106,8 @@ def test_force_replaces_a_run_folder_only_while_it_holds_only_the_runs_files(tin
     (run / "my-eval.txt").write_text("mine")
     run_refused(tmp_path, "gqakit", "uptrain", str(recipe), "--force", needles=("holds my-eval.txt",))
     (run / "my-eval.txt").unlink()
+    (run / "tensorboard").mkdir()  # what metrics.py's SummaryWriter writes where tensorboard is installed: ours
+    (run / "tensorboard" / "events.out.tfevents.0.host.0.0").write_bytes(b"")
     done = run_cli("gqakit", "uptrain", str(recipe), "--force", "-q")
     assert done.returncode == 0, done.stderr
     assert (run / "model.safetensors").is_file() and not (run / "uptrain.lock").exists()

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from gqakit.common import dtypes
+from gqakit.common.atomic import interrupts_deferred
 from gqakit import __version__
 from gqakit.uptrain.run.folder import FINISHED, MARKER
 
@@ -139,9 +140,10 @@ def save_final(model, tokenizer, output_dir: Path, record: dict, *, is_main: boo
             model.generation_config.save_pretrained(tmp)
         (tmp / "README.md").write_text(_card(source, record))
         files = sorted(path.name for path in tmp.iterdir())
-        for name in files:
-            os.replace(tmp / name, out / name)
-        tmp.rmdir()
-        finished = {**record, "files": files}  # what --force may later replace (run_folder.own_entries)
-        (out / FINISHED).write_text(json.dumps(finished, indent=2, default=str) + "\n")
+        with interrupts_deferred():  # a stop between two moves left a half-published model no rerun could clear
+            for name in files:
+                os.replace(tmp / name, out / name)
+            tmp.rmdir()
+            finished = {**record, "files": files}  # what --force may later replace (run_folder.own_entries)
+            (out / FINISHED).write_text(json.dumps(finished, indent=2, default=str) + "\n")
     barrier()

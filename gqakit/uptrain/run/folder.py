@@ -16,7 +16,7 @@ MARKER = "uptrain-recipe.json"  # written when training starts: this folder belo
 FINISHED = "uptraining.json"  # written last: the final model in this folder is complete; lists its files
 # What a run writes besides the final model's files (which FINISHED lists). `--force` replaces a run
 # folder only when every entry in it is one of these: it never deletes a file gqakit did not write.
-RUN_ENTRIES = (MARKER, FINISHED, LOCK, CHECKPOINTS, "metrics.csv", "loss.png", ".final.tmp")
+RUN_ENTRIES = (MARKER, FINISHED, LOCK, CHECKPOINTS, "metrics.csv", "loss.png", "tensorboard", ".final.tmp")
 # The final model's files, for a finished run recorded before FINISHED listed them.
 MODEL_ENTRIES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
                  "README.md", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
