@@ -25,8 +25,8 @@ What runs where (torch 2.13; checked on CPU only, no GPU was lent to the session
   scores; neither has a backward ("FlexAttention does not support backward on CPU"). So on CPU this
   module is a forward-only check of the lowering; training stays on `tiled_attention`. CPU compiles use
   static shapes: with dynamic ones the C++ flex template fails to build (see `_compiled`).
-- CUDA (written for, not run): compiled flex (Triton), forward and backward; torch's flex backward takes
-  the lse's gradient too, so s_aux trains through `fold_sink`.
+- CUDA (the device check's runs: docs/results/gpu.md): compiled flex (Triton), forward and backward; torch's flex
+  backward takes the lse's gradient too, so s_aux trains through `fold_sink`.
 
 `choose_backend` / `attention_forward` route a call: plain causal or bidirectional attention with
 nothing else -> `scaled_dot_product_attention` (FlashAttention on CUDA); any other pattern on CUDA ->
@@ -155,8 +155,9 @@ def spec_mask_mod(spec, q_offset: int = 0, kv_offset: int = 0, key_padding: torc
 
     `key_padding` (B, Tk) bool marks real keys; `extra_mask` is a transformers-style mask function on
     absolute positions; `allowed` a dense bool mask (B|1, H|1, Tq, Tk) on local indices; `row_shift` (B,) moves
-    row b's positions for the spec alone (`tiled_attention`'s). The offsets are captured as 0-d tensors, so
-    decoding step after step does not recompile the kernel."""
+    row b's positions for the spec alone (`tiled_attention`'s). The offsets are captured as 0-d tensors, so that
+    where shapes are dynamic (CUDA) decoding step after step need not recompile; CPU compiles use static shapes and
+    do (see `_compiled`)."""
     fn = _mask_function(spec)
     qo = torch.tensor(int(q_offset), dtype=torch.int32, device=device)
     ko = torch.tensor(int(kv_offset), dtype=torch.int32, device=device)
@@ -191,6 +192,11 @@ def _mask_extent(mask_mod: Callable, B: int, H: int, device) -> tuple[int | None
 
 
 _COMPILED: dict[tuple[str, str], Callable] = {}
+# Compiled variants one wrapper may hold: dynamo guards on each pattern's numbers (a window of 8 and of 12 are two),
+# on padding or none, batch, prefill or decode. Past torch's default of 8 it ran the next ones as eager flex,
+# silently: the whole score matrix in memory (about 128 GiB at 32k tokens of a 1B shape), a review measured 9
+# variants in one short Gemma 2 session. Raised process-wide, never lowered.
+RECOMPILE_LIMIT = 256
 
 
 def _compiled(fn: Callable, device: torch.device) -> Callable:
@@ -199,6 +205,9 @@ def _compiled(fn: Callable, device: torch.device) -> Callable:
     template fails to compile ("cur_kvSplitSize3 was not declared", torch 2.13)."""
     key = (fn.__name__, device.type)
     if key not in _COMPILED:
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+        setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
         _COMPILED[key] = torch.compile(fn, dynamic=False if device.type == "cpu" else None)
     return _COMPILED[key]
 

@@ -450,3 +450,21 @@ def test_a_bf16_bias_gives_the_tiled_result():
     got = fx.flex_attention_forward(q, k, v, scale=8 ** -0.5, attn_mask=bias, block_size=16)
     want = tiled_attention(q, k, v, scale=8 ** -0.5, attn_mask=bias.float(), block_q=16, block_k=16)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiling_flex_raises_dynamos_recompile_limit(monkeypatch):
+    """Each mask pattern's numbers, padding, batch and prefill / decode are a compiled variant of their own; past
+    dynamo's default of 8 the next ran as eager flex, silently (a review: 9 in one short Gemma 2 session). A higher
+    limit the user set is kept."""
+    import torch._dynamo
+
+    from gqakit.attention import flex
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    monkeypatch.setattr(flex, "_COMPILED", {})
+    for before, after in ((8, flex.RECOMPILE_LIMIT), (1_000, 1_000)):
+        monkeypatch.setattr(config, name, before)
+        flex._COMPILED.clear()
+        flex._compiled(lambda x: x, torch.device("cpu"))
+        assert getattr(config, name) == after
