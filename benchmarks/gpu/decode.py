@@ -213,8 +213,9 @@ def run_variant(name: str, model, args, device, dtype, budget: Budget) -> dict:
             except Exception as e:  # noqa: BLE001
                 if not is_oom(e):
                     raise
-                release(device)
                 cells[key] = {"skipped": "out of memory"}
+            if "skipped" in cells[key]:  # after the except block: its traceback held the cell's tensors until here,
+                release(device)  # and the next cell's free-memory reading would count them as taken
             log(f"{name} B={batch} T={context}: {cells[key]}")
     for context in (int(x) for x in args.fit_contexts.split(",")):
         fit[str(context)] = largest_batch(model, context, args.fit_cap, dtype, device, budget)

@@ -134,8 +134,9 @@ def attention_part(args, device, dtype, budget: Budget, rows: dict, failed: list
             except Exception as e:  # noqa: BLE001
                 if not is_oom(e):
                     raise
-                release(device)
                 rows[f"{name}@{T}"] = {"skipped": "out of memory"}
+            if rows.get(f"{name}@{T}", {}).get("skipped") == "out of memory":
+                release(device)  # after the except block, whose traceback held the step's tensors until here
                 continue
             row = {"ms": 1e3 * med, "tflops": flops / med / 1e12}
             if references is not None:
