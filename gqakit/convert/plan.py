@@ -457,15 +457,25 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         max_shard_bytes=max_shard_bytes, source_kv_itemsize=ITEMSIZES[kv_probe.dtype],
         target_kv_itemsize=ITEMSIZES[target(kv_probe)], initializer_range=fields.initializer_range,
         rehosted=rehosted, qkv_layout=qkv_layouts(spec, heads, kv_heads, groups), encoder_layers=encoder,
-        latent=latent, latent_fit=latent_fit, sliding_window=_sliding_window(config),
+        latent=latent, latent_fit=latent_fit, sliding_window=None if latent is not None else _sliding_window(config),
     )
 
 
+# model types whose sliding_window acts only with use_sliding_window: true (their class's default is false)
+OPT_IN_WINDOW = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
 def _sliding_window(config: dict) -> int | None:
-    """The window of a model's sliding-window layers (Mistral's every layer, Gemma 2 / 3's sliding ones), or None."""
+    """The window of a model's sliding-window layers (Mistral's every layer, the sliding ones of layer_types), or
+    None: no window, one no sequence reaches (at least the context), or no layer that slides."""
     known = filled_or_given(config)
     window = known.get("sliding_window")
-    return window if isinstance(window, int) and known.get("use_sliding_window", True) is not False else None
+    if not isinstance(window, int) or window >= (known.get("max_position_embeddings") or window + 1):
+        return None
+    if known.get("model_type") in OPT_IN_WINDOW and known.get("use_sliding_window") is not True:
+        return None
+    types = known.get("layer_types")
+    return window if types is None or "sliding_attention" in types else None
 
 
 def qkv_layouts(spec: ArchSpec, heads: int, kv_heads: int, groups: int) -> tuple[str, str]:

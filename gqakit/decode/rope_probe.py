@@ -56,7 +56,7 @@ def measure_rotation(model) -> KeyRotation:
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder; the bounded caches hold a decoder's self-attention keys of a "
                          "decoder-only model: use a full cache")
-    if any(p.is_meta for p in model.parameters()):
+    if not getattr(model, "hf_device_map", None) and any(p.is_meta for p in model.parameters()):  # offloaded: hooks
         raise ValueError(f"{name} is on the meta device (no weights to run); load its weights before building a "
                          "cache that measures it")
     freqs = rope_frequencies(model)

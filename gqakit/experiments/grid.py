@@ -130,7 +130,10 @@ def _claim(cfg: GridConfig, out: Path) -> None:
     record, cells, models = out / "grid.json", out / "cells", out / "models"
     if out.exists() and not out.is_dir():
         raise GqakitError(f"output_dir {out} is a file; give a folder for the grid")
-    entries = sorted(p.name for p in out.iterdir() if ".gqakit-tmp-" not in p.name) if out.is_dir() else []
+    # hidden entries are nobody's results (a stopped write's temp, .DS_Store, .ipynb_checkpoints); an empty cells/
+    # is what a first run stopped before its record leaves
+    entries = sorted(p.name for p in out.iterdir() if not p.name.startswith(".")
+                     and not (p.name == "cells" and p.is_dir() and not any(p.iterdir()))) if out.is_dir() else []
     foreign = [name for name in entries if name not in GRID_ENTRIES]
     if foreign or (entries and not record.is_file()):  # force replaces what the grid wrote, nothing else
         what = f"holds {', '.join(foreign[:3])}, which" if foreign else "has no grid.json: what it holds"
@@ -148,8 +151,9 @@ def _claim(cfg: GridConfig, out: Path) -> None:
             raise GqakitError(f"{out} holds cells made with other {', '.join(changed)}; their numbers would be "
                               "reported under these settings. Choose another output_dir, or pass force=true to "
                               "start the grid over")
-    cells.mkdir(parents=True, exist_ok=True)
-    _write(record, json.dumps({**to_dict(cfg), "settings": now}, indent=2) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    _write(record, json.dumps({**to_dict(cfg), "settings": now}, indent=2) + "\n")  # first: it makes the folder ours
+    cells.mkdir(exist_ok=True)
 
 
 def _write(path: Path, text: str) -> None:

@@ -19,6 +19,7 @@ from gqakit.common.atomic import inside
 from gqakit.common.errors import GqakitError
 from gqakit.common.options import check_fields, option, options_given
 from gqakit.common.recipes import to_dict
+from gqakit.hf.config_defaults import rope_of
 from gqakit.hf.fields import context_length
 from gqakit.uptrain import sharding
 
@@ -319,9 +320,12 @@ def _check_ring(cfg: UptrainConfig, model_config: dict, limit: int | None) -> No
                           "lower context_parallel or raise seq_len")
     padded = -(-cfg.seq_len // (2 * P)) * 2 * P  # RingLayout.padded_len: end padding takes positions past seq_len
     # harmless under fixed RoPE (padding is masked and unscored); a position table ends there, and dynamic / longrope
-    # scaling changes every token's frequencies with the largest position
-    rope = (text.get("rope_parameters") or text.get("rope_scaling") or {}).get("rope_type")
-    ends = text.get("model_type") in TABLE_POSITIONS or rope in ("dynamic", "longrope")
+    # scaling changes every token's frequencies once the largest position passes its original context
+    rope = rope_of(text)
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind in ("dynamic", "longrope"):
+        limit = rope.get("original_max_position_embeddings") or text.get("original_max_position_embeddings") or limit
+    ends = text.get("model_type") in TABLE_POSITIONS or kind in ("dynamic", "longrope")
     if ends and limit and cfg.seq_len <= limit < padded:
         raise GqakitError(f"seq_len={cfg.seq_len} is padded to {padded} positions for context_parallel={P} (a "
                           f"multiple of 2 x {P}), past {cfg.model}'s {limit}; use a seq_len that is a multiple of "

@@ -287,3 +287,17 @@ def test_a_model_on_the_meta_device_is_refused_in_one_line():
     with pytest.raises(ValueError, match="LlamaForCausalLM is on the meta device") as err:
         SinkCache(2, 6, rope=model)
     assert "\n" not in str(err.value)
+
+
+
+def test_an_offloaded_model_is_measured_through_its_hooks(tmp_path):
+    """A model loaded with part of it offloaded to disk holds those weights on the meta device and loads them at
+    forward time: it is measured as any model (the meta refusal stopped it, a review)."""
+    model = family("llama", layers=2, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "m")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=device_map,
+                                                     offload_folder=str(tmp_path / "off"))
+    assert any(p.is_meta for p in offloaded.parameters())
+    assert measure_rotation(offloaded).rotary == (True, True)

@@ -204,6 +204,11 @@ def test_the_grid_writes_only_into_a_folder_of_its_own(tmp_path, monkeypatch, ca
         _claim(cfg, mine)
     assert sorted(p.name for p in mine.rglob("*")) == ["grid.json", "mine.txt", "models", "notes.txt",
                                                         "results.json", "results.md"]
+    ours = tmp_path / "ours"  # a grid folder with a Finder file, or one a first run left with only an empty cells/
+    (ours / "cells").mkdir(parents=True)
+    (ours / ".DS_Store").write_bytes(b"")
+    _claim(from_dict(GridConfig, {**to_dict(cfg), "output_dir": str(ours)}), ours)
+    assert (ours / "grid.json").is_file()
     cut = tmp_path / "cell.json"
     cut.write_text('{"name": "mha", "perplex')
     assert _finished(cut) is None and "unreadable" in capsys.readouterr().out

@@ -206,7 +206,8 @@ def test_a_stale_cache_is_rebuilt_never_used(tok, tmp_path, capsys):
 
 def test_a_rewrite_that_keeps_size_and_mtime_is_stale(tok, tmp_path, capsys):
     """`cp -p`, `tar x` or an image with fixed timestamps can rewrite a file and keep its size and mtime: the cache
-    then served the old text's tokens silently (a review); the change time, which writing sets, now tells."""
+    then served the old text's tokens silently (a review); a hash of its first and last bytes now tells. The same
+    bytes copied again (rsync -a staging, a new change time) are the same source: the cache serves them."""
     text = make_text(tmp_path / "t.txt", chars=3_000)
     _prepare([str(text)], tok, tmp_path / "root", seq_len=16)
     stat = text.stat()
@@ -218,6 +219,11 @@ def test_a_rewrite_that_keeps_size_and_mtime_is_stale(tok, tmp_path, capsys):
     data = _prepare([str(text)], tok, tmp_path / "root", seq_len=16)
     assert "is stale" in capsys.readouterr().err
     assert torch.equal(_train_stream(data), tokenize_stream([other], tok))
+    stat = text.stat()
+    text.write_bytes(text.read_bytes())  # the same bytes written again (a new ctime), with the old mtime back
+    os.utime(text, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    data = _prepare([str(text)], tok, tmp_path / "root", seq_len=16)
+    assert capsys.readouterr().err == "" and torch.equal(_train_stream(data), tokenize_stream([other], tok))
 
 
 def test_caches_are_never_pruned_behind_the_users_back(tok, tmp_path, capsys):
@@ -424,3 +430,12 @@ def test_a_failed_first_tokenisation_leaves_no_lock_file_or_folder(tok, tmp_path
     with pytest.raises(GqakitError, match="has no column 'text'"):
         _prepare([str(rows)], tok, root)
     assert not (tmp_path / "caches").exists()
+
+
+
+def test_a_cache_made_before_the_sample_was_recorded_is_compared_on_what_it_recorded():
+    from gqakit.uptrain.data.token_cache import same_file
+
+    now = {"path": "/d/t.txt", "size": 10, "mtime_ns": 5, "sample": "ab"}
+    assert same_file({"path": "/d/t.txt", "size": 10, "mtime_ns": 5}, now)  # an older header: no rebuild
+    assert not same_file({**now, "sample": "cd"}, now) and not same_file({**now, "mtime_ns": 6}, now)

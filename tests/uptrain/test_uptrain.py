@@ -537,6 +537,7 @@ def _edited(src: Path, dst: Path, **config) -> Path:
     ("chunked", "attends in chunks (attention_chunk_size 8), which the ring would drop"),
     ("chunked-types", "attends in chunks"),
     ("padded", "seq_len=45 is padded to 48 positions for context_parallel=2 (a multiple of 2 x 2), past"),
+    ("padded-legacy", "seq_len=45 is padded to 48 positions"),
     ("teacher", "runs the teacher inside the student's ring, with the student's attention window (none), but "
                 "teacher"),
 ])
@@ -559,6 +560,9 @@ def test_what_the_ring_cannot_run_exactly_is_refused(tiny, tmp_path, case, needl
         dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
         fields.update(model=str(_edited(tiny["model"], tmp_path / "m", max_position_embeddings=45,
                                         rope_parameters=dynamic)), seq_len=45)
+    elif case == "padded-legacy":  # many Llama 2 fine-tunes spell it so
+        fields.update(model=str(_edited(tiny["model"], tmp_path / "m", max_position_embeddings=45,
+                                        rope_scaling={"type": "dynamic", "factor": 2.0})), seq_len=45)
     else:
         fields["teacher"] = str(_edited(tiny["model"], tmp_path / "t", model_type="mistral", sliding_window=8,
                                         architectures=["MistralForCausalLM"]))

@@ -23,6 +23,7 @@ any number of workers.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 from collections.abc import Iterator
@@ -46,7 +47,7 @@ class Source:
     entry: str  # as the user wrote it
     kind: str  # text | rows | saved | hub | cache
     path: Path | None = None
-    files: tuple[Path, ...] = ()  # the files whose (size, mtime, ctime) identify the content
+    files: tuple[Path, ...] = ()  # the files whose (size, mtime, sampled bytes) identify the content
     builder: str | None = None  # json | parquet, for rows
 
 
@@ -111,18 +112,32 @@ def refuse_unread_text_column(sources: list[Source], given: str, drop: str) -> N
 
 
 def describe_files(sources: list[Source]) -> list[dict]:
-    """(path, size, mtime_ns, ctime_ns) of every file behind the sources: what a cache of them must match. The
-    change time too: a copy or an unpacked archive may keep a rewritten file's size and modification time (cp -p,
-    tar x, images with fixed timestamps), but writing it sets its ctime, which no tool sets back."""
+    """(path, size, mtime_ns, sample) of every file behind the sources: what a cache of them must match. The sample
+    (a hash of the first and last `SAMPLE_BYTES`) tells a rewrite that kept size and mtime (cp -p, tar x, images with
+    fixed timestamps) from the same bytes copied again (rsync -a staging, which a change time would not)."""
     out = []
     for source in sources:
         if source.kind == "hub":
-            out.append({"path": source.entry, "size": None, "mtime_ns": None, "ctime_ns": None})
+            out.append({"path": source.entry, "size": None, "mtime_ns": None})
         for f in source.files:
             stat = f.stat()
             out.append({"path": str(f.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                        "ctime_ns": stat.st_ctime_ns})
+                        "sample": sample_digest(f, stat.st_size)})
     return out
+
+
+SAMPLE_BYTES = 1 << 16
+
+
+def sample_digest(path: Path, size: int) -> str:
+    """blake2b of a file's first and last SAMPLE_BYTES (all of a smaller file)."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        digest.update(f.read(SAMPLE_BYTES))
+        if size > 2 * SAMPLE_BYTES:
+            f.seek(size - SAMPLE_BYTES)
+        digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
 
 
 def _cut(buf: bytes, chunk_bytes: int, final: bool) -> int:

@@ -313,7 +313,7 @@ def _unusable(files: list[dict]) -> bool:
             stat = os.stat(f["path"])
         except FileNotFoundError:
             continue  # deleted data
-        if (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns) == (f.get("size"), f.get("mtime_ns"), f.get("ctime_ns")):
+        if (stat.st_size, stat.st_mtime_ns) == (f.get("size"), f.get("mtime_ns")):
             return False  # this source is as it was: the cache may serve it again
     return True
 

@@ -6,7 +6,7 @@
       documents.bin   int64 document boundaries, D + 1 of them: document d is tokens [b[d], b[d + 1])
                       and ends with its EOS (b[0] = 0, b[D] = the token count)
       header.json     written LAST: format version, dtype, token and document counts, EOS id, tokenizer
-                      fingerprint, sources (path, size, mtime_ns, ctime_ns), text column, blake2b checksums of both
+                      fingerprint, sources (path, size, mtime_ns, sampled bytes), text column, blake2b checksums of both
                       .bin files
 
 Why flat binary files: a billion-token corpus is 2 GB of uint16 that any rank can read a window of
@@ -193,7 +193,7 @@ def open_cache(path: str | Path, *, fingerprint: str | None = None, tokenizer_na
 
     `fingerprint`: the tokenizer in use (None: not checked), `tokenizer_name` where it came from (for the
     fix in the message). `sources`: the current (path, size,
-    mtime_ns, ctime_ns) of the data it was made from (None: not checked; a cache the user made may outlive its
+    mtime_ns, sample) of the data it was made from (None: not checked; a cache the user made may outlive its
     sources). `verify`: recompute the checksums (do it on one process, once)."""
     path = Path(path)
     header = read_header(path)
@@ -210,7 +210,7 @@ def open_cache(path: str | Path, *, fingerprint: str | None = None, tokenizer_na
             f"{path} was tokenised by another tokenizer ({header['tokenizer']['name']}, fingerprint "
             f"{header['tokenizer']['fingerprint'][:12]}, not {fingerprint[:12]}); re-run gqakit tokenize with "
             f"--tokenizer {tokenizer_name}", "was made with another tokenizer")
-    if sources is not None and header["sources"] != sources:
+    if sources is not None and not _same_sources(header["sources"], sources):
         changed = next((s["path"] for s in sources if s not in header["sources"]), None) or next(
             (s["path"] for s in header["sources"] if s not in sources), "?")
         raise CacheProblem(f"{path} is stale: {changed} changed since it was tokenised; {redo}",
@@ -221,3 +221,13 @@ def open_cache(path: str | Path, *, fingerprint: str | None = None, tokenizer_na
                 raise CacheProblem(f"{path}/{name} does not match its checksum (corrupted); {redo}",
                                    f"has a corrupted {name} (it does not match its checksum)")
     return TokenCache(path, header)
+
+
+def same_file(recorded: dict, now: dict) -> bool:
+    """Whether a source file is as a cache recorded it (`sources.describe_files`): every field the record holds (a
+    cache made before the sample was recorded is compared on path, size and mtime)."""
+    return all(now.get(key) == value for key, value in recorded.items())
+
+
+def _same_sources(recorded: list[dict], now: list[dict]) -> bool:
+    return len(recorded) == len(now) and all(same_file(r, n) for r, n in zip(recorded, now))
