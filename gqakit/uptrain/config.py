@@ -252,6 +252,27 @@ def _check_model_options(cfg: UptrainConfig, model_config: dict) -> None:
         if teacher.get("vocab_size") != model_config.get("vocab_size"):
             raise GqakitError(f"teacher {cfg.teacher} has vocab_size {teacher.get('vocab_size')} but the model "
                               f"{model_config.get('vocab_size')}; distil from the model the student was converted from")
+        _check_teacher(cfg, teacher, seq2seq)
+
+
+def _check_teacher(cfg: UptrainConfig, teacher: dict, seq2seq: bool) -> None:
+    """The teacher runs its own full attention over the student's sequences, and its logits are read id by id: it
+    must have their positions, and the student's token ids."""
+    from gqakit.hf.folder import model_folder
+
+    limit = context_length(teacher)
+    if limit and cfg.seq_len > limit and not seq2seq:  # the student's long-context attention is not the teacher's
+        raise GqakitError(f"teacher {cfg.teacher} runs full attention over seq_len={cfg.seq_len} positions, past its "
+                          f"{limit}-position context; lower seq_len to {limit} or drop the teacher")
+    if model_folder(cfg.teacher).has_tokenizer:  # a teacher without tokenizer files is read by the model's ids
+        from transformers import AutoTokenizer
+
+        ours, theirs = (AutoTokenizer.from_pretrained(p).get_vocab() for p in (cfg.model, cfg.teacher))
+        if ours != theirs:
+            differ = sum(theirs.get(token) != i for token, i in ours.items())
+            raise GqakitError(f"teacher {cfg.teacher}'s tokenizer gives {differ:,} tokens other ids than the model's; "
+                              "its logits would be distilled id by id into other tokens: distil from a teacher with "
+                              "the model's tokenizer")
 
 
 def _check_held_out(cfg: UptrainConfig, given: set) -> None:

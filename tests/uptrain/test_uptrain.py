@@ -577,3 +577,27 @@ def test_what_the_ring_cannot_run_exactly_is_refused(tiny, tmp_path, case, needl
         wide = _edited(tiny["model"], tmp_path / "wide", model_type="mistral", sliding_window=64,
                        architectures=["MistralForCausalLM"])
         check(_cfg(tiny, tmp_path / "wide-run", **{**fields, "teacher": str(wide)}))
+
+
+def test_a_teacher_must_have_the_students_positions_and_token_ids(tiny, tmp_path):
+    """A review's cases: under attention=sliding a student may train past its context, and its teacher then ran full
+    attention past its own (extrapolating, or a learned table's IndexError); a teacher whose tokenizer numbers the
+    tokens otherwise was distilled id by id into the wrong tokens, silently."""
+    from gqakit.common.errors import GqakitError
+    from gqakit.uptrain.config import check
+
+    with pytest.raises(GqakitError) as e:
+        check(_cfg(tiny, tmp_path / "long", steps=1, seq_len=200, attention="sliding", window=16,
+                   teacher=str(tiny["model"])))
+    assert "runs full attention over seq_len=200 positions, past its 128-position context" in str(e.value)
+    other = _edited(tiny["model"], tmp_path / "other")
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    first, second = list(vocab)[10:12]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two tokens trade ids
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(GqakitError) as e:
+        check(_cfg(tiny, tmp_path / "ids", steps=1, teacher=str(other)))
+    assert f"teacher {other}'s tokenizer gives 2 tokens other ids than the model's" in str(e.value)
+    assert "\n" not in str(e.value)
+    check(_cfg(tiny, tmp_path / "same", steps=1, teacher=str(_edited(tiny["model"], tmp_path / "copy"))))
