@@ -463,8 +463,12 @@ def test_compiling_flex_raises_dynamos_recompile_limit(monkeypatch):
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     monkeypatch.setattr(flex, "_COMPILED", {})
-    for before, after in ((8, flex.RECOMPILE_LIMIT), (1_000, 1_000)):
-        monkeypatch.setattr(config, name, before)
-        flex._COMPILED.clear()
-        flex._compiled(lambda x: x, torch.device("cpu"))
-        assert getattr(config, name) == after
+    kept = getattr(config, name)  # restored by hand: monkeypatch's undo deletes a config module's key, which hides it
+    try:
+        for before, after in ((8, flex.RECOMPILE_LIMIT), (1_000, 1_000)):
+            setattr(config, name, before)
+            flex._COMPILED.clear()
+            flex._compiled(lambda x: x, torch.device("cpu"))
+            assert getattr(config, name) == after
+    finally:
+        setattr(config, name, kept)
