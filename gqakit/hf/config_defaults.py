@@ -220,14 +220,15 @@ def filled_or_given(config: dict) -> dict:
 def rope_of(config: dict) -> dict:
     """config.json's RoPE parameters as its class holds them: rope_scaling's and rope_parameters' keys, with the
     class's defaults where config.json leaves them out (Phi turns half of each head unless told), and the top-level
-    partial_rotary_factor where neither dict says it. Where both dicts are given, rope_scaling's keys win (its legacy
-    `type` read as rope_type), as transformers reads them: a config saved by 5.x holds a default rope_parameters
-    beside the rope_scaling a Llama 2 fine-tune wrote."""
+    partial_rotary_factor where neither dict says it. Where both dicts are given, rope_scaling's keys win, as
+    transformers reads them: a config saved by 5.x holds a default rope_parameters beside the rope_scaling a Llama 2
+    fine-tune wrote. `rope_type` holds the kind however it was spelt (the legacy `type` too)."""
     known = filled_or_given(config)
-    scaling = known.get("rope_scaling") or {}
-    rope = {**(known.get("rope_parameters") or {}), **scaling}
-    if "type" in scaling and "rope_type" not in scaling:
-        rope["rope_type"] = scaling["type"]
+    scaling, parameters = known.get("rope_scaling") or {}, known.get("rope_parameters") or {}
+    rope = {**parameters, **scaling}
+    kind = next((d[k] for d in (scaling, parameters) for k in ("rope_type", "type") if d.get(k)), None)
+    if kind is not None:
+        rope["rope_type"] = kind
     if "partial_rotary_factor" in known:
         rope.setdefault("partial_rotary_factor", known["partial_rotary_factor"])
     return rope

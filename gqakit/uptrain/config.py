@@ -343,7 +343,7 @@ def _check_ring(cfg: UptrainConfig, model_config: dict, limit: int | None) -> No
     # harmless under fixed RoPE (padding is masked and unscored); a position table ends there, and dynamic / longrope
     # scaling changes every token's frequencies once the largest position passes its original context
     rope = rope_of(text)
-    kind = rope.get("rope_type", rope.get("type"))
+    kind = rope.get("rope_type")
     if kind in ("dynamic", "longrope"):
         limit = rope.get("original_max_position_embeddings") or text.get("original_max_position_embeddings") or limit
     ends = text.get("model_type") in TABLE_POSITIONS or kind in ("dynamic", "longrope")

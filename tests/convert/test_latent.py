@@ -234,3 +234,16 @@ def test_a_pruned_head_is_fitted_without_a_singular_solve(tmp_path):
     model = load_exact(tmp_path / "mla")
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert torch.isfinite(logits(model)).all()
+
+
+def test_the_latent_config_reads_rope_scaling_over_rope_parameters_as_transformers_does():
+    """A Llama 2 fine-tune saved by transformers 5 holds a default rope_parameters beside its dynamic rope_scaling,
+    which transformers applies: the latent config read its own copy of the two dicts the other way round and wrote
+    default RoPE (now `rope_of`, the one reading)."""
+    from gqakit.hf.architectures.latent import latent_config, mqa_shape
+
+    config = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+              "rope_scaling": {"type": "dynamic", "factor": 2.0}}
+    rope = latent_config(config, mqa_shape(4, 8, True), 2)["rope_parameters"]
+    assert rope == {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}

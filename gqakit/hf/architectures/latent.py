@@ -98,8 +98,7 @@ def shape_refusal(shape: LatentShape, kv_heads: int, config: dict) -> str | None
     if not 1 <= shape.rank <= most:
         return (f"{opt('kv_rank', shape.rank)} must be from 1 to {most} (at most the {held} position-free key and "
                 f"value dims of the {kv_heads} K/V heads that the latent holds, and at most the hidden size)")
-    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    kind = rope.get("rope_type", rope.get("type"))
+    kind = rope_of(config).get("rope_type")
     if shape.rope_dim < d and kind not in (None, "default", "linear"):
         return (f"{opt('rope_dim', shape.rope_dim)} keeps the highest RoPE frequencies by a new rope_theta, "
                 f"which {kind} scaling does not allow; use {opt('rope_dim', d)}")
@@ -120,8 +119,8 @@ def host_refusal(family: str, config: dict) -> str | None:
         return (f"is a {family} model, whose layers the stock DeepseekV3 class cannot compute (it has RMSNorms, a "
                 f"SiLU-gated MLP and sequential residuals); latent attention hosts {', '.join(HOSTS)}")
     rope, config = rope_of(config), filled_or_given(config)  # the class's defaults where config.json is silent
-    if rope.get("rope_type", rope.get("type")) not in ROPE_TYPES:
-        return f"uses {rope.get('rope_type', rope.get('type'))} RoPE scaling, which DeepseekV3 applies differently"
+    if rope.get("rope_type") not in ROPE_TYPES:
+        return f"uses {rope.get('rope_type')} RoPE scaling, which DeepseekV3 applies differently"
     factor = rope.get("partial_rotary_factor")
     if factor not in (None, 1, 1.0):
         return f"rotates only part of each head (partial_rotary_factor {factor})"
@@ -143,10 +142,10 @@ def latent_config(config: dict, shape: LatentShape, layers: int) -> dict:
             "hidden_act", "initializer_range", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
             "attention_dropout", "dtype", "torch_dtype", "use_cache")
     new = {key: config[key] for key in keep if key in config}
-    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    rope = {k: v for k, v in rope_of(config).items() if k != "type"}  # its kind is in rope_type
     if "rope_theta" in config:
         rope.setdefault("rope_theta", config["rope_theta"])
-    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_type", "default")
     if shape.rope_dim < shape.v_dim:  # the stock class's D/2 frequencies are the source's D/2 highest
         rope["rope_theta"] = rope.get("rope_theta", 10000.0) ** (shape.rope_dim / shape.v_dim)
     new.update(
