@@ -143,7 +143,6 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> str:
     prompt = _prompt(cfg)  # before the heavy imports: a bad prompt file is refused at once
 
     from gqakit.decode import streaming
-    from gqakit.decode.rope import positions_end
     from gqakit.decode.rope_probe import measure_rotation
     from gqakit.attention.registration import apply_attention
     from gqakit.hf.loading import end_token_ids, load_model
@@ -172,12 +171,11 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> str:
                 raise GqakitError(f"{opt('attention', cfg.attention)} keeps a bounded cache whose keys it re-rotates "
                                   f"by RoPE, but {why}; use {opt('attention', 'default')} (a full cache, within the "
                                   "model's context)") from None
-        needed = streaming.positions_needed(ids.shape[1], cfg.max_new_tokens, sinks, cfg.window)
-        end = positions_end(model)  # a position table's (GPT-J's RoPE, learned) end
-        if end is not None and needed > end:
-            raise GqakitError(f"{opt('attention', cfg.attention)} feeds positions up to {needed - 1:,} (sinks + window "
-                              f"+ a prompt chunk, or twice sinks + window before the cache moves back) but "
-                              f"{type(model).__name__}'s positions end at {end:,}; lower {opt('sinks')} or "
+        over = streaming.position_overrun(model, ids.shape[1], cfg.max_new_tokens, sinks, cfg.window)
+        if over is not None:  # before the stream starts (stream_tokens checks it too, lazily, for library callers)
+            raise GqakitError(f"{opt('attention', cfg.attention)} feeds positions up to {over[0] - 1:,} (sinks + "
+                              f"window + a prompt chunk, or twice sinks + window before the cache moves back) but "
+                              f"{type(model).__name__}'s positions end at {over[1]:,}; lower {opt('sinks')} or "
                               f"{opt('window')}")
         pieces = streaming.streaming_generate(
             model, tok, ids, cfg.max_new_tokens, sinks=sinks, window=cfg.window, do_sample=cfg.do_sample,

@@ -76,6 +76,15 @@ def positions_needed(prompt: int, max_new_tokens: int, sinks: int, window: int, 
     return top
 
 
+def position_overrun(model, prompt: int, max_new_tokens: int, sinks: int, window: int, chunk_size: int = 256,
+                     rebase_every: int | None = None) -> tuple[int, int] | None:
+    """(positions needed, the model's end) where the stream would feed positions past a table's end (learned
+    positions, or a precomputed RoPE table as GPT-J's), else None."""
+    end = positions_end(model)
+    needed = positions_needed(prompt, max_new_tokens, sinks, window, chunk_size, rebase_every)
+    return (needed, end) if end is not None and needed > end else None
+
+
 def _forward(model, cache: SinkCache, ids: torch.Tensor, limit: int) -> torch.Tensor:
     """Feed ids (B, q) at their cache positions; return the last column's logits (B, V)."""
     q = ids.shape[1]
@@ -114,11 +123,11 @@ def stream_tokens(model, input_ids: torch.Tensor, max_new_tokens: int, *, sinks:
         cache = SinkCache(sinks, window, rope=model if rotates else None, attention_mask=attention_mask)
     capacity = cache.sinks + cache.window
     limit = capacity + (rebase_every if rebase_every is not None else capacity)
-    end = positions_end(model)  # learned positions, or a precomputed RoPE table (GPT-J), end there
-    needed = positions_needed(input_ids.shape[1], max_new_tokens, cache.sinks, cache.window, chunk_size, rebase_every)
-    if end is not None and needed > end:
-        raise ValueError(f"streaming feeds positions up to {needed - 1} but {type(model).__name__}'s positions end at "
-                         f"{end}; keep fewer sinks + window, or a smaller chunk_size or rebase_every")
+    over = position_overrun(model, input_ids.shape[1], max_new_tokens, cache.sinks, cache.window, chunk_size,
+                            rebase_every)
+    if over is not None:
+        raise ValueError(f"streaming feeds positions up to {over[0] - 1} but {type(model).__name__}'s positions end at "
+                         f"{over[1]}; keep fewer sinks + window, or a smaller chunk_size or rebase_every")
     generator = torch.Generator().manual_seed(seed)
 
     for start in range(0, input_ids.shape[1], chunk_size):
