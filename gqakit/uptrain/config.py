@@ -20,7 +20,7 @@ from gqakit.common.errors import GqakitError
 from gqakit.common.options import check_fields, option, options_given
 from gqakit.common.recipes import to_dict
 from gqakit.hf.config_defaults import rope_of
-from gqakit.hf.fields import context_length
+from gqakit.hf.fields import N_POSITIONS_TYPES, context_length
 from gqakit.uptrain import sharding
 
 TRAINABLE = ("all", "attention", "kv")
@@ -317,8 +317,9 @@ def check(cfg: UptrainConfig) -> dict:
     return model_config
 
 
-# model types whose positions come from a table that ends at the context (learned, or GPT-J's precomputed RoPE)
-TABLE_POSITIONS = ("gpt2", "gptj", "codegen", "gpt_bigcode", "gqakit_gpt_bigcode", "opt")
+# model types whose positions come from a table that ends at the context (learned, or GPT-J's precomputed RoPE):
+# those whose context is n_positions, and OPT
+TABLE_POSITIONS = (*N_POSITIONS_TYPES, "opt")
 
 
 def _check_ring(cfg: UptrainConfig, model_config: dict, limit: int | None) -> None:

@@ -211,8 +211,9 @@ def open_cache(path: str | Path, *, fingerprint: str | None = None, tokenizer_na
             f"{header['tokenizer']['fingerprint'][:12]}, not {fingerprint[:12]}); re-run gqakit tokenize with "
             f"--tokenizer {tokenizer_name}", "was made with another tokenizer")
     if sources is not None and not _same_sources(header["sources"], sources):
-        changed = next((s["path"] for s in sources if s not in header["sources"]), None) or next(
-            (s["path"] for s in header["sources"] if s not in sources), "?")
+        recorded = header["sources"]  # the first file that differs, else one added or gone
+        changed = next((s["path"] for r, s in zip(recorded, sources) if not same_file(r, s)), None) or next(
+            (s["path"] for s in sources[len(recorded):] or recorded[len(sources):]), "?")
         raise CacheProblem(f"{path} is stale: {changed} changed since it was tokenised; {redo}",
                            f"is stale ({changed} changed since it was tokenised)")
     if verify:
