@@ -208,14 +208,15 @@ def run_variant(name: str, model, args, device, dtype, budget: Budget) -> dict:
             if budget.over():
                 cells[key] = {"skipped": "time budget"}
                 continue
+            cells[key] = None
             try:
                 cells[key] = one_cell(model, batch, context, args, device, dtype, probe=batch == batches[0])
             except Exception as e:  # noqa: BLE001
                 if not is_oom(e):
                     raise
+            if cells[key] is None:  # out of memory; released after the except block, whose traceback held the
+                release(device)  # cell's tensors (the next cell's free-memory reading would count them as taken)
                 cells[key] = {"skipped": "out of memory"}
-            if "skipped" in cells[key]:  # after the except block: its traceback held the cell's tensors until here,
-                release(device)  # and the next cell's free-memory reading would count them as taken
             log(f"{name} B={batch} T={context}: {cells[key]}")
     for context in (int(x) for x in args.fit_contexts.split(",")):
         fit[str(context)] = largest_batch(model, context, args.fit_cap, dtype, device, budget)

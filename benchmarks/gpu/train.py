@@ -129,14 +129,15 @@ def attention_part(args, device, dtype, budget: Budget, rows: dict, failed: list
                     t.grad = None
                 fn(q, k, v).backward(grad)
 
+            med = None
             try:
                 med = statistics.median(timed(step, device, warmup=1, repeats=3))
             except Exception as e:  # noqa: BLE001
                 if not is_oom(e):
                     raise
+            if med is None:  # out of memory; released after the except block, whose traceback held the tensors
+                release(device)
                 rows[f"{name}@{T}"] = {"skipped": "out of memory"}
-            if rows.get(f"{name}@{T}", {}).get("skipped") == "out of memory":
-                release(device)  # after the except block, whose traceback held the step's tensors until here
                 continue
             row = {"ms": 1e3 * med, "tflops": flops / med / 1e12}
             if references is not None:
