@@ -15,6 +15,7 @@ OUT from two machines at once.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -30,7 +31,8 @@ from gqakit.common.errors import GqakitError, opt
 KINDS = ("tmp", "old")
 # How a folder shows that gqakit wrote it: a file and a string it holds. --force replaces nothing else.
 WRITTEN_BY_GQAKIT = (("README.md", "Made by gqakit"), ("README.md", "tags: [gqakit"), ("uptraining.json", ""),
-                     ("results.json", '"gqakit"'), ("header.json", '"gqakit-token-cache"'))
+                     ("results.json", '"gqakit"'), ("header.json", '"gqakit-token-cache"'),
+                     ("pretraining.json", '"pretraining_tokens"'))  # gqakit.reference.train's models
 
 
 def sibling(out: Path, kind: str, pid: int | None = None) -> Path:
@@ -265,6 +267,8 @@ def atomic_output(out: Path, force: bool) -> Iterator[Path]:
         tmp = sibling(out, "tmp")
         if os.path.lexists(tmp):  # this process's own, from an earlier failed call
             remove_path(tmp)
+        parent = tmp.parent.absolute()
+        made = [p for p in (*parent.parents[::-1], parent) if not p.exists()]  # outermost first
         tmp.mkdir(parents=True)
         try:
             yield tmp
@@ -272,6 +276,9 @@ def atomic_output(out: Path, force: bool) -> Iterator[Path]:
                 old = _publish(tmp, out, force)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            for folder in reversed(made):  # the parent folders this run made, deepest first, if still empty
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
             raise
     if old is not None:
         _remove_old(old)
@@ -288,4 +295,9 @@ def replace_file(path: Path, write) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def replace_text(path: Path, text: str) -> None:
+    """`replace_file` for a text file (UTF-8)."""
+    replace_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 

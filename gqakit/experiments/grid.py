@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from gqakit.common.digest import sha256_of
-from gqakit.common.atomic import Terminated, replace_file, sigterm_as_interrupt
+from gqakit.common.atomic import Terminated, replace_text, sigterm_as_interrupt
 from gqakit.common.errors import GqakitError
 from gqakit.common.overlap import refuse_shared
 from gqakit.common.options import check_fields, option
@@ -152,12 +152,9 @@ def _claim(cfg: GridConfig, out: Path) -> None:
                               "reported under these settings. Choose another output_dir, or pass force=true to "
                               "start the grid over")
     out.mkdir(parents=True, exist_ok=True)
-    _write(record, json.dumps({**to_dict(cfg), "settings": now}, indent=2) + "\n")  # first: it makes the folder ours
+    # first: it makes the folder ours
+    replace_text(record, json.dumps({**to_dict(cfg), "settings": now}, indent=2) + "\n")
     cells.mkdir(exist_ok=True)
-
-
-def _write(path: Path, text: str) -> None:
-    replace_file(path, lambda tmp: tmp.write_text(text))
 
 
 def _cells(cfg: GridConfig) -> list[dict]:
@@ -298,7 +295,7 @@ def run_grid(cfg: GridConfig) -> list[dict]:
             print(f"[grid] {_name(cell)} ...", flush=True)
             row = run_cell(cfg, cell, work, ids, mha_ppl)
             row["versions"] = versions()
-            _write(path, json.dumps(row, indent=2) + "\n")
+            replace_text(path, json.dumps(row, indent=2) + "\n")
         print(f"[grid] {row['name']}: perplexity {row['perplexity']:.2f} ({row['seconds']:.0f} s)", flush=True)
         mha_ppl = mha_ppl or row["perplexity"]
         rows.append(row)

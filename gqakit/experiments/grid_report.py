@@ -5,7 +5,7 @@ import csv
 import json
 from pathlib import Path
 
-from gqakit.common.atomic import replace_file
+from gqakit.common.atomic import replace_file, replace_text
 from gqakit.common.recipes import to_dict
 from gqakit.convert import methods
 
@@ -79,7 +79,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def write_grid_report(out: Path, rows: list[dict], cfg, eval_tokens: int) -> None:
     out = Path(out)
     table = grid_table(rows)
-    replace_file(out / "results.md", lambda tmp: tmp.write_text(table + "\n"))
+    replace_text(out / "results.md", table + "\n")
 
     def write_csv(tmp: Path) -> None:
         with tmp.open("w", newline="") as f:
@@ -88,6 +88,6 @@ def write_grid_report(out: Path, rows: list[dict], cfg, eval_tokens: int) -> Non
             writer.writerows(rows)
     replace_file(out / "results.csv", write_csv)
     report = json.dumps({"config": to_dict(cfg), "eval_tokens": eval_tokens, "results": rows}, indent=2) + "\n"
-    replace_file(out / "results.json", lambda tmp: tmp.write_text(report))
+    replace_text(out / "results.json", report)
     replace_file(out / "gqa_paper.png", lambda tmp: plot(rows, tmp))
     print(table)

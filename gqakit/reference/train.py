@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from gqakit.common.atomic import atomic_output
+from gqakit.common.atomic import atomic_output, check_replaceable, replace_text
 from gqakit.common.errors import GqakitError
 from gqakit.common.options import check_fields, option
 from gqakit.common.recipes import load_recipe, to_dict
@@ -154,6 +154,16 @@ class _Objective:
         return f"{tok.decode(inputs)} -> {tok.decode(filled, skip_special_tokens=False)}"
 
 
+def _check_outputs(cfg: PretrainConfig, heldout: str) -> None:
+    """Before any training: the model replaces output_dir only where that is a model this script made (or empty,
+    or absent), and heldout_output is written only where it is absent or already holds this very text."""
+    check_replaceable(Path(cfg.output_dir), "output_dir")
+    held = Path(cfg.heldout_output)
+    if held.is_dir() or (held.exists() and held.read_bytes() != heldout.encode("utf-8")):
+        raise GqakitError(f"heldout_output {held} exists and holds something else than this recipe's held-out "
+                          "text; remove it yourself or choose another heldout_output")
+
+
 def train(cfg: PretrainConfig) -> dict:
     from transformers import GenerationConfig
 
@@ -167,6 +177,7 @@ def train(cfg: PretrainConfig) -> dict:
     torch.manual_seed(cfg.seed)
     docs = [(root / f).read_text(encoding="utf-8") for f in cfg.train_files]
     heldout = _heldout_text((root / cfg.heldout_file).read_text(encoding="utf-8"), cfg.heldout_chars)
+    _check_outputs(cfg, heldout)
 
     t0 = time.time()
     tok = train_bpe(docs, cfg.vocab_size, cfg.sentinels if cfg.architecture == "t5" else 0)
@@ -245,7 +256,7 @@ def train(cfg: PretrainConfig) -> dict:
         else:
             GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
         (tmp / "pretraining.json").write_text(json.dumps(record, indent=2) + "\n")
-    Path(cfg.heldout_output).write_text(heldout, encoding="utf-8")
+    replace_text(Path(cfg.heldout_output), heldout)
     print(json.dumps({k: record[k] for k in ("pretraining_tokens", "pretraining_steps", "heldout")}, indent=2))
     print("\n".join(samples))
     return record

@@ -399,6 +399,25 @@ def test_sigterm_handler_only_during_the_write(src, tmp_path, monkeypatch, capsy
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
+def test_a_stopped_run_removes_the_parent_folders_it_made(src, tmp_path, monkeypatch, capsys):
+    """-o new/deeper/out: the run makes new/ and deeper/ for its working folder; stopped, it leaves neither (empty
+    parents were left behind, a review) but never removes a folder that was there before or holds something."""
+    from gqakit.cli import convert_main
+    from gqakit.hf import checkpoint as ckpt
+
+    def stopping(self, name, info):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.ShardWriter, "copy_tensor", stopping)
+    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "new" / "deeper" / "out"), "--quiet"]) != 0
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "kept" / "a" / "out"), "--quiet"]) != 0
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["notes.txt"]
+    capsys.readouterr()
+
+
 def test_failed_publish_puts_the_previous_output_back(src, tmp_path, monkeypatch, capsys):
     """If the final rename fails after the previous output was moved aside, the previous output returns."""
     import errno
