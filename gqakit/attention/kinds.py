@@ -77,8 +77,10 @@ def attention_options(kind: str | None, given: dict, extra: dict | None = None, 
             names = "/".join(flag(name) for name in given)
             takers = sorted({k for name in given for k in kinds_taking(name)}, key=KINDS.index)
             verb = "applies" if len(given) == 1 else "apply"
-            raise GqakitError(f"{names} only {verb} with {kind_flag}{' or '.join(takers) or 'a gqakit kind'}; add "
-                              "one of them")
+            if not takers:
+                raise GqakitError(f"{names} is not an option of any gqakit attention kind (options: "
+                                  f"{', '.join(sorted({o for opts in OPTIONS.values() for o in opts}))})")
+            raise GqakitError(f"{names} only {verb} with {kind_flag}{' or '.join(takers)}; add one of them")
         return {}
     for name in given:
         if name not in OPTIONS[kind]:

@@ -165,6 +165,9 @@ def _check_paths(cfg: UptrainConfig) -> None:
         if key in given and all(source.kind == "cache" for source in sources):
             raise GqakitError(f"{key}={getattr(cfg, key)} is for tokenising raw data, and every data and eval_data "
                               f"entry is a token cache already; drop {key}")
+        if key in given and cfg.target_column is not None:
+            raise GqakitError(f"{key}={getattr(cfg, key)} is for tokenising raw data into token caches, and "
+                              f"target_column={cfg.target_column} pairs are read and tokenised in memory; drop {key}")
     out = Path(cfg.output_dir)
     if cfg.cache_dir is not None:
         cache = Path(cfg.cache_dir).expanduser()
@@ -304,6 +307,11 @@ def check(cfg: UptrainConfig) -> dict:
     if limit and cfg.seq_len > limit and cfg.attention not in LONG_CONTEXT:
         raise GqakitError(f"seq_len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions; lower seq_len "
                           "or train a long-context attention (attention=sliding window=N, or attention=sinks)")
+    text = model_config.get("text_config") or model_config
+    if limit and cfg.seq_len > limit and text.get("model_type") in TABLE_POSITIONS:  # a window does not help
+        raise GqakitError(f"seq_len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions, and "
+                          f"{text.get('model_type')} reads each position from a table that ends there, whatever "
+                          f"attention={cfg.attention} masks; lower seq_len to {limit} or less")
     cfg.use_options()  # an option the kind does not take is refused, never dropped
     if cfg.context_parallel > 1 and cfg.attention not in ("default", "tiled", *LONG_CONTEXT):
         raise GqakitError(f"context_parallel runs ring attention with full, sliding-window or sink patterns, not "

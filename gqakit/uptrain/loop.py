@@ -223,6 +223,9 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
     else:
         data = load_training_data(cfg, tokenizer, is_main=is_main, barrier=accelerator.wait_for_everyone)
     order = BatchOrder(len(data.train), cfg.batch_size, cfg.gradient_accumulation_steps, sp.data_parallel, cfg.seed)
+    fingerprint = data.fingerprint()
+    if resume_from is not None:
+        _check_same_data(rank_record(resume_from, 0), fingerprint, resume_from)
     say(f"uptrain: loading {cfg.model}" + (f" and the teacher {cfg.teacher}" if cfg.teacher else "") +
         f" ({cfg.sharding} over {accelerator.num_processes} process{'es' if accelerator.num_processes > 1 else ''})")
     model, teacher, attention_options, (trainable, total_params) = _models(cfg, sp, accelerator)
@@ -232,6 +235,9 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
         _Say(is_main)(f"uptrain: warning: warmup_steps={warmup} is longer than the run's {budget.steps} steps, so the "
                       f"learning rate never reaches lr={cfg.lr:g} (it peaks at {budget.steps / warmup:.0%} of it); "
                       "lower warmup_steps, or set warmup_steps=0 for warmup_fraction")
+    elif warmup == budget.steps:  # no step is left for the cosine decay
+        _Say(is_main)(f"uptrain: warning: the warmup ({warmup} steps) covers the whole run of {budget.steps}, so no "
+                      f"step decays towards min_lr_ratio={cfg.min_lr_ratio:g}; lower the warmup for a cosine decay")
     scheduler = modeling.make_scheduler(optimizer, budget.steps, warmup, cfg.min_lr_ratio)
     model, optimizer = how.prepare(accelerator, model, optimizer)
     if is_main:
@@ -272,6 +278,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
 
     bar = tqdm(total=budget.steps, initial=start, desc="uptrain", unit="step", disable=not (is_main and cfg.progress))
     t0, step_tokens, paused = time.perf_counter(), 0, 0.0  # paused: held-out evaluations and checkpoints
+    earlier = saved.get("train_seconds", 0.0) if start else 0.0  # the loop's seconds in the launches before
     trained = [p for group in optimizer.param_groups for p in group["params"]]  # what the optimizer updates
     model.train()
     for step in range(start, budget.steps):
@@ -321,7 +328,8 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
         if done % cfg.checkpoint_every == 0 and done < budget.steps:
             paused_at = time.perf_counter()
             _checkpoint(accelerator, model, optimizer, scheduler, out, done, cfg.keep_checkpoints, recipe,
-                        {"step": done, "shape": shape, "data": order.position(done), "record": record_base})
+                        {"step": done, "shape": shape, "data": order.position(done), "record": record_base,
+                         "data_fingerprint": fingerprint, "train_seconds": earlier + time.perf_counter() - t0})
             paused += time.perf_counter() - paused_at
         if on_step is not None:
             on_step(done, row, accelerator.unwrap_model(model))
@@ -339,7 +347,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
         "final_eval_ppl": math.exp(log.rows[-1]["eval_loss"]) if is_main and log.rows and
         log.rows[-1].get("eval_loss") not in ("", None) else None,
         "save_dtype": source_dtype(cfg.model) if cfg.save_dtype == "auto" else cfg.save_dtype,
-        "train_seconds": round(time.perf_counter() - t0, 1),
+        "train_seconds": round(earlier + time.perf_counter() - t0, 1),
     }
     accelerator.wait_for_everyone()
     save_final(accelerator.unwrap_model(model), tokenizer, out, record, is_main=is_main,
@@ -350,6 +358,20 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
             shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
     accelerator.wait_for_everyone()
     return record
+
+
+def _check_same_data(saved: dict | None, now: dict, checkpoint: Path) -> None:
+    """A resumed run trains on the sequences its checkpoint was trained on and scores the same held-out ones (its
+    record's perplexity before training is compared with the one after): refused in one line when they changed
+    (data or eval_data files rewritten, another tokenizer). Checkpoints made before fingerprints were kept pass."""
+    was = (saved or {}).get("data_fingerprint")
+    if was is None or was == now:
+        return
+    counts = [f"{key} {was[key]:,} -> {now[key]:,}" for key in ("train_sequences", "eval_sequences",
+                                                                 "train_stream_tokens") if was[key] != now[key]]
+    raise GqakitError(f"the data is not what {checkpoint.name} was trained on ({', '.join(counts) or 'other tokens'}"
+                      f"): resuming would train on other text and compare perplexities of different held-out text; "
+                      f"restore the data and eval_data files, or start over with force=true")
 
 
 def _step_targets(data, order: BatchOrder, step: int, micro_steps: int, sp: SequenceParallel, tokens_per_step: int,

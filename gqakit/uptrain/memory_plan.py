@@ -404,7 +404,12 @@ def check_fits(cfg: UptrainConfig, world: int, device_memory_bytes: int | None =
     from gqakit.hf.folder import model_folder
 
     memory, source = resolve_device_memory(device_memory_bytes, cfg)
-    if memory is None or model_folder(cfg.model).config.get("is_encoder_decoder"):  # not planned: count_model
+    config = model_folder(cfg.model).config
+    if config.get("is_encoder_decoder") and (device_memory_bytes is not None or cfg.device_memory is not None):
+        raise GqakitError(f"{source} asks for a memory check, and the memory plan models decoder-only transformers: "
+                          f"{cfg.model} is an encoder-decoder ({(config.get('architectures') or ['?'])[0]}); drop it "
+                          "(encoder-decoder runs are not checked against device memory)")
+    if memory is None or config.get("is_encoder_decoder"):  # not planned: count_model
         return None
     plan = plan_memory(cfg, world, memory, source)
     if not plan.fits:

@@ -24,6 +24,7 @@ windows are tested against (and what small callers may still use).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,6 +71,9 @@ def pack(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
     return stream.unfold(0, seq_len + 1, seq_len)[:n].clone()  # (N, seq_len + 1)
 
 
+SAMPLED = 256  # training sequences a fingerprint reads (cheap for any corpus: windows are read on demand)
+
+
 @dataclasses.dataclass
 class PackedData:
     train: Windows | torch.Tensor  # (N, seq_len + 1) windows, read on demand
@@ -77,6 +81,17 @@ class PackedData:
     train_tokens: int  # tokens in the stream the training sequences were cut from
     held_out: str = "none"  # documents | tail | eval_data | none (windows.split_held_out) | rows (data.pairs)
     held_out_documents: int = 0
+
+    def fingerprint(self) -> dict:
+        """What a resumed run checks it trains on again: the counts, and a hash of every held-out sequence and of
+        `SAMPLED` training sequences spread evenly over them (all of them when fewer), read in int64."""
+        n = len(self.train)
+        picks = sorted({i * n // SAMPLED for i in range(SAMPLED)} | {n - 1}) if n else []
+        digest = hashlib.blake2b(digest_size=16)
+        for rows in (self.train[picks] if picks else torch.empty(0), self.eval):
+            digest.update(torch.as_tensor(rows).to(torch.int64).contiguous().numpy().tobytes())
+        return {"train_sequences": n, "eval_sequences": len(self.eval), "train_stream_tokens": self.train_tokens,
+                "sample": digest.hexdigest()}
 
     def describe(self) -> dict:
         """For uptraining.json; `held_out_documents` is null unless whole documents were held out of training."""

@@ -61,8 +61,9 @@ def _card(source: Path, record: dict) -> str:
                        + (f", the teacher's top {cfg['distill_top_k']} logits per position"
                           if cfg.get("distill_top_k") else "") if cfg.get("teacher")
                        else "cross-entropy") + " |",
-        f"| optimiser | AdamW lr {cfg['lr']}, warmup {record['warmup_steps']} steps, cosine to "
-        f"{cfg['min_lr_ratio']} x lr, weight decay {cfg['weight_decay']} |",
+        f"| optimiser | AdamW lr {cfg['lr']}, warmup {record['warmup_steps']} steps, "
+        + (f"cosine to {cfg['min_lr_ratio']} x lr" if record['warmup_steps'] < budget['steps'] else
+           "no decay (the warmup takes every step)") + f", weight decay {cfg['weight_decay']} |",
         f"| trained parameters | {cfg['trainable']} ({record['trainable_parameters']:,} of "
         f"{record['parameters']:,}) |",
         f"| sequence | {cfg['seq_len']} tokens, global batch {record['global_batch']} sequences |",
@@ -75,9 +76,10 @@ def _card(source: Path, record: dict) -> str:
         precision = cfg.get("mixed_precision", "no")
         lines.append(f"| held-out perplexity | {record['initial_eval_ppl']:.2f} before, "
                      f"{record['final_eval_ppl']:.2f} after (held-out sequences as training reads them, no BOS"
-                     f"{_reproduced_by(cfg, source, record.get('data') or {})}; the float32 weights, before the cast "
-                     f"to {record.get('save_dtype', 'the source dtype')}"
-                     + (f", computed under {precision} autocast as training" if precision != "no" else "") + ") |")
+                     f"{_reproduced_by(cfg, source, record.get('data') or {})}; the float32 weights, "
+                     + ("saved as they are" if record.get("save_dtype") == "float32" else
+                        f"before the cast to {record.get('save_dtype', 'the source dtype')}")
+                     + (f", computed in {precision} mixed precision as training" if precision != "no" else "") + ") |")
     if record['attention_options']:
         lines += ["", f"Trained with gqakit attention `{cfg['attention']}`: load it with "
                       f"`attn_implementation=\"gqakit_{cfg['attention']}\"` after `import gqakit.attention` to "
