@@ -63,10 +63,9 @@ class GreedyDecoder:
 
         from gqakit.evaluate.kvcache import whole_groups
 
-        # optimum-quanto quantizes the first chunk, then the whole cache each time 128 tokens have gathered at full
-        # precision: its groups tile when those counts are multiples of 64 / K/V heads (a kv_chunk dividing 128)
-        fix = (f"use {opt('kv_chunk')} 128 or a divisor of it that fills whole groups, and {opt('lengths')} longer "
-               f"than {opt('kv_chunk')}")
+        # optimum-quanto quantizes the first piece, then the whole cache each time 128 tokens have gathered at full
+        # precision: the prompt is fed in whole groups of tokens (kvcache.feed_pieces), so this guards the rest
+        fix = f"use {opt('kv_chunk')} 128 (a multiple of 64) and prompts of at least 64 tokens"
         guard = whole_groups(self.kv_cache, tokens, fix) if self.kv_cache else contextlib.nullcontext()
         with guard:
             return self.model(input_ids=ids, **cache_kwargs(self.model, cache), use_cache=True,
@@ -76,7 +75,7 @@ class GreedyDecoder:
         import torch
         from transformers import DynamicCache
 
-        from gqakit.evaluate.kvcache import held_bytes, make_cache
+        from gqakit.evaluate.kvcache import feed_pieces, held_bytes, make_cache
         from gqakit.hf.loading import end_token_ids
 
         new_tokens = new_tokens or self.new_tokens
@@ -89,8 +88,7 @@ class GreedyDecoder:
                 logits = self._forward(ids, cache, length)
             else:
                 cache = make_cache(self.kv_cache, self.model.config)
-                for start in range(0, length, self.kv_chunk):
-                    end = min(start + self.kv_chunk, length)
+                for start, end in feed_pieces(length, self.kv_chunk, self.kv_cache):
                     logits = self._forward(ids[:, start:end], cache, end)
                 self.held_per_token = held_bytes(cache) / length
             out: list[int] = []

@@ -34,6 +34,10 @@ from gqakit.hf.compat import cache_kwargs
 # transformers' defaults quantize keys per token too (axis 0), which an outlier channel ruins (checked here: 20x the
 # error on the other channels of a key with one channel 100x larger).
 QUANTO = {"axis_key": -1, "axis_value": 0, "q_group_size": 64, "residual_length": 128}
+# A latent (DeepseekV3) cache holds the latent in the key slot and the RoPE key in the value slot: both per channel
+# (the RoPE key is a key, with a key's outlier channels; per token, its 16-value rows would share groups of 4 tokens).
+LATENT_AXIS_VALUE = -1
+GROUP = QUANTO["q_group_size"]
 EXTRA = 'pip install "gqakit[kvquant]"'
 
 
@@ -61,6 +65,10 @@ def check_options(kind: str | None, chunk: int | None, attention: str | None) ->
         raise GqakitError(f"{opt('kv_chunk')} only applies with {opt('kv_cache')}; drop it or choose a cache")
     if chunk is not None and chunk < 1:
         raise GqakitError(f"{opt('kv_chunk')} must be a positive number of tokens, got {chunk}")
+    if chunk is not None and kind in ("int4", "int2") and chunk % GROUP:
+        raise GqakitError(f"{opt('kv_chunk', chunk)}: {opt('kv_cache', kind)} quantizes each channel's keys in groups "
+                          f"of {GROUP} tokens, which chunks of {chunk} would mix across heads; use a multiple of "
+                          f"{GROUP} (the default, 128, is the full-precision residual's length)")
     if kind is None:
         return
     if attention in LONG_CONTEXT:
@@ -89,7 +97,33 @@ def settings(kind: str) -> dict:
         return {"class": "DynamicCache"}
     if kind == "fp8":
         return {"class": "QuantizedCache", "backend": "fp8", "dtype": "float8_e4m3fn", "scale": "per tensor"}
-    return {"class": "QuantizedCache", "backend": "quanto", "nbits": int(kind[3:]), **QUANTO}
+    return {"class": "QuantizedCache", "backend": "quanto", "nbits": int(kind[3:]), **QUANTO,
+            "latent_axis_value": LATENT_AXIS_VALUE, "fed": "in whole groups of tokens (kvcache.feed_pieces)"}
+
+
+def feed_pieces(length: int, chunk: int, kind: str) -> list[tuple[int, int]]:
+    """The [start, end) pieces a `length`-token window or prompt is fed in: chunks of `chunk`, except that for int4 /
+    int2 every quantization covers whole groups of tokens. transformers' QuantizedCache quantizes the first piece,
+    then everything cached each time its full-precision residual reaches 128 tokens, and optimum-quanto groups each
+    channel's keys over the flattened (head, token) axis: a count of tokens that is not a multiple of 64 mixes two
+    heads' keys in one group. So the first piece is a multiple of 64 tokens, and a piece that fills the residual is
+    cut back to leave whole groups (the rest, under 64 tokens, follows into the residual). Decoding one token at a
+    time then quantizes 128 tokens at each flush. Raises GqakitError for a window of fewer than 64 tokens."""
+    if kind not in ("int4", "int2"):
+        return [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
+    if length < GROUP:
+        raise GqakitError(f"{opt('kv_cache', kind)} quantizes a window's first tokens at once, in groups of {GROUP} "
+                          f"tokens, and this window or prompt holds {length}; use longer windows or prompts")
+    residual_cap = QUANTO["residual_length"]
+    first = min(chunk, length // GROUP * GROUP)
+    pieces, at, residual = [(0, first)], first, 0
+    while at < length:
+        n = min(chunk, length - at)
+        if residual + n >= residual_cap and (residual + n) % GROUP:  # this piece would quantize a partial group
+            n = (residual + n) // GROUP * GROUP - residual
+        pieces.append((at, at + n))
+        at, residual = at + n, 0 if residual + n >= residual_cap else residual + n
+    return pieces
 
 
 def report_fields(kind: str | None, chunk: int | None) -> dict:
@@ -109,7 +143,10 @@ def make_cache(kind: str, config):
     try:
         if kind == "fp8":
             return QuantizedCache(backend="fp8", config=config)
-        return QuantizedCache(backend="quanto", config=config, nbits=int(kind[3:]), **QUANTO)
+        from gqakit.hf.architectures.latent import is_latent
+
+        axes = {"axis_value": LATENT_AXIS_VALUE} if is_latent(config) else {}
+        return QuantizedCache(backend="quanto", config=config, nbits=int(kind[3:]), **{**QUANTO, **axes})
     except ValueError as e:  # e.g. sliding-window layers: QuantizedCache holds full attention only
         raise GqakitError(f"{opt('kv_cache', kind)}: transformers' QuantizedCache refuses this model: "
                           f"{str(e).splitlines()[0]}; use {opt('kv_cache', 'dense')}") from None
@@ -169,8 +206,7 @@ def chunked_window_nll(model, window: torch.Tensor, targets_from: int, chunk: in
     length = window.shape[1]
     cache = make_cache(kind, model.config)
     total = 0.0
-    for start in range(0, length, chunk):
-        end = min(start + chunk, length)
+    for start, end in feed_pieces(length, chunk, kind):
         first = max(start, targets_from - 1)  # the first column whose logits this chunk must keep
         keep = end - first if first < min(end, length - 1) else 1
         fix = (f"choose {opt('max_length')}, {opt('max_tokens')} and {opt('kv_chunk')} so that every chunk and "

@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from gqakit.attention.kinds import DEFAULT, command_attention_options, position_bias_refusal
 from gqakit.common.errors import GqakitError, opt
-from gqakit.evaluate.kvcache import DEFAULT_CHUNK, chunked_window_nll, report_fields, residual_length
+from gqakit.evaluate.kvcache import (DEFAULT_CHUNK, GROUP, chunked_window_nll, feed_pieces, report_fields,
+                                     residual_length)
 from gqakit.evaluate.options import PplConfig, check_text_column
 from gqakit.evaluate.spread import bootstrap_interval, window_spread
 
@@ -67,6 +68,14 @@ def strided_windows(model, input_ids: torch.Tensor, max_length: int, stride: int
     total, count, prev_end = 0.0, 0, 0
     window_nll, window_tokens, held, decoding = [], [], None, None
     starts = range(0, n, stride)
+    if kv_cache is not None:  # a window too short for whole groups is refused before any window is scored
+        lengths = [lead + min(begin + span, n) - begin for begin in starts[: -(-max(n - span, 0) // stride) + 1]]
+        try:
+            feed_pieces(min(lengths), kv_chunk or DEFAULT_CHUNK, kv_cache)
+        except GqakitError:
+            raise GqakitError(f"{opt('kv_cache', kv_cache)} quantizes a window's first tokens at once, in groups of "
+                              f"{GROUP} tokens, and the text's last window holds {min(lengths)}; choose "
+                              f"{opt('max_length')} or {opt('max_tokens')} so that it holds at least {GROUP}") from None
     for begin in tqdm(starts, desc="perplexity", unit="window", disable=not progress, leave=False):
         end = min(begin + span, n)
         window = torch.cat([prefix, input_ids[begin:end]]).to(device)[None]  # (1, lead + end - begin)

@@ -115,19 +115,21 @@ def test_report_states_the_bytes_held(files, kind):
     if kind == "int4":
         pytest.importorskip("optimum.quanto")
     out_dir = files["root"] / kind
-    # 256 tokens = 4 full windows of 64 in chunks of 32: keys quantized per channel are grouped along tokens, and
-    # 32 positions of 2 K/V heads fill one group of 64 for optimum-quanto
+    # 256 tokens = 4 full windows of 64 in chunks of 64: keys quantized per channel are grouped along tokens, 64 at a
+    # time (whole groups: a chunk of int4 must be a multiple of 64)
     code, out, err = run_eval("ppl", files["model"], "--text", files["text"], "--max-length", 64, "--max-tokens", 256,
-                              "--kv-cache", kind, "--kv-chunk", 32, "-o", out_dir, "-q")
+                              "--kv-cache", kind, "--kv-chunk", 64, "-o", out_dir, "-q")
     assert code == 0, err
     row = report.read_report(out_dir)["results"]["rows"][0]
-    assert row["kv_cache"] == kind and row["kv_chunk"] == 32
+    assert row["kv_cache"] == kind and row["kv_chunk"] == 64
     assert row["kv_cache_settings"]["class"] == ("DynamicCache" if kind == "dense" else "QuantizedCache")
     if kind == "dense":
         assert row["kv_bytes_held_per_token"] == row["kv_bytes_per_token"]
     else:
         assert row["kv_cache_settings"] == {"class": "QuantizedCache", "backend": "quanto", "nbits": 4, "axis_key": -1,
-                                            "axis_value": 0, "q_group_size": 64, "residual_length": 128}
+                                            "axis_value": 0, "q_group_size": 64, "residual_length": 128,
+                                            "latent_axis_value": -1,
+                                            "fed": "in whole groups of tokens (kvcache.feed_pieces)"}
         assert row["kv_bytes_held_per_token"] < row["kv_bytes_per_token"]
     table = [line for line in out.splitlines() if line.startswith("| ")]
     assert f"| KV-cache bytes/token held ({kind} cache, measured) | held while decoding (mean / max) |" in table[0]
@@ -147,6 +149,8 @@ def test_unknown_cache_is_argparses_usual_error(files, tmp_path):
 
 
 REFUSED = [
+    (["--kv-cache", "int4", "--kv-chunk", "32"], ("--kv-chunk 32: --kv-cache int4 quantizes each channel's keys in "
+                                                 "groups of 64 tokens", "use a multiple of 64")),
     (["--kv-cache", "dense", "--kv-chunk", "0"], ("--kv-chunk must be a positive number of tokens, got 0",)),
     (["--kv-cache", "dense", "--kv-chunk", "65"], ("--kv-chunk 65 is longer than a window of 64 positions",)),
     (["--kv-chunk", "16"], ("--kv-chunk only applies with --kv-cache",)),
@@ -189,8 +193,9 @@ def test_quanto_groups_that_do_not_fill_are_one_line(model):
     pytest.importorskip("optimum.quanto")
     from gqakit.common.errors import GqakitError
 
-    with pytest.raises(GqakitError, match=r"^kv_cache=int4: optimum-quanto quantizes K/V in groups of 64"):
-        strided_windows(model, ids(30), 30, progress=False, kv_cache="int4", kv_chunk=30)  # 2 x 30 x 8 values
+    with pytest.raises(GqakitError, match=r"^kv_cache=int4 quantizes a window's first tokens at once, in groups of "
+                                          r"64 tokens, and the text's last window holds 30; choose max_length"):
+        strided_windows(model, ids(30), 30, progress=False, kv_cache="int4", kv_chunk=30)  # refused before scoring
 
 
 def _sliding_configs():
@@ -259,3 +264,46 @@ def test_a_cache_with_state_layers_is_refused_rather_than_counted_as_kv():
                                       attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1)
     with pytest.raises(GqakitError, match="cannot count the KV cache of JambaConfig"):
         kv_bytes_per_token(config, torch.float32, 64)
+
+
+@pytest.mark.parametrize("length, chunk", [(96, 128), (480, 256), (100, 128), (600, 128), (700, 256), (1024, 64),
+                                           (130, 64), (448, 192)])
+def test_int4_groups_never_mix_heads(length, chunk):
+    """Each head's dequantized keys and values, fed through an int4 cache of two K/V heads (the second 100x the
+    first) in `feed_pieces`, equal those of the same head fed alone: no group holds two heads' values. Fed in plain
+    chunks, a window of 100 tokens put head 1's outliers in head 0's groups (a review: key error 15.8 against 0.19)."""
+    pytest.importorskip("optimum.quanto")
+    from transformers import LlamaConfig
+
+    from gqakit.evaluate.kvcache import feed_pieces
+
+    def config(heads):
+        return LlamaConfig(vocab_size=64, hidden_size=64, num_attention_heads=2, num_key_value_heads=heads,
+                           head_dim=32, num_hidden_layers=1)
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, length, 32, generator=g), torch.randn(1, 2, length, 32, generator=g)
+    k[:, 1] *= 100
+    v[:, 1] *= 100
+    both, alone = make_cache("int4", config(2)).layers[0], make_cache("int4", config(1)).layers[0]
+    for start, end in feed_pieces(length, chunk, "int4"):
+        seen_both = both.update(k[:, :, start:end], v[:, :, start:end])
+        seen_alone = alone.update(k[:, :1, start:end], v[:, :1, start:end])
+    for a, b in zip(seen_both, seen_alone):
+        assert torch.equal(a[:, :1], b), (length, chunk)
+
+
+def test_a_latent_cache_quantizes_its_rope_key_per_channel():
+    """DeepseekV3 caches the latent where keys go and the RoPE key where values go: per token, the 16-value RoPE
+    rows shared groups of 4 tokens, and the MLA rows were quantized unlike the MQA rows' keys (a review)."""
+    pytest.importorskip("optimum.quanto")
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    latent = DeepseekV3Config(vocab_size=64, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                              num_hidden_layers=1, kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=16,
+                              qk_nope_head_dim=16, v_head_dim=32, first_k_dense_replace=1)
+    layer = make_cache("int4", latent).layers[0]
+    assert (layer.axis_key, layer.axis_value) == (-1, -1)
+    plain = make_cache("int4", LlamaConfig(vocab_size=64, hidden_size=64, num_attention_heads=2,
+                                           num_key_value_heads=2, num_hidden_layers=1)).layers[0]
+    assert (plain.axis_key, plain.axis_value) == (-1, 0)

@@ -61,8 +61,8 @@ def test_quanto_groups_that_do_not_fill_are_one_line(loaded):
     prompt = tok.decode(list(range(40, 71)))  # a prompt shorter than --kv-chunk: one chunk of an odd length
     n = len(tok(prompt).input_ids)
     assert (2 * n) % 64  # 2 K/V heads x n tokens: not whole groups of 64
-    with pytest.raises(GqakitError, match=r"^kv_cache=int4: optimum-quanto quantizes K/V in groups of 64 .* "
-                                          r"kv_chunk 128 or a divisor of it"):
+    with pytest.raises(GqakitError, match=r"^kv_cache=int4 quantizes a window's first tokens at once, in groups of "
+                                          r"64 tokens, and this window or prompt holds \d+"):
         decode(prompt)
 
 
