@@ -52,6 +52,10 @@ def _refuse_unsupported(module: torch.nn.Module, attention_mask, kwargs: dict) -
         if kwargs.get(key) is not None:
             raise AttentionOptionError(f"{model} passes {key} ({what}), which gqakit attention does not implement; "
                                        f"{_FIX}")
+    if kwargs.get("output_attentions"):  # sdpa warns and returns none; the caller asked for the weights
+        raise AttentionOptionError(f"{model} was called with output_attentions=True, and gqakit attention never forms "
+                                   "the attention weights (tiled, online softmax); load the model with "
+                                   "attn_implementation='eager' for them")
     if attention_mask is not None and not isinstance(attention_mask, (TiledMask, torch.Tensor)):
         raise AttentionOptionError(f"{model} received an attention mask of type {type(attention_mask).__name__}, "
                                    f"which gqakit attention cannot read; pass a 2-D padding mask or a 4-D bool / "

@@ -48,6 +48,18 @@ def test_unimplemented_keywords_are_refused_at_the_forward(key):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("kind", ["tiled", "sliding"])
+def test_output_attentions_is_refused_through_a_real_model(kind):
+    """output_attentions=True came back as an empty tuple, silently (sdpa at least warns): the kernels never form the
+    weights, so the request is refused in one line; False or absent runs as before."""
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL))
+    use(model, kind, **({"window": 4} if kind == "sliding" else {}))
+    assert model(_ids(), output_attentions=False).logits.shape == (1, 8, 64)
+    with pytest.raises(GqakitError, match=r"output_attentions=True.*attn_implementation='eager'") as info:
+        model(_ids(), output_attentions=True)
+    assert "\n" not in str(info.value)
+
+
 def test_a_callers_4d_mask_that_does_not_fit_is_refused_and_a_2d_padding_mask_is_honoured():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL)).eval()
