@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from gqakit.common.atomic import OutputTaken, atomic_output, check_replaceable
+from gqakit.common.atomic import OutputTaken, atomic_output, check_replaceable, inside
 from gqakit.common.errors import GqakitError, opt
 
 RESULTS_JSON = "results.json"
@@ -55,12 +55,32 @@ def free_default(target: Path) -> Path:
     return candidate
 
 
-def prepare_output(output: str | Path | None, kind: str, force: bool) -> Path:
-    """The report folder for this run; refuses an existing one given as `output` without `force` (before any work
-    is done). Without `output`, a free default name."""
+# the fields of a command's options that name what it reads: a report folder may be none of them, nor hold one
+INPUT_FIELDS = ("model", "models", "tokenizer", "text", "dataset", "haystack_text")
+
+
+def inputs_of(cfg) -> list[tuple[str, str]]:
+    """(option, path) of what `cfg`'s command reads (INPUT_FIELDS), local paths that exist only."""
+    found = []
+    for name in INPUT_FIELDS:
+        value = getattr(cfg, name, None)
+        for path in (value if isinstance(value, (tuple, list)) else (value,)):
+            if path and os.path.lexists(path):
+                found.append(("MODEL" if name in ("model", "models") else opt(name), str(path)))
+    return found
+
+
+def prepare_output(output: str | Path | None, kind: str, force: bool, inputs=()) -> Path:
+    """The report folder for this run; refuses an existing one given as `output` without `force`, and one that is,
+    holds or sits inside an input (`inputs`: (option, path) pairs, `inputs_of`), before any work is done. Without
+    `output`, a free default name."""
     if not output:
         return free_default(default_output(kind))
     target = Path(output)
+    for name, path in inputs:
+        if inside(target, Path(path)) or inside(Path(path), target):
+            raise GqakitError(f"--output {target} overlaps {name} {path} (the report would replace it or be written "
+                              f"into it); choose an --output outside it")
     if target.exists() and not force:
         raise GqakitError(_EXISTS.format(target, opt("force")))
     if target.exists() and not target.is_dir():

@@ -260,3 +260,24 @@ def _text_file(folder: Path) -> Path:
     path = folder / "t.txt"
     path.write_text(text(300, seed=5), encoding="utf-8")
     return path
+
+
+@pytest.mark.parametrize("command, where", [(c, w) for c in ("ppl", "stream", "passkey", "niah")
+                                            for w in ("model", "inside the model", "the text")
+                                            if (c, w) != ("passkey", "the text")])  # passkey reads no text file
+def test_a_report_never_replaces_or_enters_what_it_reads(root, tmp_path, tok, command, where):
+    """`eval ... MODEL -o MODEL --force` deleted a converted model (gqakit's mark made it replaceable) and wrote the
+    report in its place; -o MODEL/sub wrote into it (a review). Both are refused before any work, as is the text."""
+    model = checkpoint(tmp_path / "converted", tok, max_positions=128)
+    (model / "README.md").write_text("---\ntags: [gqakit]\n---\nMade by gqakit\n")
+    text_file = tmp_path / "text.txt"
+    shutil.copy(root / "text.txt", text_file)
+    output = {"model": model, "inside the model": model / "report", "the text": text_file}[where]
+    argv = {"ppl": ["--text", str(text_file), "--max-length", "64"],
+            "stream": ["--text", str(text_file), "--tokens", "64", "--policy", "dense"],
+            "passkey": ["--lengths", "100", "--depths", "0", "--trials", "1"],
+            "niah": ["--lengths", "100", "--depths", "0", "--samples", "1", "--haystack-text", str(text_file)]}
+    if command == "niah":
+        argv[command] += ["--haystack", "text"]
+    run_refused([tmp_path], "gqakit", "eval", command, str(model), *argv[command], "-o", str(output), "--force",
+                "-q", cwd=tmp_path, needles=("--output", "overlaps", "choose an --output outside it"))
