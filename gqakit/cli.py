@@ -24,7 +24,7 @@ from gqakit.common import launcher
 from gqakit.common.atomic import Terminated, sigterm_as_interrupt
 from gqakit.common.errors import GqakitError, spelled
 from gqakit.common.report import counted
-from gqakit.common.options import add_arguments, flags, from_args, replace, typed, typed_values
+from gqakit.common.options import FieldError, add_arguments, flags, from_args, replace, typed, typed_values
 from gqakit.demo_options import DemoConfig
 from gqakit.evaluate.cli import add_eval_parser
 from gqakit.uptrain.data.options import TokenizeConfig
@@ -200,6 +200,7 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> in
         with sigterm_as_interrupt(), spelled(flags(args.options) if getattr(args, "options", None) else {}):
             args.func(args, command)  # errors name the flags typed; SIGTERM cleans up as Ctrl-C does
     except GqakitError as e:
+        e = _as_typed(e, getattr(args, "options", None))
         rank = launcher.rank()
         if rank:  # under torchrun every rank fails alike and rank 0 says it; but when this rank gets there first and
             # exits, torchrun stops rank 0 before it can: wait (torchrun stops this rank once rank 0 has exited),
@@ -220,6 +221,13 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> in
         _say(f"{parser.prog}: {'terminated' if terminated else 'interrupted'}; {note}")
         return 143 if terminated else 130
     return 0
+
+
+def _as_typed(error: GqakitError, options) -> GqakitError:
+    """A field's range error (`field=value must be ...`, from the options' checks) spelt as the flag was typed
+    (`--flag value must be ...`), for a command whose flags are declared on `options`."""
+    flag = flags(options).get(error.field) if isinstance(error, FieldError) and options is not None else None
+    return GqakitError(str(error).replace(f"{error.field}=", f"{flag} ", 1)) if flag else error
 
 
 _OTHER_RANKS_WAIT_S = 15  # seconds a rank other than 0 waits for rank 0 to say a shared error

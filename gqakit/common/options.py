@@ -49,6 +49,10 @@ _BOUNDS = {"above": (">", float.__gt__), "at_least": (">=", float.__ge__),
            "below": ("<", float.__lt__), "at_most": ("<=", float.__le__)}
 
 
+# Seeds: accelerate's set_seed seeds numpy, which takes 0..2**32 - 1; derived seeds are taken modulo 2**32
+SEED_MAX = 2 ** 32 - 1
+
+
 def option(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, above=None, at_least=None,
            below=None, at_most=None, choices=None, length=None, help=None, flag=None, metavar=None, parse=None,
            invert=False, repeat=None, remember=False, default_text=None, prefix=None):
@@ -309,7 +313,8 @@ def _range_problem(value, rule: dict) -> str | None:
         for name, bound in rule["bounds"].items():
             sign, holds = _BOUNDS[name]
             if not holds(float(item), float(bound)):
-                return f"must be {sign} {bound:g}" + (" (each item)" if isinstance(value, tuple) else "")
+                shown = f"{bound:,}" if isinstance(bound, int) else f"{bound:g}"
+                return f"must be {sign} {shown}" + (" (each item)" if isinstance(value, tuple) else "")
     return None
 
 

@@ -70,6 +70,13 @@ def inputs_of(cfg) -> list[tuple[str, str]]:
     return found
 
 
+def config_of(cfg) -> dict:
+    """A command's options as its report's config: every field but `given` (which flags were typed)."""
+    import dataclasses
+
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k != "given"}
+
+
 def prepare_output(output: str | Path | None, kind: str, force: bool, inputs=()) -> Path:
     """The report folder for this run; refuses an existing one given as `output` without `force`, and one that is,
     holds or sits inside an input (`inputs`: (option, path) pairs, `inputs_of`), before any work is done. Without

@@ -7,7 +7,7 @@ import dataclasses
 
 from gqakit.common import dtypes
 from gqakit.common.errors import GqakitError, opt
-from gqakit.common.options import option, options_given
+from gqakit.common.options import SEED_MAX, check_fields, option, options_given
 from gqakit.common.precision import auto_dtype
 from gqakit.convert import methods
 
@@ -82,7 +82,8 @@ class ConvertConfig:
                              f"{m.name}: {m.help}" for m in methods.METHODS.values()) + "; see docs/convert.md")
     dtype: str = option("auto", choices=dtypes.WITH_AUTO, default_text="keep each tensor's dtype",
                         help="dtype of the output weights")
-    seed: int = option(0, help="seed for --method random, transfer, and the model's own calibration samples")
+    seed: int = option(0, at_least=0, at_most=SEED_MAX,
+                       help="seed for --method random, transfer, and the model's own calibration samples")
     max_shard_size: str = option("5GB", help="largest output shard")
     force: bool = option(False, help="replace an existing output folder")
     dry_run: bool = option(False, help="print the plan and write nothing")
@@ -125,6 +126,9 @@ class ConvertConfig:
                                             "GQA paper)")
     transfer: TransferOptions = option(default_factory=TransferOptions, prefix="transfer")
     given: frozenset = frozenset()  # options typed on the command line, even at their default values
+
+    def __post_init__(self):
+        check_fields(self)  # the declared bounds (--seed)
 
 
 def transfer_options(cfg: ConvertConfig) -> TransferOptions:

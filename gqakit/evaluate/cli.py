@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from gqakit.common.devices import check_device
-from gqakit.common.options import add_arguments, from_args
+from gqakit.common.options import add_arguments, from_args, typed
 from gqakit.evaluate.options import NiahConfig, PasskeyConfig, PplConfig, StreamConfig
 
 
@@ -33,7 +33,7 @@ def _run_ppl(args: argparse.Namespace, command: str) -> None:
 def _run_stream(args: argparse.Namespace, command: str) -> None:
     from gqakit.evaluate.stream import run_stream
 
-    run_stream(_device_checked(from_args(StreamConfig, args)), command=command)
+    run_stream(_device_checked(from_args(StreamConfig, args, given=typed(StreamConfig, args))), command=command)
 
 
 def _run_passkey(args: argparse.Namespace, command: str) -> None:

@@ -9,7 +9,7 @@ import re
 from gqakit.attention import kinds as attention_kinds
 from gqakit.common import dtypes
 from gqakit.common.errors import GqakitError, opt
-from gqakit.common.options import option
+from gqakit.common.options import SEED_MAX, check_fields, option
 from gqakit.evaluate.cache_kinds import DEFAULT_KV_CHUNK, KV_CACHES
 from gqakit.evaluate.needles import TASKS, parse_haystacks, parse_tasks
 
@@ -150,7 +150,7 @@ class PplConfig:
                                 default_text="disjoint windows")
     bos: bool = option(False, help="prefix each window with BOS and score its first text token too")
     bootstrap: int = option(1000, help="resamples of windows for the 95%% bootstrap interval of the perplexity")
-    seed: int = option(0, help="seed of the bootstrap resampling")
+    seed: int = option(0, at_least=0, at_most=SEED_MAX, help="seed of the bootstrap resampling")
     attention: str | None = _attention()
     window: int | None = _window()
     sinks: int | None = _sinks()
@@ -163,6 +163,9 @@ class PplConfig:
     output: str | None = _output()
     force: bool = _force()
     progress: bool = _progress()
+
+    def __post_init__(self):
+        check_fields(self)  # the declared bounds (--seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +180,8 @@ class StreamConfig:
     policies: tuple[str, ...] = option(("sinks",), flag="--policy", metavar="POLICY", parse=_policies, repeat=True,
                                        help="dense, window, sinks or recompute; repeat (or comma-separate) to "
                                             "compare")
-    window: int = option(1020, help="recent tokens W kept")
-    sinks: int = option(4, help="attention-sink tokens S of --policy sinks")
+    window: int = option(1020, remember=True, help="recent tokens W kept")
+    sinks: int = option(4, remember=True, help="attention-sink tokens S of --policy sinks")
     chunk: int = option(256, help="tokens per forward C; per-token results do not depend on it, but recompute's R "
                                   "defaults to it")
     recompute_every: int | None = option(None, metavar="R", help="recompute: rebuild every R tokens; 1 = exact "
@@ -192,6 +195,10 @@ class StreamConfig:
     output: str | None = _output()
     force: bool = _force()
     progress: bool = _progress()
+    given: frozenset = frozenset()  # --window / --sinks typed on the command line, even at their default values
+
+    def __post_init__(self):
+        check_fields(self)  # the declared bounds (--seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +211,7 @@ class PasskeyConfig:
     depths: tuple[float, ...] = option((0.0, 0.25, 0.5, 0.75, 1.0), parse=parse_depths,
                                        help="relative depths of the key, 0 = start, 1 = end")
     trials: int = option(5, help="prompts per (length, depth)")
-    seed: int = option(0, help="seed of the keys")
+    seed: int = option(0, at_least=0, at_most=SEED_MAX, help="seed of the keys")
     new_tokens: int = option(10, help="tokens decoded greedily")
     attention: str | None = _attention()
     window: int | None = _window()
@@ -218,6 +225,9 @@ class PasskeyConfig:
     output: str | None = _output()
     force: bool = _force()
     progress: bool = _progress()
+
+    def __post_init__(self):
+        check_fields(self)  # the declared bounds (--seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +246,7 @@ class NiahConfig:
     depths: tuple[float, ...] = option((0.0, 0.5, 1.0), parse=parse_depths,
                                        help="relative depths of the asked needle, 0 = start, 1 = end")
     samples: int = option(10, help="prompts per (task, haystack, length, depth)")
-    seed: int = option(0, help="seed of the needles and the text offsets")
+    seed: int = option(0, at_least=0, at_most=SEED_MAX, help="seed of the needles and the text offsets")
     new_tokens: int | None = option(None, help="tokens decoded greedily", default_text="12 for niah_*, 32 for vt")
     attention: str | None = _attention()
     window: int | None = _window()
@@ -250,3 +260,6 @@ class NiahConfig:
     output: str | None = _output()
     force: bool = _force()
     progress: bool = _progress()
+
+    def __post_init__(self):
+        check_fields(self)  # the declared bounds (--seed)

@@ -204,7 +204,7 @@ def _check(cfg: StreamConfig) -> tuple[str, ...]:
     if cfg.recompute_every is not None and "recompute" not in policies:
         raise GqakitError(f"{opt('recompute_every')} is how often {opt('policies', 'recompute')} rebuilds; add it "
                           f"to {opt('policies')} or drop {opt('recompute_every')}")
-    given = options_given(cfg)
+    given = options_given(cfg, cfg.given)
     for name, readers in (("sinks", ("sinks",)), ("window", ("window", "sinks", "recompute"))):
         if name in given and not set(readers) & set(policies):
             raise GqakitError(f"{opt(name)} is read by {opt('policies', ' / '.join(readers))} only, and none of "
@@ -213,8 +213,8 @@ def _check(cfg: StreamConfig) -> tuple[str, ...]:
         raise GqakitError(f"{opt('fluent_within')} judges another policy against {opt('policies', 'recompute')}, "
                           f"and {opt('policies', ','.join(policies))} gives no such pair; add both or drop "
                           f"{opt('fluent_within')}")
-    if not cfg.fluent_within > 0:
-        raise GqakitError(f"{opt('fluent_within')} must be > 0 (a fraction, e.g. 0.1 for 10%), got "
+    if not 0 < cfg.fluent_within < float("inf"):  # NaN fails both
+        raise GqakitError(f"{opt('fluent_within')} must be a finite fraction > 0 (e.g. 0.1 for 10%), got "
                           f"{cfg.fluent_within}")
     return policies
 
@@ -335,7 +335,7 @@ def run_stream(cfg: StreamConfig, command: str = "", out=None) -> dict:
         marks["trained context"] = info["max_position_embeddings"]
     curves = {p: s["buckets"] for p, s in summary.items()}
     written = report.write_report(
-        target, kind="stream", command=command, config={**dataclasses.asdict(cfg), "recompute_every": every},
+        target, kind="stream", command=command, config={**report.config_of(cfg), "recompute_every": every},
         results=record, rows=rows, force=cfg.force, default=not cfg.output,
         plots={"ppl_vs_position.png": lambda p: plots.ppl_vs_position(curves, p, marks)})
     print(f"wrote {written}", file=out)

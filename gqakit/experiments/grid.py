@@ -31,7 +31,7 @@ from gqakit.common.digest import sha256_of
 from gqakit.common.atomic import Terminated, replace_text, sigterm_as_interrupt
 from gqakit.common.errors import GqakitError
 from gqakit.common.overlap import refuse_shared
-from gqakit.common.options import check_fields, option
+from gqakit.common.options import SEED_MAX, check_fields, option
 from gqakit.common.recipes import from_dict, load_recipe, to_dict
 from gqakit.convert import methods
 from gqakit.uptrain.config import UptrainConfig, check, pretraining_tokens
@@ -54,7 +54,7 @@ class GridConfig:
     eval_window: int = option(512, above=0)
     mha_control: bool = True  # also train the MHA model itself for each alpha (a baseline, not in the paper)
     keep_models: bool = False  # keep every converted and uptrained model (about 16 MB each)
-    seed: int = option(0, at_least=0)
+    seed: int = option(0, at_least=0, at_most=SEED_MAX)
     calibration: str | None = None  # method fit's calibration text or dataset (convert-gqa --calibration)
     calibration_tokens: int | None = option(None, above=0)  # None = convert-gqa's default
     force: bool = False  # start over: delete OUTPUT's cells and models, made under other settings

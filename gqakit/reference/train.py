@@ -24,7 +24,7 @@ import torch
 
 from gqakit.common.atomic import atomic_output, check_replaceable, replace_text
 from gqakit.common.errors import GqakitError
-from gqakit.common.options import check_fields, option
+from gqakit.common.options import SEED_MAX, check_fields, option
 from gqakit.common.recipes import load_recipe, to_dict
 from gqakit.uptrain.modeling import lr_factor
 from gqakit.reference.tokenizer import EOS, train_bpe
@@ -58,7 +58,7 @@ class PretrainConfig:
     grad_clip: float = option(1.0, above=0)
     eval_every: int = option(250, above=0)
     log_every: int = option(25, above=0)
-    seed: int = option(0, at_least=0)
+    seed: int = option(0, at_least=0, at_most=SEED_MAX)
     threads: int = option(2, above=0)
 
     def __post_init__(self):

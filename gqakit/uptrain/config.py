@@ -17,7 +17,7 @@ from gqakit.attention import kinds as attention_kinds
 from gqakit.common import dtypes
 from gqakit.common.atomic import inside
 from gqakit.common.errors import GqakitError
-from gqakit.common.options import check_fields, option, options_given
+from gqakit.common.options import SEED_MAX, check_fields, option, options_given
 from gqakit.common.recipes import to_dict
 from gqakit.hf.config_defaults import rope_of
 from gqakit.hf.fields import N_POSITIONS_TYPES, context_length
@@ -82,7 +82,7 @@ class UptrainConfig:
                                        default_text="this machine's")
     num_processes: int | None = option(None, above=0)  # expected world size: refuse to run silently on fewer processes
     # bookkeeping
-    seed: int = option(0, at_least=0)
+    seed: int = option(0, at_least=0, at_most=SEED_MAX)
     log_every: int = option(1, above=0)
     eval_every: int = option(0, at_least=0)  # 0: only at the end
     checkpoint_every: int = option(50, above=0)  # a crash loses at most this many steps

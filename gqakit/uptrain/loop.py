@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gqakit.common.errors import GqakitError
+from gqakit.common.options import SEED_MAX
 from gqakit.hf.folder import model_folder
 from gqakit.hf.loading import is_encoder_decoder
 from gqakit.uptrain import modeling
@@ -75,6 +76,13 @@ def _model_sums(model, teacher, kwargs: dict, targets: torch.Tensor, temperature
     ce = cross_entropy_sum(logits, targets)
     kd = None if teacher is None else distillation_sum(logits, teacher_logits(), targets, temperature)
     return ce, kd
+
+
+def rank_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of process `rank` from `step` on, where it has no saved random state (a first launch of several
+    processes: step 0; a resharded resume): distinct per (step, rank), within numpy's 0..2**32 - 1, which
+    accelerate's set_seed seeds (a resharded resume past step 4,294 overflowed it)."""
+    return (seed + 1_000_003 * step + rank) % (SEED_MAX + 1)
 
 
 def _checkpoint(accelerator, model, optimizer, scheduler, out: Path, step: int, keep: int, recipe: dict,
@@ -249,7 +257,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
         # The weights are loaded alike on every rank; from here each rank draws its own dropout masks (its own data
         # under the same masks otherwise), from the stream a resharded resume at step 0 would derive. One process
         # keeps the recipe's seed as it was.
-        set_seed(cfg.seed + accelerator.process_index)
+        set_seed(rank_seed(cfg.seed, 0, accelerator.process_index))
     if resume_from is not None:
         trainer_state = load_checkpoint(resume_from, model, getattr(optimizer, "optimizer", optimizer))
         scheduler.load_state_dict(trainer_state["scheduler"])
@@ -261,7 +269,7 @@ def _train(cfg: UptrainConfig, accelerator, say: _Say, recipe: dict, budget, sha
         if mine is not None and saved["shape"] == shape:
             set_rng_state(mine["rng"])  # the same launch: every process continues its own random streams
         else:  # resharded: no saved stream belongs to this process; derive one from (seed, step, rank)
-            set_seed(cfg.seed + 1_000_003 * start + accelerator.process_index)
+            set_seed(rank_seed(cfg.seed, start, accelerator.process_index))
         if is_main:
             print(f"uptrain: resuming {out} from step {start} ({resume_from.name})", flush=True)
     log = MetricsLog(out, start, enabled=is_main)

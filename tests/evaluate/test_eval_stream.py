@@ -172,6 +172,10 @@ def test_cli_compares_policies_with_a_verdict(files):
     (["--policy", "dense", "--window", 16], "--window is read by --policy window / sinks / recompute only"),
     (["--policy", "sinks", "--fluent-within", 0.5], "--fluent-within judges another policy against --policy recompute"),
     (["--policy", "recompute", "--fluent-within", 0.5], "--policy recompute gives no such pair"),
+    # typed at their default values, --sinks / --window were read by nothing and accepted (the CLI audit)
+    (["--policy", "dense", "--sinks", 4], "--sinks is read by --policy sinks only, and none of them runs"),
+    (["--policy", "dense", "--window", 1020], "--window is read by --policy window / sinks / recompute only"),
+    (["--policy", "sinks", "--policy", "recompute", "--fluent-within", "inf"], "--fluent-within inf must be a finite"),
 ])
 def test_bad_input_is_one_line(files, argv, needle):
     code, out, err = run_eval("stream", files["model"], "--text", files["text"], "--tokens", 100, *argv, "-q",

@@ -30,7 +30,7 @@ from pathlib import Path
 from gqakit.common.atomic import remove_stale_leftovers, sibling
 from gqakit.common.dtypes import NAMES
 from gqakit.common.errors import GqakitError, opt
-from gqakit.common.options import FieldError, check_fields, flags, option
+from gqakit.common.options import SEED_MAX, FieldError, check_fields, flags, option
 from gqakit.common.precision import auto_dtype
 
 
@@ -51,7 +51,7 @@ class SampleConfig:
     temperature: float = option(1.0, above=0.0, help="softmax temperature; 1.0: the model's distribution")
     top_p: float = option(1.0, above=0.0, at_most=1.0,
                           help="nucleus probability mass kept, in (0, 1]; 1.0 = every token")
-    seed: int = option(0, at_least=0, help="seed of the sampler")
+    seed: int = option(0, at_least=0, at_most=SEED_MAX, help="seed of the sampler")
     dtype: str = option("auto", choices=DTYPES, help="compute dtype; auto: bfloat16 where the device has bf16 units "
                                                       "(avx512_bf16, amx_bf16, a recent GPU), else float32")
     force: bool = option(False, help="replace an existing -o file")
