@@ -2,9 +2,19 @@
 machine before any work, one line naming the fix. `cpu` (and `auto`) are answered without loading torch."""
 from __future__ import annotations
 
+import re
+
 from gqakit.common.errors import GqakitError, opt
 
 KINDS = ("cpu", "cuda", "mps")  # the device types gqakit runs on
+
+
+def check_device_name(name: str, option: str) -> str:
+    """`name` if it names a device gqakit runs on (cpu, cuda, cuda:N, mps), whether or not this machine has it, as a
+    plan made on one machine for another checks it; else one line. No torch import."""
+    if re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
+        return name
+    raise GqakitError(f"unknown {opt(option, repr(name))}; use cpu, cuda or cuda:N")
 
 
 def check_device(name: str, option: str, auto: bool = False) -> str:

@@ -67,6 +67,12 @@ class TransferOptions:
             raise GqakitError(f"{opt('dtype', repr(self.dtype))} is not one of {', '.join(DTYPES)}")
         if self.patience < 0:
             raise GqakitError(f"{opt('patience', self.patience)} must be 0 (never stop early) or more")
+        before_last = (self.steps - 1) // self.eval_every  # held-out scores that a stop could follow
+        if self.patience > before_last:
+            raise GqakitError(f"{opt('patience', self.patience)} stops a layer after {self.patience} held-out scores "
+                              f"without improvement, and {opt('steps', self.steps)} scores {before_last} time(s) "
+                              f"before its last step (every {self.eval_every} steps), so it could never stop one; "
+                              f"lower {opt('patience')} or raise {opt('steps')}")
 
 
 @dataclasses.dataclass(frozen=True)

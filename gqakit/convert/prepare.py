@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gqakit.common.devices import check_device
+from gqakit.common.devices import check_device, check_device_name
 from gqakit.common.errors import GqakitError, opt
 from gqakit.convert import methods
 from gqakit.convert.calibration.check import calibration_window
@@ -34,6 +34,8 @@ def prepare(cfg: ConvertConfig, share: Share = Share()):
     check_options(cfg)
     if uses_calibration(cfg):  # before any header is read
         check_device(cfg.calibration_device, "calibration_device")
+    elif cfg.dry_run and methods.get(cfg.method).calibration == "required":  # the name: the run may be elsewhere
+        check_device_name(cfg.calibration_device, "calibration_device")
     max_shard = max_shard_bytes(cfg.max_shard_size)
     tensors: dict[str, TensorInfo] = scan_checkpoint(model_dir)
     plan = make_plan(config, tensors, cfg.groups, cfg.method, cfg.dtype, max_shard, cfg.pool_encoder, cfg.to,

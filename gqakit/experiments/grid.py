@@ -211,6 +211,7 @@ def _check(cfg: GridConfig) -> None:
                           "use a model that records its pretraining budget")
     shared = _shared_recipe(cfg)
     check(shared)
+    _check_conversions(cfg)
     if not Path(cfg.eval_text).is_file():
         raise GqakitError(f"eval_text {cfg.eval_text} does not exist; fix the path")
     if cfg.calibration is not None and not Path(cfg.calibration).exists():
@@ -219,6 +220,22 @@ def _check(cfg: GridConfig) -> None:
               *((("calibration", cfg.calibration),) if cfg.calibration else ())]
     refuse_shared(("eval_text", cfg.eval_text), fitted, "score the grid on a text that no cell is fitted or "
                   "trained on")
+
+
+def _check_conversions(cfg: GridConfig) -> None:
+    """Every (groups, method) the grid will convert, planned on the model's headers as convert-gqa plans it (no
+    weights read): a grouping the model cannot take is refused before the first cell, not after the MHA control
+    cells have trained (a review: `groups=[3]` on 8 heads failed after 5 minutes)."""
+    from gqakit.convert.plan import make_plan
+    from gqakit.hf.folder import model_folder
+
+    folder = model_folder(cfg.model)
+    for groups in cfg.groups:
+        for method in cfg.methods:
+            try:
+                make_plan(folder.config, folder.tensors, groups, method)
+            except GqakitError as e:
+                raise GqakitError(f"groups={groups}, method={method}: {e}") from None
 
 
 def run_cell(cfg: GridConfig, cell: dict, work: Path, ids: torch.Tensor, mha_ppl: float | None) -> dict:
@@ -307,9 +324,14 @@ def run_grid(cfg: GridConfig) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: python -m gqakit.experiments.grid RECIPE.yaml [key=value ...]"
     if not argv:
-        print("usage: python -m gqakit.experiments.grid RECIPE.yaml [key=value ...]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
+    if argv[0] in ("-h", "--help"):
+        print(f"{usage}\n\nThe GQA paper's grid (recipes/gqa_paper.yaml): every key of the recipe may be overridden "
+              "as key=value; see docs/results/gqa-paper.md.")
+        return 0
     try:
         with sigterm_as_interrupt():  # SIGTERM stops it as Ctrl-C does
             run_grid(load_recipe(GridConfig, argv[0], argv[1:]))

@@ -80,6 +80,7 @@ def test_torchrun_needs_one_calibration_text(src):
 @pytest.mark.parametrize("args, needle", [
     (("--calibration-window", "4096"), "--calibration-window 4096 exceeds the model's 128-token context"),
     (("--calibration-tokens", "100", "--calibration-window", "64"), "--calibration-tokens 100 is less than two"),
+    (("--calibration-device", "bogus"), "unknown --calibration-device 'bogus'"),  # a dry run planned it (CLI audit)
 ])
 def test_data_free_windows_are_checked_before_sampling_and_on_a_dry_run(src, tmp_path, dry, args, needle):
     """The dry run refuses what the run refuses (it planned a window past the context; a review's finding), and the
@@ -90,3 +91,10 @@ def test_data_free_windows_are_checked_before_sampling_and_on_a_dry_run(src, tmp
     line = run_refused(tmp_path, "convert-gqa", "--groups", "2", str(src), "--method", "fit", "-o", str(out), *args,
                        *(("--dry-run",) if dry else ()), needles=(needle,))
     assert line and not out.exists()
+
+
+def test_a_dry_run_plans_calibration_on_a_device_this_machine_lacks(src):
+    """A plan may be made off the machine that runs it: --calibration-device cuda names a device, checked by name."""
+    dry = run_cli("convert-gqa", "--groups", "2", str(src), "--method", "fit", "--calibration-device", "cuda:1",
+                  "--dry-run")
+    assert dry.returncode == 0, dry.stderr

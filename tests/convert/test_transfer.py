@@ -129,7 +129,7 @@ def _student_problem(seed: int = 0):
 def _train(seed: int, steps: int = 40, scratch: Path | None = None):
     student, kwargs, xs, ys = _student_problem()
     errors = transfer_layer(student, kwargs, 8, lambda w: (xs[w], ys[w]), xs[8:], ys[8:],
-                            TransferOptions(params="kv", steps=steps, lr=0.3, eval_every=5, patience=100,
+                            TransferOptions(params="kv", steps=steps, lr=0.3, eval_every=5, patience=0,
                                             seed=seed, dtype="float32"), 0,
                             progress=False, scratch=scratch)
     return student, errors, (kwargs, xs, ys)
@@ -267,6 +267,9 @@ def test_transfer_options_are_refused_elsewhere(tmp_path):
             (["--transfer-patience", "0"], "--transfer-patience is used only by --method transfer"),
             (["--method", "transfer", "--calibration", str(TEXT), "--transfer-patience", "-1"],
              "--transfer-patience -1 must be 0 (never stop early) or more"),
+            # scored only at its last step, a layer could never be stopped early (the CLI audit: accepted)
+            (["--method", "transfer", "--calibration", str(TEXT), "--transfer-patience", "5", "--transfer-steps",
+              "10"], "--transfer-steps 10 scores 0 time(s) before its last step"),
             (["--method", "transfer", "--text-column", "body"], "--text-column needs --calibration")):
         run_refused(tmp_path, "convert-gqa", "--groups", "2", str(src), "-o", out, *args, needles=(needle,))
 
@@ -405,7 +408,7 @@ def test_bfloat16_training_lowers_the_error_scored_in_float32():
     def train():
         student, kwargs, xs, ys = _student_problem()
         errors = transfer_layer(student, kwargs, 8, lambda w: (xs[w], ys[w]), xs[8:], ys[8:],
-                                TransferOptions(params="kv", steps=40, lr=0.3, eval_every=5, patience=100,
+                                TransferOptions(params="kv", steps=40, lr=0.3, eval_every=5, patience=0,
                                                 dtype="bfloat16"), 0, progress=False)
         return student, errors, kwargs, xs, ys
 

@@ -152,6 +152,21 @@ def test_grid_refuses_to_score_on_text_it_trains_or_fits_on(tmp_path, where):
     assert "\n" not in str(e.value)
 
 
+def test_grid_refuses_a_grouping_the_model_cannot_take_before_any_cell(tmp_path, monkeypatch):
+    """groups=[3] on 4 heads failed only when its first conversion ran, after the MHA control cells had trained
+    (a review: 5 minutes in). Every (groups, method) is planned on the headers before any cell."""
+    from gqakit.experiments import grid
+
+    model = make_uptrain_model(tmp_path / "mha", kv_heads=4, pretraining_tokens=3_200)
+    text = make_text(tmp_path / "eval.txt")
+    cfg = from_dict(GridConfig, _tiny_grid(tmp_path, model, text, groups=[2, 3]))
+    monkeypatch.setattr(grid, "run_cell", lambda *a, **k: pytest.fail("a cell ran before the refusal"))
+    with pytest.raises(GqakitError) as e:
+        run_grid(cfg)
+    assert "groups=3, method=mean: 4 heads are not divisible into 3 groups" in str(e.value)
+    assert not (tmp_path / "grid").exists() or not any((tmp_path / "grid").iterdir())
+
+
 def test_grid_on_an_encoder_decoder_scores_span_corruption(tmp_path):
     """The paper's own setting: a T5 grouped, scored and uptrained on span corruption; the alpha-0 cells equal
     `gqakit eval ppl` of the converted models (the same corrupted windows), and no KD column is written for a
@@ -221,3 +236,10 @@ def test_the_grid_writes_only_into_a_folder_of_its_own(tmp_path, monkeypatch, ca
     assert grid.main([str(recipe)]) == 130
     assert capsys.readouterr().err == ("gqakit grid: interrupted; the finished cells are kept: run the same command "
                                        "again to go on\n")
+
+
+def test_grid_help_prints_usage(capsys):
+    """`--help` was read as a recipe path ("recipe --help does not exist", exit 2)."""
+    from gqakit.experiments.grid import main
+
+    assert main(["--help"]) == 0 and "usage: python -m gqakit.experiments.grid RECIPE.yaml" in capsys.readouterr().out

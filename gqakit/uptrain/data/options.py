@@ -11,8 +11,9 @@ from gqakit.common.options import option
 class TokenizeConfig:
     """`gqakit tokenize`'s options (keywords of `gqakit.uptrain.data.token_build.tokenize_to`)."""
 
-    data: tuple[str, ...] = option(flag="data", help=".txt/.jsonl/.json/.parquet files, folders of them, datasets "
-                                                     "save_to_disk folders, or hf:NAME (a hub dataset, streamed)")
+    data: tuple[str, ...] = option(flag="data", help=".txt/.jsonl/.json/.parquet files, folders of row files (.jsonl/"
+                                                     ".json/.parquet), datasets save_to_disk folders, or hf:NAME (a "
+                                                     "hub dataset, streamed)")
     output: str = option(flag="-o/--output", help="the token cache folder to write")
     tokenizer: str = option(metavar="MODEL", help="model folder whose tokenizer to use")
     num_proc: int = option(1, metavar="N", help="tokenising processes")
