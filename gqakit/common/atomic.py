@@ -90,16 +90,17 @@ def inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def check_replaceable(out: Path, option: str = "-o") -> None:
+def check_replaceable(out: Path, option: str = "-o", replacer: str | None = None) -> None:
     """--force may replace a symlink (the link itself), an empty folder, or a folder gqakit wrote: never
-    a file or a folder of the user's, whatever --force says."""
+    a file or a folder of the user's, whatever --force says. `replacer` names what would replace it when that is not
+    --force (a script that always rebuilds its output)."""
     if not os.path.lexists(out) or out.is_symlink():
         return
     if out.is_dir() and (not any(out.iterdir()) or written_by_gqakit(out)):
         return
     what = "a file" if not out.is_dir() else "a folder gqakit did not write"
-    raise GqakitError(f"{out} is {what}, so {opt('force')} will not replace it (it may hold your files); remove it "
-                      f"yourself or choose another {option}")
+    raise GqakitError(f"{out} is {what}, so {replacer or opt('force')} will not replace it (it may hold your files); "
+                      f"remove it yourself or choose another {option}")
 
 
 def remove_path(path: Path) -> None:

@@ -49,7 +49,8 @@ _BOUNDS = {"above": (">", float.__gt__), "at_least": (">=", float.__ge__),
            "below": ("<", float.__lt__), "at_most": ("<=", float.__le__)}
 
 
-# Seeds: accelerate's set_seed seeds numpy, which takes 0..2**32 - 1; derived seeds are taken modulo 2**32
+# Seeds: accelerate's set_seed seeds numpy, which takes 0..2**32 - 1 (uptrain, and derived seeds modulo 2**32);
+# commands that seed torch generators only (convert, eval) also take -SEED_MAX..-1, as they always did
 SEED_MAX = 2 ** 32 - 1
 
 

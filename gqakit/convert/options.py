@@ -88,7 +88,7 @@ class ConvertConfig:
                              f"{m.name}: {m.help}" for m in methods.METHODS.values()) + "; see docs/convert.md")
     dtype: str = option("auto", choices=dtypes.WITH_AUTO, default_text="keep each tensor's dtype",
                         help="dtype of the output weights")
-    seed: int = option(0, at_least=0, at_most=SEED_MAX,
+    seed: int = option(0, at_least=-SEED_MAX, at_most=SEED_MAX,
                        help="seed for --method random, transfer, and the model's own calibration samples")
     max_shard_size: str = option("5GB", help="largest output shard")
     force: bool = option(False, help="replace an existing output folder")

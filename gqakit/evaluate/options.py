@@ -150,7 +150,7 @@ class PplConfig:
                                 default_text="disjoint windows")
     bos: bool = option(False, help="prefix each window with BOS and score its first text token too")
     bootstrap: int = option(1000, help="resamples of windows for the 95%% bootstrap interval of the perplexity")
-    seed: int = option(0, at_least=0, at_most=SEED_MAX, help="seed of the bootstrap resampling")
+    seed: int = option(0, at_least=-SEED_MAX, at_most=SEED_MAX, help="seed of the bootstrap resampling")
     attention: str | None = _attention()
     window: int | None = _window()
     sinks: int | None = _sinks()
@@ -211,7 +211,7 @@ class PasskeyConfig:
     depths: tuple[float, ...] = option((0.0, 0.25, 0.5, 0.75, 1.0), parse=parse_depths,
                                        help="relative depths of the key, 0 = start, 1 = end")
     trials: int = option(5, help="prompts per (length, depth)")
-    seed: int = option(0, at_least=0, at_most=SEED_MAX, help="seed of the keys")
+    seed: int = option(0, at_least=-SEED_MAX, at_most=SEED_MAX, help="seed of the keys")
     new_tokens: int = option(10, help="tokens decoded greedily")
     attention: str | None = _attention()
     window: int | None = _window()
@@ -246,7 +246,7 @@ class NiahConfig:
     depths: tuple[float, ...] = option((0.0, 0.5, 1.0), parse=parse_depths,
                                        help="relative depths of the asked needle, 0 = start, 1 = end")
     samples: int = option(10, help="prompts per (task, haystack, length, depth)")
-    seed: int = option(0, at_least=0, at_most=SEED_MAX, help="seed of the needles and the text offsets")
+    seed: int = option(0, at_least=-SEED_MAX, at_most=SEED_MAX, help="seed of the needles and the text offsets")
     new_tokens: int | None = option(None, help="tokens decoded greedily", default_text="12 for niah_*, 32 for vt")
     attention: str | None = _attention()
     window: int | None = _window()

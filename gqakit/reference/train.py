@@ -157,7 +157,7 @@ class _Objective:
 def _check_outputs(cfg: PretrainConfig, heldout: str) -> None:
     """Before any training: the model replaces output_dir only where that is a model this script made (or empty,
     or absent), and heldout_output is written only where it is absent or already holds this very text."""
-    check_replaceable(Path(cfg.output_dir), "output_dir")
+    check_replaceable(Path(cfg.output_dir), "output_dir", "this script")
     held = Path(cfg.heldout_output)
     if held.is_dir() or (held.exists() and held.read_bytes() != heldout.encode("utf-8")):
         raise GqakitError(f"heldout_output {held} exists and holds something else than this recipe's held-out "

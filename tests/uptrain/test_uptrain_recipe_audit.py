@@ -182,3 +182,13 @@ def test_a_seed_out_of_range_is_one_line(tiny, tmp_path, capsys, argv):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "seed" in err and "4294967295" in err.replace(",", ""), err
     assert not any(p.name in ("o", "s.jsonl", "r") for p in tmp_path.iterdir())
+
+
+def test_negative_seeds_still_seed_conversions(tiny, tmp_path, capsys):
+    """Bounding seeds must not refuse what ran before (the diff review): convert-gqa --seed -3 seeds torch
+    generators, which take negative seeds; uptrain, which seeds numpy, takes 0..2**32 - 1 only."""
+    from gqakit.cli import main
+
+    assert main(["convert", "--groups", "1", "--method", "random", "--seed", "-3", str(tiny["model"]), "-o",
+                 str(tmp_path / "o"), "--quiet"]) == 0
+    assert (tmp_path / "o" / "config.json").is_file()
