@@ -59,17 +59,27 @@ def test_tests_skipped_at_the_deadline_are_not_a_pass(tmp_path):
 
 def test_an_interrupted_benchmark_still_writes_what_finished(tmp_path):
     """run.sh's timeout now interrupts (SIGINT, not SIGTERM, which left no junit report and no JSON): decode.py
-    reports the variants that finished and fails its check."""
+    reports the variants that finished and fails its check. The second variant waits for the signal (a dry run's
+    variants take milliseconds: a signal sent on its log line could land after the script had ended)."""
     import signal
-    import time
+    import sys
 
     out = tmp_path / "decode.json"
-    proc = subprocess.Popen(["python", str(REPO / "benchmarks" / "gpu" / "decode.py"), "--dry-run", "--json",
-                             str(out)], cwd=REPO, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    driver = (f"import sys, time; sys.path[:0] = [{str(REPO / 'benchmarks' / 'gpu')!r}, {str(REPO / 'benchmarks')!r}]\n"
+              "import decode\n"
+              "real = decode.run_variant\n"
+              "def waiting(name, *args, **kwargs):\n"
+              "    if name != 'MHA':\n"
+              "        print('waiting for the signal', file=sys.stderr, flush=True)\n"
+              "        time.sleep(120)\n"
+              "    return real(name, *args, **kwargs)\n"
+              "decode.run_variant = waiting\n"
+              f"sys.exit(decode.main(['--dry-run', '--json', {str(out)!r}]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=REPO, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and "building GQA" not in (line := proc.stderr.readline()):
-        pass  # the first variant (MHA) has finished once the second is being built
+    for line in proc.stderr:
+        if "waiting for the signal" in line:  # the first variant (MHA) has finished
+            break
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=120)
     assert proc.returncode == 1

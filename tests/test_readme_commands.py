@@ -52,6 +52,9 @@ PAGES = ("README.md", "docs/convert.md", "docs/attention.md", "docs/uptrain.md",
 # Appended to a command (argparse and key=value overrides: the last value wins) so it runs in seconds.
 TINY = [
     (r"^gqakit demo", "--eval-tokens 256"),
+    # two steps leave no held-out score before the last, so a documented --transfer-patience could never act
+    (r"^convert-gqa .*--method transfer .*--transfer-patience",
+     "--calibration-tokens 1024 --calibration-window 128 --transfer-steps 2 --transfer-patience 0"),
     (r"^convert-gqa .*--method transfer", "--calibration-tokens 1024 --calibration-window 128 --transfer-steps 2"),
     (r"^convert-gqa .*--calibration ", "--calibration-tokens 1024 --calibration-window 128"),
     (r"^convert-gqa .*--method fit", "--calibration-tokens 1024 --calibration-window 128"),
@@ -67,8 +70,9 @@ TINY = [
     (r"^gqakit eval passkey", "--trials 1 --depths 0.5"),
     (r"^gqakit eval niah", "--samples 1 --depths 0.5 --lengths 256"),
     (r"^python benchmarks/kv_tradeoff.py", "--max-tokens 256 --max-length 128"),
+    # a shorter held-out text may not replace the shipped one (refused: it is not this recipe's text)
     (r"^python -m gqakit.reference.train", "steps=2 eval_every=1 log_every=1 seq_len=64 batch_size=2 "
-                                           "warmup_steps=1 heldout_chars=20000"),
+                                           "warmup_steps=1 heldout_chars=20000 heldout_output=heldout-tiny.txt"),
 ]
 NOT_RUN = {  # command prefix -> why this test does not run it
     "pip install": "the set-up itself: CI's install step runs it",
