@@ -9,6 +9,7 @@ script's folder is on sys.path; importing this module also puts benchmarks/ ther
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,12 @@ from typing import Callable
 BENCHMARKS = Path(__file__).resolve().parent.parent
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
+
+# run.sh's time limit interrupts a script with SIGINT, which each script turns into the JSON of what finished; a
+# process started with SIGINT ignored (a launcher's background job, a pytest-xdist worker) inherits the ignore, and
+# Python then leaves it so: the limit passed unnoticed until the kill. Interrupts are interrupts here, whatever came
+# before.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 GIB = 2**30
 
