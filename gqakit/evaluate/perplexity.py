@@ -69,12 +69,13 @@ def strided_windows(model, input_ids: torch.Tensor, max_length: int, stride: int
     window_nll, window_tokens, held, decoding = [], [], None, None
     starts = range(0, n, stride)
     if kv_cache is not None:  # a window too short for whole groups is refused before any window is scored
-        lengths = [lead + min(begin + span, n) - begin for begin in starts[: -(-max(n - span, 0) // stride) + 1]]
+        last_begin = -(-max(n - span, 0) // stride) * stride  # the first window that reaches the text's end
+        shortest = lead + n - last_begin  # every earlier window is a full one
         try:
-            feed_pieces(min(lengths), kv_chunk or DEFAULT_CHUNK, kv_cache)
+            feed_pieces(shortest, kv_chunk or DEFAULT_CHUNK, kv_cache)
         except GqakitError:
             raise GqakitError(f"{opt('kv_cache', kv_cache)} quantizes a window's first tokens at once, in groups of "
-                              f"{GROUP} tokens, and the text's last window holds {min(lengths)}; choose "
+                              f"{GROUP} tokens, and the text's last window holds {shortest}; choose "
                               f"{opt('max_length')} or {opt('max_tokens')} so that it holds at least {GROUP}") from None
     for begin in tqdm(starts, desc="perplexity", unit="window", disable=not progress, leave=False):
         end = min(begin + span, n)

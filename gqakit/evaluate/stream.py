@@ -213,7 +213,7 @@ def _check(cfg: StreamConfig) -> tuple[str, ...]:
         raise GqakitError(f"{opt('fluent_within')} judges another policy against {opt('policies', 'recompute')}, "
                           f"and {opt('policies', ','.join(policies))} gives no such pair; add both or drop "
                           f"{opt('fluent_within')}")
-    if not 0 < cfg.fluent_within < float("inf"):  # NaN fails both
+    if not cfg.fluent_within > 0:  # not finite: refused by the options' own check
         raise GqakitError(f"{opt('fluent_within')} must be a finite fraction > 0 (e.g. 0.1 for 10%), got "
                           f"{cfg.fluent_within}")
     return policies
