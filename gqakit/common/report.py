@@ -80,14 +80,16 @@ def config_of(cfg) -> dict:
 def prepare_output(output: str | Path | None, kind: str, force: bool, inputs=()) -> Path:
     """The report folder for this run; refuses an existing one given as `output` without `force`, and one that is,
     holds or sits inside an input (`inputs`: (option, path) pairs, `inputs_of`), before any work is done. Without
-    `output`, a free default name."""
-    if not output:
-        return free_default(default_output(kind))
-    target = Path(output)
+    `output`, a free default name under the current folder (refused inside an input too: a run started in the
+    model's folder would write into it)."""
+    target = Path(output) if output else free_default(default_output(kind))
     for name, path in inputs:
         if inside(target, Path(path)) or inside(Path(path), target):
-            raise GqakitError(f"--output {target} overlaps {name} {path} (the report would replace it or be written "
-                              f"into it); choose an --output outside it")
+            what = f"--output {target}" if output else f"the default report folder {target} (under the current folder)"
+            raise GqakitError(f"{what} overlaps {name} {path} (the report would replace it or be written into it); "
+                              f"choose an --output outside it")
+    if not output:
+        return target
     if target.exists() and not force:
         raise GqakitError(_EXISTS.format(target, opt("force")))
     if target.exists() and not target.is_dir():
@@ -95,6 +97,11 @@ def prepare_output(output: str | Path | None, kind: str, force: bool, inputs=())
     if force:
         check_replaceable(target, "--output")
     return target
+
+
+def prepare_for(cfg, kind: str) -> Path:
+    """`prepare_output` for an eval command's options: their --output, --force and inputs (`inputs_of`)."""
+    return prepare_output(cfg.output, kind, cfg.force, inputs_of(cfg))
 
 
 def versions() -> dict:

@@ -132,7 +132,7 @@ def run_niah(cfg: NiahConfig, command: str = "", out=None, generate: Generate | 
     _check(cfg)
     lengths, depths = list(cfg.lengths), [float(d) for d in cfg.depths]
     options = command_attention_options(cfg.attention, cfg.window, cfg.sinks, cfg.attention_option)
-    target = report.prepare_output(cfg.output, "niah", cfg.force, report.inputs_of(cfg))
+    target = report.prepare_for(cfg, "niah")
     for path in cfg.models:  # every local model's context, before the first one runs
         config = check_model_folder(path)
         check_context(path, config and context_length(config), lengths)

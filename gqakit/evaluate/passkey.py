@@ -180,7 +180,7 @@ def run_passkey(cfg: PasskeyConfig, command: str = "", out=None, generate: Calla
     check_options(cfg.kv_cache, cfg.kv_chunk, cfg.attention)
     lengths, depths = list(cfg.lengths), [float(d) for d in cfg.depths]
     options = command_attention_options(cfg.attention, cfg.window, cfg.sinks, cfg.attention_option)
-    target = report.prepare_output(cfg.output, "passkey", cfg.force, report.inputs_of(cfg))
+    target = report.prepare_for(cfg, "passkey")
     model, tok = load_model(cfg.model, cfg.dtype, cfg.tokenizer, cfg.device)
     in_force = apply_attention(model, cfg.attention, options)
     shortest = min(lengths)  # refuse a too-short length (cheap) before warning about long ones

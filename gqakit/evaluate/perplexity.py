@@ -371,7 +371,7 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     out = out or sys.stdout
     _check(cfg)
     options = command_attention_options(cfg.attention, cfg.window, cfg.sinks, cfg.attention_option)
-    target = report.prepare_output(cfg.output, "ppl", cfg.force, report.inputs_of(cfg))
+    target = report.prepare_for(cfg, "ppl")
     contexts, kinds = zip(*[_context(path) for path in cfg.models])
     _check_seq2seq(cfg, list(kinds))
     if cfg.target_column is not None:  # input/target rows

@@ -287,7 +287,7 @@ def run_stream(cfg: StreamConfig, command: str = "", out=None) -> dict:
 
     out = out or sys.stdout
     policies = _check(cfg)
-    target = report.prepare_output(cfg.output, "stream", cfg.force, report.inputs_of(cfg))
+    target = report.prepare_for(cfg, "stream")
     documents = load_documents(cfg.text, cfg.dataset, cfg.text_column)
     model, tok = load_model(cfg.model, cfg.dtype, cfg.tokenizer, cfg.device)
     if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):

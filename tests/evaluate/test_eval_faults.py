@@ -281,3 +281,17 @@ def test_a_report_never_replaces_or_enters_what_it_reads(root, tmp_path, tok, co
         argv[command] += ["--haystack", "text"]
     run_refused([tmp_path], "gqakit", "eval", command, str(model), *argv[command], "-o", str(output), "--force",
                 "-q", cwd=tmp_path, needles=("--output", "overlaps", "choose an --output outside it"))
+
+
+@pytest.mark.parametrize("command", ["ppl", "passkey"])
+def test_the_default_report_folder_is_not_written_into_the_model(root, tmp_path, tok, command):
+    """Without --output the report goes to runs/eval-... under the current folder; started in the model's folder,
+    that wrote runs/ into the model (the overlap check covered --output only). Refused before any work, like -o."""
+    model = checkpoint(tmp_path / "converted", tok, max_positions=128)
+    text_file = tmp_path / "text.txt"
+    shutil.copy(root / "text.txt", text_file)
+    argv = {"ppl": ["--text", str(text_file), "--max-length", "64"],
+            "passkey": ["--lengths", "100", "--depths", "0", "--trials", "1"]}[command]
+    run_refused([tmp_path], "gqakit", "eval", command, ".", *argv, "-q", cwd=model,
+                needles=("default report folder", "overlaps MODEL", "choose an --output outside it"))
+    assert not (model / "runs").exists()
