@@ -397,28 +397,31 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
     A re-hosted family (GPT-NeoX, GPT-J, GPT-2, OPT) is planned on its target class: `plan.rehosted` then holds the
     target's config and tensors, which the caller must convert from instead of `config` and `tensors`."""
     spec = check_family(config)
+    source_arch = architecture_of(config)  # what the user gave, before any re-host (errors name it)
     rehosted = rehost(config, tensors)
     if rehosted is not None:
         config, tensors = rehosted.config, rehosted.tensors
         spec = check_family(config)
     fields = read_fields(config, spec.config_names, spec.multi_query_key)
     arch = fields.architecture
+    # errors name the user's class, and the stock class it is re-hosted as (GPT-2 and OPT as GPTBigCode)
+    named = arch if arch == source_arch else f"{source_arch} (re-hosted as {arch})"
     layerwise = methods.get(method).layerwise
     heads, kv_heads, layers = fields.num_attention_heads, fields.num_key_value_heads, fields.num_hidden_layers
     head_dim = fields.head_dim
     check_groups(groups, heads, kv_heads)
     if spec.multi_query_key and spec.grouped_class is None and groups not in (1, heads):
-        raise GqakitError(f"{arch} holds one K/V head ({spec.multi_query_key}) or all {heads}, no stock class a "
+        raise GqakitError(f"{named} holds one K/V head ({spec.multi_query_key}) or all {heads}, no stock class a "
                           f"grouping in between; use {opt('groups', 1)} (MQA) or {opt('groups', heads)}")
     if layerwise:
-        check_alignable(spec, arch, config, groups, kv_heads, head_dim, method)
+        check_alignable(spec, named, config, groups, kv_heads, head_dim, method)
     latent, latent_fit = None, kv_rank is not None or rope_dim is not None
     if to == "mla":
         latent = (fitted_shape(heads, kv_heads, head_dim, kv_rank, rope_dim, not bias_free) if latent_fit
                   else mqa_shape(heads, head_dim, not bias_free))
-        check_latent(spec, arch, config, groups, latent if latent_fit else None, kv_heads)
+        check_latent(spec, named, config, groups, latent if latent_fit else None, kv_heads)
     check_layers(spec, tensors, layers)
-    encoder = encoder_layers(spec, arch, config, tensors, kv_heads, heads) if pool_encoder else None
+    encoder = encoder_layers(spec, named, config, tensors, kv_heads, heads) if pool_encoder else None
     out_dtype = None if dtype in (None, "auto") else CODES[dtype]
 
     def target(info: TensorInfo) -> str:

@@ -77,6 +77,22 @@ def test_families_whose_keys_cannot_be_rotated_are_refused(tmp_path, family, met
                 "--method", method, *calibration, needles=(f"--method {method} cannot convert", why))
 
 
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_refusals_name_the_users_class_and_its_host(tmp_path, family):
+    """GPT-2 and OPT are written as GPTBigCode: a refusal named only the host (OPT "fuses Q, K and V", GPT-2 "has no
+    encoder" as GPTBigCodeForCausalLM). It names the user's class first, then the stock class it is re-hosted as."""
+    from transformers import AutoModelForCausalLM, GPT2Config, OPTConfig
+
+    cfg = (GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=32) if family == "gpt2" else
+           OPTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, ffn_dim=64, vocab_size=64,
+                     max_position_embeddings=32, word_embed_proj_dim=32))
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "src")
+    named = {"gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM"}[family]
+    for extra, why in [(["--method", "aligned"], "cannot convert"), (["--pool-encoder"], "has no encoder")]:
+        run_refused(tmp_path, "convert-gqa", "--groups", "2", str(tmp_path / "src"), "-o", str(tmp_path / "o"),
+                    *extra, needles=(f"{named} (re-hosted as GPTBigCodeForCausalLM)", why))
+
+
 @pytest.mark.parametrize("case", ["phi qk_layernorm", "phi default rotary", "nemotron default rotary"])
 def test_what_a_config_leaves_to_its_class_is_refused_as_if_written(tmp_path, case):
     """Phi's key LayerNorm (qk_layernorm) and the partial RoPE of Phi and Nemotron by their class's default (no

@@ -86,7 +86,7 @@ def test_bfloat16_output_stays_close_to_the_bfloat16_mqa(tmp_path):
 
 
 @pytest.mark.parametrize("family, overrides, needle", [
-    ("gpt2", {}, "--to mla cannot convert GPTBigCodeForCausalLM"),
+    ("gpt2", {}, "--to mla cannot convert GPT2LMHeadModel (re-hosted as GPTBigCodeForCausalLM)"),
     ("qwen2", {}, "latent attention hosts llama, mistral"),
     ("phi", {}, "cannot compute"),
     ("llama", {"attention_bias": True}, "biases on q/k/v/o"),
