@@ -20,7 +20,7 @@ DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".arrow")
 METADATA = ("dataset_info.json", "dataset_dict.json", "state.json")
 
 
-def _files(path: Path) -> list[Path]:
+def data_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
@@ -29,7 +29,7 @@ def _files(path: Path) -> list[Path]:
     return []
 
 
-def _head(path: Path) -> bytes:
+def head(path: Path) -> bytes:
     with open(path, "rb") as f:
         return f.read(HEAD)
 
@@ -45,20 +45,20 @@ def shared_text(a: str | Path, b: str | Path) -> tuple[Path, Path] | None:
     # b's heads by their first MIN_SHARED bytes (a match shares at least those), and whole by content (equal files)
     by_start: dict[bytes, list[tuple[bytes, Path]]] = {}
     whole: dict[bytes, Path] = {}
-    for path in _files(b):
-        head = _head(path)
-        if head:
-            whole.setdefault(head, path)
-            by_start.setdefault(head[:MIN_SHARED], []).append((head, path))
-    for path in _files(a):
-        head = _head(path)
-        if head in whole and len(head) < HEAD:  # two whole files, equal (short ones included)
-            return path, whole[head]
-        if len(head) < MIN_SHARED:
+    for path in data_files(b):
+        start = head(path)
+        if start:
+            whole.setdefault(start, path)
+            by_start.setdefault(start[:MIN_SHARED], []).append((start, path))
+    for path in data_files(a):
+        start = head(path)
+        if start in whole and len(start) < HEAD:  # two whole files, equal (short ones included)
+            return path, whole[start]
+        if len(start) < MIN_SHARED:
             continue
-        for other, where in by_start.get(head[:MIN_SHARED], ()):
-            n = min(len(head), len(other))
-            if head[:n] == other[:n]:
+        for other, where in by_start.get(start[:MIN_SHARED], ()):
+            n = min(len(start), len(other))
+            if start[:n] == other[:n]:
                 return path, where
     return None
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from gqakit.common import fitted
 from gqakit.common.atomic import atomic_output
 from gqakit.common.errors import GqakitError
 from gqakit.convert.calibrated import calibrate_layers, transfer_share
@@ -97,6 +98,8 @@ def _write(cfg: ConvertConfig, plan: Plan, config: dict, tensors: dict[str, Tens
             shutil.rmtree(how.stats)
         (tmp / "config.json").write_text(json.dumps(written_config(config, plan, cfg.dtype), indent=2) + "\n",
                                          encoding="utf-8")
-        copy_side_files(Path(cfg.model_dir), tmp)
+        copy_side_files(Path(cfg.model_dir), tmp)  # the source's record of fitted texts among them
+        if calibration is not None and cfg.calibration:
+            fitted.add(tmp, fitted.entries([cfg.calibration], "calibration"))
         write_card(tmp / "README.md", cfg, plan, errors, command, calibration)
     return errors

@@ -127,6 +127,11 @@ def _force():
     return option(False, help="replace an existing report folder")
 
 
+def _allow_fitted_text():
+    return option(False, help="score a text the model was calibrated or uptrained on (its gqakit-fitted.json "
+                              "names it), refused otherwise: that score is not held out")
+
+
 def _progress():
     return option(True, flag="-q/--quiet", invert=True, help="no progress bars")
 
@@ -160,6 +165,7 @@ class PplConfig:
     dtype: str = _dtype()
     device: str = _device()
     tokenizer: str | None = _tokenizer()
+    allow_fitted_text: bool = _allow_fitted_text()
     output: str | None = _output()
     force: bool = _force()
     progress: bool = _progress()
@@ -192,6 +198,7 @@ class StreamConfig:
     dtype: str = _dtype()
     device: str = _device()
     tokenizer: str | None = _tokenizer()
+    allow_fitted_text: bool = _allow_fitted_text()
     output: str | None = _output()
     force: bool = _force()
     progress: bool = _progress()

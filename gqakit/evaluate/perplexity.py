@@ -363,6 +363,7 @@ _JSON_ONLY = ("attention_options", "kv_cache_settings", "window_nll", "window_to
 def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     """Evaluate every model, print the table, write the report (JSON, CSV, plot); returns the report dict."""
     from gqakit.common import plots, report
+    from gqakit.common.fitted import refuse_fitted
     from gqakit.common.text import load_columns, load_documents
     from gqakit.attention.registration import apply_attention
     from gqakit.hf.fields import context_length
@@ -372,6 +373,8 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     _check(cfg)
     options = command_attention_options(cfg.attention, cfg.window, cfg.sinks, cfg.attention_option)
     target = report.prepare_for(cfg, "ppl")
+    fitted = refuse_fitted(cfg.models, [(opt("text"), cfg.text), (opt("dataset"), cfg.dataset)],
+                           cfg.allow_fitted_text, opt("allow_fitted_text"))
     contexts, kinds = zip(*[_context(path) for path in cfg.models])
     _check_seq2seq(cfg, list(kinds))
     if cfg.target_column is not None:  # input/target rows
@@ -425,7 +428,7 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
               f"{', as the residual refills' if residual_length(cfg.kv_cache) else ''})", file=out)
     print(f"(95% interval: percentile bootstrap over windows, {cfg.bootstrap} resamples, seed {cfg.seed})", file=out)
     record = {"max_length": max_length, "stride": stride, "bootstrap": cfg.bootstrap, "seed": cfg.seed,
-              "rows": rows}
+              "fitted_text": fitted, "rows": rows}
     csv_rows = [{k: v for k, v in r.items() if k not in _JSON_ONLY} for r in rows]
     plotted = rows if not cfg.kv_cache else [{**r, "kv_bytes_per_token": r["kv_bytes_held_per_token"]} for r in rows]
     written = report.write_report(target, kind="ppl", command=command, config=dataclasses.asdict(cfg),

@@ -282,12 +282,15 @@ def _table(cfg: StreamConfig, summary: dict) -> str:
 def run_stream(cfg: StreamConfig, command: str = "", out=None) -> dict:
     """Stream the text under every policy; print a table, write the report; returns the results dict."""
     from gqakit.common import plots, report
+    from gqakit.common.fitted import refuse_fitted
     from gqakit.common.text import encode_documents, load_documents
     from gqakit.hf.loading import describe, load_model
 
     out = out or sys.stdout
     policies = _check(cfg)
     target = report.prepare_for(cfg, "stream")
+    fitted = refuse_fitted([cfg.model], [(opt("text"), cfg.text), (opt("dataset"), cfg.dataset)],
+                           cfg.allow_fitted_text, opt("allow_fitted_text"))
     documents = load_documents(cfg.text, cfg.dataset, cfg.text_column)
     model, tok = load_model(cfg.model, cfg.dtype, cfg.tokenizer, cfg.device)
     if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
@@ -325,7 +328,7 @@ def run_stream(cfg: StreamConfig, command: str = "", out=None) -> dict:
         print("(no fluency verdict: add --policy recompute to compare against the recompute reference)", file=out)
     info = describe(model)
     record = {"model": info, "stream_tokens": ids.numel(), "bucket": size, "recompute_every": every,
-              "policies": summary}
+              "fitted_text": fitted, "policies": summary}
     rows = [{"policy": p, "bucket_start": b["start"], "bucket_end": b["end"], "tokens": b["tokens"], "nll": b["nll"],
              "perplexity": b["perplexity"]} for p, s in summary.items() for b in s["buckets"]]
     marks = {}

@@ -26,6 +26,7 @@ from torch import nn
 
 from cli_contract import run_cli, run_refused
 from gqakit.cli import convert_main
+from gqakit.common import fitted
 from gqakit.convert.calibration import runner as runner_module
 from gqakit.convert.calibration import streamed as streamed_module
 from gqakit.hf.architectures import find_family
@@ -243,6 +244,7 @@ def test_fit_pools_identical_heads_exactly_in_every_alignable_family(family, tmp
     ids = torch.randint(3, 4096, (2, 20), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(checkpoint_logits(out, ids), checkpoint_logits(src, ids), atol=1e-4, rtol=1e-4)
     assert all(max(row) < 1e-5 for row in _card_errors(out))
+    assert [(e["role"], e["path"]) for e in fitted.read(out)] == [("calibration", str(TEXT))]  # for eval to refuse
 
 
 def test_bad_calibration_input_is_refused_in_one_line(tmp_path):

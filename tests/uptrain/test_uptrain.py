@@ -174,6 +174,30 @@ def test_final_folder_is_a_stock_checkpoint_with_the_uptraining_card(tiny, tmp_p
     assert moved == {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "kv"}
 
 
+def test_the_final_model_records_its_data_after_its_sources_fitted_texts(tiny, tmp_path):
+    """gqakit-fitted.json: the source's entries (copied with its side files), then the uptraining data, so that
+    `gqakit eval` refuses to score either."""
+    from gqakit.common import fitted
+
+    source = tmp_path / "converted"
+    shutil.copytree(tiny["model"], source)
+    calibration = make_text(tmp_path / "calibration.txt", start=40_000)
+    fitted.add(source, fitted.entries([calibration], "calibration"))
+    uptrain(_cfg(tiny, tmp_path, model=str(source), steps=1))
+    assert [(e["role"], e["path"]) for e in fitted.read(tmp_path / "run")] == [
+        ("calibration", str(calibration)), ("uptraining", str(tiny["text"]))]
+
+
+def test_a_token_cache_stands_for_the_files_it_was_tokenised_from(tmp_path):
+    from gqakit.uptrain.data.token_cache import FORMAT, HEADER
+    from gqakit.uptrain.run.final import _fitted_entries
+
+    book, other = make_text(tmp_path / "book.txt"), make_text(tmp_path / "other.txt", start=50_000)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / HEADER).write_text(json.dumps({"format": FORMAT, "sources": [str(book)]}))
+    assert [e["path"] for e in _fitted_entries([str(tmp_path / "cache"), str(other)])] == [str(book), str(other)]
+
+
 def test_distillation_from_the_model_itself_is_zero_at_the_start(tiny, tmp_path):
     """KD from an identical teacher has KL 0 before the first update, then the run logs it."""
     first = {}

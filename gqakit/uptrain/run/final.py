@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from gqakit.common import dtypes
+from gqakit.common import dtypes, fitted
 from gqakit.common.atomic import interrupts_deferred
 from gqakit import __version__
 from gqakit.uptrain.run.folder import FINISHED, MARKER
@@ -99,6 +99,17 @@ def final_tensors(model) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _fitted_entries(data) -> list[dict]:
+    """The record of fitted texts for the uptraining data: a token cache stands for the files it was tokenised
+    from (its header's sources)."""
+    from gqakit.uptrain.data.token_cache import HEADER, is_token_cache
+
+    paths = []
+    for entry in data:
+        paths += json.loads((Path(entry) / HEADER).read_text()).get("sources", []) if is_token_cache(entry) else [entry]
+    return fitted.entries(paths, "uptraining")
+
+
 def save_final(model, tokenizer, output_dir: Path, record: dict, *, is_main: bool, barrier,
                max_shard_bytes: int = 5 * 10**9) -> None:
     """Every rank: stream the final weights into a stock Hugging Face folder in the run folder. A sharded
@@ -136,6 +147,7 @@ def save_final(model, tokenizer, output_dir: Path, record: dict, *, is_main: boo
         for name in RUN_FILES:  # when the source is itself an uptraining run folder
             if (tmp / name).exists():
                 shutil.rmtree(tmp / name) if (tmp / name).is_dir() else (tmp / name).unlink()
+        fitted.add(tmp, _fitted_entries(record["recipe"]["data"]))  # after the source's record, copied above
         if not (tmp / "tokenizer_config.json").exists():
             tokenizer.save_pretrained(tmp)
         if not (tmp / "generation_config.json").exists() and getattr(model, "generation_config", None) is not None:
