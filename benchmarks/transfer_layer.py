@@ -30,7 +30,7 @@ from gqakit.convert.calibration.stored import load_layer
 from gqakit.convert.options import ConvertConfig
 from gqakit.convert.methods.engine import LayerMerge, merge_checkpoint_layer
 from gqakit.convert.output import new_config
-from gqakit.convert.run import prepare
+from gqakit.convert.prepare import prepare
 from gqakit.convert.methods.transfer import (attend, attention_implementation, build_attention, output_error,
                                              transfer_merged_layer)
 from gqakit.convert.options import TransferOptions

@@ -69,8 +69,9 @@ METHODS = {m.name: m for m in (
            card_note="the shared K/V head that minimises each head's attention-logit and value error on calibration "
                      "activations (closed-form least squares per RoPE pair and value subspace), each head's map "
                      "refitted"),
-    Method("transfer", "fit, then train each layer's merged K/V to reproduce the original attention's output "
-                       "(attention transfer), calibrated as fit is",
+    Method("transfer", "the calibrated aligned merge (or fit's: --transfer-start), then each layer's merged "
+                       "attention trained to reproduce the original's output (attention transfer), calibrated as fit "
+                       "is",
            merge={"align": True, "merge": "pca", "restore": "refit"},
            calibration="required", transfer=True, calibration_tokens=65_536,
            card_note="a calibrated merge (fit, least squares on calibration activations, unless the transfer row "

@@ -193,11 +193,12 @@ def transferred_path(folder: Path, layer: int) -> Path:
 
 
 def widened(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """`t` in `dtype` where that is a wider float: a merge is then computed and written at the output's precision,
-    not rounded to the source's first."""
-    if dtype is None or not t.is_floating_point() or dtype.itemsize <= t.element_size():
+    """`t` in `dtype` where that is a wider float, and in float32 where it is another float of the same width
+    (bfloat16 <-> float16): a merge is then computed above both precisions and rounded once, to the output's, not
+    to the source's first."""
+    if dtype is None or not t.is_floating_point() or dtype == t.dtype or dtype.itemsize < t.element_size():
         return t
-    return t.to(dtype)
+    return t.to(dtype if dtype.itemsize > t.element_size() else torch.float32)
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:

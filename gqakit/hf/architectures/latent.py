@@ -80,8 +80,9 @@ def is_latent(config) -> bool:
 
 def fitted_shape(heads: int, kv_heads: int, head_dim: int, rank: int | None, rope_dim: int | None,
                  bias: bool = True) -> LatentShape:
-    """--kv-rank / --rope-dim: the latent fitted to the source's K/V heads; the one not given makes the cache hold
-    MQA's 2 x head_dim + 1 values per token (a rope_dim of head_dim, or a rank of 2 x head_dim - rope_dim)."""
+    """--kv-rank / --rope-dim: the latent fitted to the source's K/V heads. Without --rope-dim it is head_dim (the
+    cache holds rank + 1 + head_dim values per token); without --kv-rank it is 2 x head_dim - rope_dim (the cache
+    holds MQA's 2 x head_dim + 1)."""
     rope_dim = head_dim if rope_dim is None else rope_dim
     rank = 2 * head_dim - rope_dim if rank is None else rank
     return LatentShape(heads=heads, rank=rank, rope_dim=rope_dim, nope_dim=head_dim - rope_dim, v_dim=head_dim,
