@@ -18,8 +18,10 @@ def max_shard_bytes(text: str) -> int:
 
 
 def default_output(model_dir: Path, groups: int, to: str = "gqa") -> Path:
+    """MODEL-gqaG (-mqa, -mla) beside the model folder; a model given as `.` or `..` is named by its real path."""
     suffix = "mla" if to == "mla" else "mqa" if groups == 1 else f"gqa{groups}"
-    return model_dir.with_name(f"{model_dir.name}-{suffix}")
+    named = model_dir.resolve() if model_dir.name in ("", ".", "..") else model_dir
+    return named.with_name(f"{named.name}-{suffix}")
 
 
 def output_path(model_dir: Path, output_dir: str | None, groups: int, to: str = "gqa") -> Path:

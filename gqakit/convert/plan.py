@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import re
 
 from gqakit.common.errors import GqakitError, opt
-from gqakit.hf.architectures import ArchSpec, KNorm, find_family, supported_architectures
+from gqakit.hf.architectures import (ArchSpec, KNorm, family_of_model_type, find_family,
+                                     supported_architectures)
 from gqakit.hf.architectures.latent import LatentShape, fitted_shape, host_refusal, mqa_shape, shape_refusal
 from gqakit.hf.headers import CODES, ITEMSIZES, DerivedTensor, TensorInfo, assign_shards, shard_names
 from gqakit.hf.architectures.refused import refusal
@@ -343,16 +345,36 @@ def check_alignable(spec: ArchSpec, arch: str, config: dict, groups: int, kv_hea
                           f"{kv_heads} K/V heads; use {opt('method', 'mean')}")
 
 
+FLOATS = ("F64", "F32", "F16", "BF16")  # safetensors dtypes a merge may compute with
+
+
 def check_family(config: dict) -> ArchSpec | None:
     """The family's table (None for a re-hosted source), or a one-line refusal that names the family: checked
     before any other field is read, since refused families spell their fields otherwise (n_head, num_heads)."""
     arch = architecture_of(config)
+    quantized = config.get("quantization_config")
+    if quantized:
+        how = quantized.get("quant_method", "quantized") if isinstance(quantized, dict) else "quantized"
+        raise GqakitError(f"config.json holds a quantization_config ({how}): the weights are quantized codes and "
+                          "scales, which merging would average as numbers; convert the model's floating-point "
+                          "checkpoint, then quantize the result")
+    custom = sorted(k for k in (config.get("auto_map") or {}) if k.startswith("AutoModel"))
+    if custom:
+        raise GqakitError(f"config.json maps {custom[0]} to custom code (auto_map), which gqakit neither runs nor "
+                          "converts; convert a checkpoint of the stock transformers class (delete auto_map only if "
+                          "the stock class computes this model)")
     if (why := refusal(arch, config)) is not None:  # a variant of a supported family may be refused too (Falcon)
         raise GqakitError(f"cannot convert: {why}")
     spec = find_family(arch, config)
     if spec is None and find_rehost(arch) is None:
         known = sorted({*supported_architectures(), *rehosted_architectures()})
         raise GqakitError(f"architecture {arch} is not supported; gqakit converts {', '.join(known)}")
+    model_type = config.get("model_type")
+    other = family_of_model_type(model_type) if spec is not None and model_type != spec.config_model_type else None
+    if other is not None:  # transformers builds the class that model_type names: another family's tensors
+        raise GqakitError(f"config.json names architectures [{arch}] but model_type {json.dumps(model_type)}, which "
+                          f"is {other.architectures[0]}'s; transformers builds the model from model_type, so the "
+                          "two must agree: correct the one that is wrong")
     return spec
 
 
@@ -441,6 +463,11 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
     for i in range(encoder or 0):
         special.update(_projection_ops(spec, tensors, i, shape, target, (("encoder", *spec.encoder_kv),)))
     check_accounted(spec, tensors, special, fields, encoder is not None)
+    for op in (op for ops in special.values() for op in ops):  # what is averaged or fitted must be numbers
+        coded = next((n for n in op.sources if tensors[n].dtype not in FLOATS), None)
+        if coded is not None:
+            raise GqakitError(f"tensor '{coded}' is stored as {tensors[coded].dtype}, quantized codes that merging "
+                              "would average as numbers; convert the model's floating-point checkpoint")
 
     ops: list[TensorOp] = []
     # Keep source order (sorted by file then offset) so reads are sequential.

@@ -150,6 +150,9 @@ def scan_checkpoint(model_dir: Path) -> dict[str, TensorInfo]:
     if index.is_file():
         weight_map = _read_index(index)
         shards = sorted(set(weight_map.values()))
+        if (model_dir / SINGLE).is_file() and shards != [SINGLE]:  # transformers would load the single file
+            raise GqakitError(f"{model_dir} holds both {SINGLE} and {INDEX} with other shards: two copies of the "
+                              f"weights, of which transformers loads {SINGLE}; delete the stale one")
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:
             raise GqakitError(
@@ -181,6 +184,24 @@ def scan_checkpoint(model_dir: Path) -> dict[str, TensorInfo]:
         if absent:
             raise GqakitError(f"{index} lists '{absent[0]}' but no shard holds it; re-save the checkpoint")
     return tensors
+
+
+def same_bytes(a: TensorInfo, b: TensorInfo, block: int = 1 << 24) -> bool:
+    """Whether two stored tensors hold the same dtype, shape and bytes, read `block` bytes at a time (memory stays
+    flat at any size); a tensor with no file (a meta plan's) or a derived one is never known equal."""
+    if (a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape) or a.file is None or b.file is None
+            or isinstance(a, DerivedTensor) or isinstance(b, DerivedTensor)):
+        return False
+    if Path(a.file) == Path(b.file) and a.start == b.start:
+        return True
+    with open(a.file, "rb") as fa, open(b.file, "rb") as fb:
+        fa.seek(a.start)
+        fb.seek(b.start)
+        for offset in range(0, a.end - a.start, block):
+            n = min(block, a.end - a.start - offset)
+            if fa.read(n) != fb.read(n):
+                return False
+    return True
 
 
 def assign_shards(entries: list[tuple[str, str, tuple[int, ...]]], max_shard_bytes: int) -> list[list[int]]:

@@ -43,6 +43,11 @@ def check_model_folder(path: str) -> dict | None:
 
     folder = model_folder(path)
     folder.tensors  # every header read and checked
+    custom = sorted(k for k in (folder.config.get("auto_map") or {}) if k.startswith("AutoModel"))
+    if custom:  # transformers would build the stock class instead, without a word
+        raise GqakitError(f"{path}: config.json maps {custom[0]} to custom code (auto_map), which gqakit never runs; "
+                          "evaluate a checkpoint of the stock transformers class (delete auto_map only if the stock "
+                          "class computes this model)")
     return folder.config
 
 
@@ -62,7 +67,7 @@ def check_loading(path: str, info: dict) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """transformers' loading report is many lines; check_loading says what matters in one."""
     from transformers.utils import logging as hf_logging
 
@@ -124,7 +129,7 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
         arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
         raise GqakitError(f"{path} is an encoder-decoder ({arch}) and this command runs decoders (next-token "
                           "prediction over one growing sequence); score it with gqakit eval ppl")
-    with _quiet_transformers():
+    with quiet_transformers():
         model, info = auto_model_class(config).from_pretrained(
             path, config=config, dtype=getattr(torch, dtype), ignore_mismatched_sizes=True, output_loading_info=True,
             local_files_only=local_only, **LOAD_KWARGS)

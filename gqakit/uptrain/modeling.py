@@ -17,10 +17,14 @@ def load_lm(path: str):
     from transformers.utils import logging as hf_logging
 
     from gqakit.hf.compat import LOAD_KWARGS
-    from gqakit.hf.loading import auto_model_class
+    from gqakit.hf.loading import auto_model_class, check_loading, quiet_transformers
 
     hf_logging.disable_progress_bar()
-    return auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32, **LOAD_KWARGS)
+    with quiet_transformers():  # check_loading says in one line what its report would say in many
+        model, info = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(
+            path, dtype=torch.float32, ignore_mismatched_sizes=True, output_loading_info=True, **LOAD_KWARGS)
+    check_loading(path, info)  # absent or resized weights: one line, never a half-random model trained
+    return model
 
 
 def _layers(model) -> tuple[int, int]:

@@ -234,3 +234,76 @@ def test_a_dry_run_refuses_the_output_the_run_would_refuse(src, tmp_path, capsys
         fails(capsys, ["--groups", "1", str(src), "-o", str(out), "--dry-run", *(["--force"] if force else [])],
               needle)
     assert (tmp_path / "afile").read_text() == "mine" and not (src / "sub").exists()
+
+
+def test_a_model_type_of_another_family_than_the_architecture_is_refused(src, tmp_path, capsys):
+    """architectures [LlamaForCausalLM] beside model_type stablelm: gqakit planned Llama's tensors while
+    transformers builds StableLM from model_type, and a StableLM's per-head key norms were copied unmerged (a review:
+    0.81 off in the logits). Refused in one line; a model_type no supported family has (exaone) still converts."""
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "model_type": "stablelm"}))
+    fails(capsys, ["--groups", "2", str(src), "-o", str(tmp_path / "o")], "model_type \"stablelm\"",
+          "StableLmForCausalLM's", "correct the one that is wrong")
+    fails(capsys, ["--groups", "2", str(src), "--dry-run"], "model_type \"stablelm\"")
+    assert not (tmp_path / "o").exists()
+    (src / "config.json").write_text(json.dumps({**config, "model_type": "exaone"}))
+    assert convert_main(["--groups", "2", str(src), "--dry-run", "-q"]) == 0
+
+
+def test_every_family_names_the_model_type_of_its_config_class():
+    """The table's model types are transformers' own: AutoModelForCausalLM builds the family's class from it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from gqakit.hf.architectures import FAMILIES
+
+    for spec in FAMILIES:
+        if spec.grouped_class is None or spec.multi_query_key:  # gqakit's own classes register themselves
+            assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[spec.config_model_type] == spec.architectures[0], spec.family
+
+
+def test_a_folder_with_both_a_single_file_and_a_sharded_index_is_refused(src, tmp_path, capsys):
+    """gqakit read the index's shards while transformers loads model.safetensors: convert and FSDP uptraining
+    read one copy of the weights, eval and DDP the other (a review: perplexity 4,150 against 12,184). Refused;
+    an index that names model.safetensors alone is one copy and converts."""
+    tensors, _ = headers.read_header(src / "model.safetensors")
+    (src / "model-00001-of-00001.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    (src / headers.INDEX).write_text(json.dumps(
+        {"metadata": {}, "weight_map": {name: "model-00001-of-00001.safetensors" for name in tensors}}))
+    fails(capsys, ["--groups", "2", str(src), "-o", str(tmp_path / "o")], "holds both model.safetensors and",
+          "delete the stale one")
+    (src / "model-00001-of-00001.safetensors").unlink()
+    single = {name: "model.safetensors" for name in tensors}
+    (src / headers.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": single}))
+    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "o"), "-q"]) == 0
+
+
+def test_a_model_given_as_dot_gets_the_default_output_beside_it(src, tmp_path, capsys, monkeypatch):
+    """`cd model && convert-gqa --groups 2 .` ended in a traceback (Path('.') has no name to suffix)."""
+    monkeypatch.chdir(src)
+    assert convert_main(["--groups", "2", ".", "-q"]) == 0
+    assert (src.parent / f"{src.name}-gqa2" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("case", ["quantization_config", "int8 k_proj", "auto_map"])
+def test_quantized_weights_and_custom_code_are_refused(src, tmp_path, capsys, case):
+    """An FP8 k_proj with its per-row weight_scale was averaged as codes (the scale left as it was) and an I8 one
+    truncated; a config whose auto_map runs custom code was converted as the stock class, and the copied code then
+    ran on GQA weights (a review). Each is refused in one line, nothing written."""
+    from safetensors.torch import load_file, save_file
+    import torch
+
+    config = json.loads((src / "config.json").read_text())
+    if case == "quantization_config":
+        config["quantization_config"] = {"quant_method": "fbgemm_fp8"}
+    elif case == "auto_map":
+        config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    else:
+        weights = load_file(src / "model.safetensors")
+        name = "model.layers.1.self_attn.k_proj.weight"
+        weights[name] = weights[name].mul(100).round().to(torch.int8)
+        save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    (src / "config.json").write_text(json.dumps(config))
+    needle = {"quantization_config": "holds a quantization_config (fbgemm_fp8)", "auto_map": "to custom code",
+              "int8 k_proj": "'model.layers.1.self_attn.k_proj.weight' is stored as I8"}[case]
+    fails(capsys, ["--groups", "2", str(src), "-o", str(tmp_path / "o")], needle)
+    assert not (tmp_path / "o").exists()

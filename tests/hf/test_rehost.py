@@ -178,6 +178,31 @@ def test_weights_saved_from_the_base_class_convert(source, tmp_path):
     torch.testing.assert_close(logits(load_exact(tmp_path / "out")), logits(model), atol=1e-5, rtol=0)
 
 
+def test_a_stored_head_that_is_not_the_embeddings_copy_is_refused(source, tmp_path, capsys):
+    """tie_word_embeddings true beside a stored lm_head of other values: transformers 5 uses that head, untied, and
+    gqakit dropped it as "the tied copy" (a review: OPT at G = H 28.45 off in the logits). A copy still converts."""
+    from safetensors.torch import load_file, save_file
+
+    name, path, model = source
+    if name not in MQA_ONLY:
+        pytest.skip("GPT-2 and OPT")
+    weights = load_file(path / "model.safetensors")
+    embedding = {"gpt2": "transformer.wte.weight", "opt": "model.decoder.embed_tokens.weight"}[name]
+    for case, head in (("copy", weights[embedding].clone()), ("other", weights[embedding].flip(0).contiguous())):
+        folder = tmp_path / case
+        folder.mkdir()
+        save_file({**weights, "lm_head.weight": head}, folder / "model.safetensors", metadata={"format": "pt"})
+        (folder / "config.json").write_text((path / "config.json").read_text())
+        capsys.readouterr()
+        rc = convert_main([str(folder), "--groups", "4", "-o", str(tmp_path / f"out-{case}"), "--quiet"])
+        if case == "copy":
+            assert rc == 0
+            torch.testing.assert_close(logits(load_exact(tmp_path / "out-copy")), logits(model), atol=1e-5, rtol=0)
+        else:
+            assert rc == 2 and "stores an lm_head.weight that is not a copy of" in capsys.readouterr().err
+            assert not (tmp_path / "out-other").exists()
+
+
 def test_an_unknown_tensor_is_refused_not_dropped(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 

@@ -76,6 +76,20 @@ def test_a_model_folder_without_weights_is_one_line(tiny, tmp_path):
                 needles=("has no model.safetensors",))
 
 
+def test_a_model_folder_missing_a_weight_is_one_line_not_a_random_tensor_trained(tiny, tmp_path):
+    """uptrain loaded with from_pretrained alone: a weight absent from the checkpoint was left random and trained
+    (a review: an untied model without its lm_head, "held-out perplexity 4137.45 -> 4137.45"). Refused as eval does."""
+    from safetensors.torch import load_file, save_file
+
+    holed = tmp_path / "holed"
+    shutil.copytree(tiny["model"], holed)
+    weights = load_file(holed / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, str(holed / "model.safetensors"), metadata={"format": "pt"})
+    run_refused(tmp_path, "gqakit", "uptrain", str(_recipe(tiny, tmp_path, model=str(holed))),
+                needles=("the weights lack model.norm.weight", "re-download or re-save it"))
+
+
 # ---- nothing of the user's is lost ---------------------------------------------------------------
 
 

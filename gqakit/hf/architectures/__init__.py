@@ -10,7 +10,7 @@ from gqakit.hf.architectures.spec import ArchSpec, KNorm
 from gqakit.hf.architectures.table import FAMILIES
 from gqakit.hf.config_defaults import filled_or_given
 
-__all__ = ["ArchSpec", "KNorm", "FAMILIES", "find_family", "supported_architectures"]
+__all__ = ["ArchSpec", "KNorm", "FAMILIES", "family_of_model_type", "find_family", "supported_architectures"]
 
 
 def supported_architectures() -> list[str]:
@@ -24,3 +24,8 @@ def find_family(architecture: str, config: dict | None = None) -> ArchSpec | Non
         if architecture in spec.architectures:
             return spec if config is None or spec.k_norm_key is None else spec.for_config(filled_or_given(config))
     return None
+
+
+def family_of_model_type(model_type) -> ArchSpec | None:
+    """The supported family whose config class has this model_type (what transformers builds from), if any."""
+    return next((spec for spec in FAMILIES if spec.config_model_type == model_type), None)

@@ -23,7 +23,7 @@ class KNorm(Enum):
 class ArchSpec:
     """Where one family keeps its K/V heads. Templates take the layer index as `{i}`."""
 
-    family: str
+    family: str  # config.json's model_type too, unless `model_type` says otherwise
     architectures: tuple[str, ...]
     # Unfused projections (None when the family fuses them).
     k_proj: str | None = "model.layers.{i}.self_attn.k_proj"
@@ -71,6 +71,8 @@ class ArchSpec:
     # Why the layer-wise methods (aligned, fit, transfer) cannot convert this family, when a reason other than
     # fused projections or key norms applies
     not_layerwise: str | None = None
+    # config.json's model_type where it is not `family` (Gemma3ForCausalLM's config class is gemma3_text)
+    model_type: str | None = None
 
     def for_config(self, known: dict) -> ArchSpec:
         """The table as the model of this config has it (`known`: config.json with its class's defaults filled
@@ -78,6 +80,10 @@ class ArchSpec:
         if self.k_norm_key is None or known.get(self.k_norm_key):
             return self
         return dataclasses.replace(self, k_norm=KNorm.NONE, k_norm_weight=None, k_norm_extra=(), k_norm_key=None)
+
+    @property
+    def config_model_type(self) -> str:
+        return self.model_type or self.family
 
     @property
     def fused(self) -> bool:

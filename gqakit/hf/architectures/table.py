@@ -14,7 +14,7 @@ FAMILIES: tuple[ArchSpec, ...] = (
     ArchSpec("gemma", ("GemmaForCausalLM",)),
     ArchSpec("gemma2", ("Gemma2ForCausalLM",)),
     ArchSpec(
-        "gemma3", ("Gemma3ForCausalLM",),
+        "gemma3", ("Gemma3ForCausalLM",), model_type="gemma3_text",
         k_norm=KNorm.SHARED_PER_HEAD, k_norm_weight="model.layers.{i}.self_attn.k_norm.weight",
     ),
     ArchSpec(

@@ -20,7 +20,7 @@ from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures.spec import ArchSpec
 from gqakit.hf.architectures.rehost.base import Rehost, head_dim_of, source_config, token_ids, unused_check
 from gqakit.hf.architectures.rehost.tensors import Source, base_prefix, constant, derived
-from gqakit.hf.headers import TensorInfo
+from gqakit.hf.headers import TensorInfo, same_bytes
 
 if TYPE_CHECKING:  # torch only in annotations: the module imports without it
     import torch
@@ -46,14 +46,21 @@ def _bigcode_config(*, vocab, positions, n, heads, layers, inner, act, eps, init
     }
 
 
-def _tied_head(s: Source, tie: bool, vocab: int, n: int) -> None:
-    """GPTBigCode ties its head to wte, as a tied source does: a stored head is the copy transformers may save, taken
-    as known (not written); an untied source has no target that can hold its head."""
+def _tied_head(s: Source, tie: bool, vocab: int, n: int, embedding: str) -> None:
+    """GPTBigCode ties its head to wte, as a tied source does: a stored head that is a copy of the embedding
+    (`embedding`, compared byte for byte, a block at a time) is the copy transformers may save, taken as known (not
+    written); an untied source, or a stored head of other values (which transformers 5 then uses, untied, whatever
+    tie_word_embeddings says), has no target that can hold its head."""
     if not tie:
         raise GqakitError(f"{s.family} with tie_word_embeddings false has a separate lm_head, which "
                           "GPTBigCodeForCausalLM (tied) cannot hold; gqakit re-hosts tied checkpoints only")
     if s.has("lm_head.weight"):
-        s.info("lm_head.weight", (vocab, n))  # the tied copy transformers may save; GPTBigCode re-ties it
+        head = s.info("lm_head.weight", (vocab, n))  # the tied copy transformers may save; GPTBigCode re-ties it
+        stored = head.file is not None and s.tensors[embedding].file is not None  # not a meta plan's headers
+        if stored and not same_bytes(head, s.tensors[embedding]):
+            raise GqakitError(f"{s.family} stores an lm_head.weight that is not a copy of {embedding}, so "
+                              "transformers uses it untied although tie_word_embeddings is true; "
+                              "GPTBigCodeForCausalLM (tied) cannot hold it: gqakit re-hosts tied checkpoints only")
 
 
 def build_gpt2(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
@@ -74,7 +81,7 @@ def build_gpt2(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict
         "transformer.ln_f.weight": s.info(b + "ln_f.weight", (n,)),
         "transformer.ln_f.bias": s.info(b + "ln_f.bias", (n,)),
     }
-    _tied_head(s, src.tie_word_embeddings, src.vocab_size, n)
+    _tied_head(s, src.tie_word_embeddings, src.vocab_size, n, b + "wte.weight")
     for i in range(L):
         p, a = f"transformer.h.{i}.", f"{b}h.{i}."  # target, source
         for norm in ("ln_1", "ln_2"):
@@ -132,7 +139,7 @@ def build_opt(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[
 
     like = out["transformer.wte.weight"]
     norm(d + "final_layer_norm", "transformer.ln_f", like)
-    _tied_head(s, src.tie_word_embeddings, src.vocab_size, n)
+    _tied_head(s, src.tie_word_embeddings, src.vocab_size, n, d + "embed_tokens.weight")
     for i in range(L):
         a, t = f"{d}layers.{i}.", f"transformer.h.{i}."
         norm(a + "self_attn_layer_norm", t + "ln_1", like)
