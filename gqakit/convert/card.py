@@ -1,12 +1,14 @@
 """Human-readable descriptions of a conversion: the `--dry-run` plan and the output's model card."""
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from pathlib import Path
 
 from gqakit import __version__
 from gqakit.hf.architectures.latent import ARCHITECTURE, KV_NORM, LATENT_PARAMS
+from gqakit.hf.folder import card_licence
 from gqakit.hf.headers import ITEMSIZES
 from gqakit.convert import methods
 from gqakit.convert.plan import Plan, total_bytes
@@ -248,8 +250,9 @@ def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]],
            f" {int(e.get('transfer_steps', 0))} |" if trained else "")
         for layer, e in sorted(errors.items())
     )
+    licence = "".join(f"{k}: {json.dumps(v)}\n" for k, v in card_licence(Path(cfg.model_dir)).items())
     text = f"""---
-library_name: transformers
+{licence}library_name: transformers
 tags: [gqakit, {"multi-head-latent-attention" if plan.latent else "grouped-query-attention"}]
 ---
 # {Path(cfg.model_dir).name} converted to {name}

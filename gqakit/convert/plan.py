@@ -20,6 +20,7 @@ from gqakit.hf.architectures.refused import refusal
 from gqakit.hf.architectures.rehost import Rehosted, find_rehost, rehost, rehosted_architectures
 from gqakit.hf.config_defaults import filled_or_given, rope_of
 from gqakit.hf.fields import ModelFields, architecture_of, positive_int, read_fields
+from gqakit.hf.folder import custom_code
 from gqakit.convert import methods
 from gqakit.convert.latent.ops import latent_tensors
 
@@ -286,6 +287,11 @@ def check_layers(spec: ArchSpec, tensors: dict[str, TensorInfo], layers: int, pr
         if m := pattern.match(name):
             found.setdefault(int(m[1]), name)
     held = max(found) + 1 if found else 0
+    head, _, rest = prefix.partition(".")
+    if not found and rest and any(name.startswith(rest) for name in tensors):  # 'layers.0...' where 'model.layers.0'
+        raise GqakitError(f"the weights name their layers {rest}N.* without the '{head}.' prefix of {prefix}N.*: "
+                          f"saved from the base model class (no LM head), not the one config.json's architectures "
+                          "names; save the model with its LM head (the ...ForCausalLM class)")
     if held != layers:
         example = f" (up to '{found[held - 1]}')" if found else f" named {prefix}N.*"
         raise GqakitError(f"config.json says {key} {layers} but the weights hold {held} "
@@ -358,9 +364,9 @@ def check_family(config: dict) -> ArchSpec | None:
         raise GqakitError(f"config.json holds a quantization_config ({how}): the weights are quantized codes and "
                           "scales, which merging would average as numbers; convert the model's floating-point "
                           "checkpoint, then quantize the result")
-    custom = sorted(k for k in (config.get("auto_map") or {}) if k.startswith("AutoModel"))
+    custom = custom_code(config)
     if custom:
-        raise GqakitError(f"config.json maps {custom[0]} to custom code (auto_map), which gqakit neither runs nor "
+        raise GqakitError(f"config.json maps {custom} to custom code (auto_map), which gqakit neither runs nor "
                           "converts; convert a checkpoint of the stock transformers class (delete auto_map only if "
                           "the stock class computes this model)")
     if (why := refusal(arch, config)) is not None:  # a variant of a supported family may be refused too (Falcon)

@@ -12,7 +12,7 @@ from gqakit.convert import methods
 from gqakit.convert.calibration.check import calibration_window
 from gqakit.convert.layer_share import Share, check_share, launched_share
 from gqakit.convert.options import ConvertConfig, calibration_tokens, check_options, transfer_options
-from gqakit.convert.output import check_output, max_shard_bytes, output_path
+from gqakit.convert.output import check_output, max_shard_bytes, output_path, written_config
 from gqakit.convert.plan import Plan, check_family, make_plan
 from gqakit.hf.folder import read_config
 from gqakit.hf.headers import TensorInfo, scan_checkpoint
@@ -48,6 +48,10 @@ def prepare(cfg: ConvertConfig, share: Share = Share()):
     if cfg.calibration is None and methods.get(cfg.method).calibration == "required":  # the model's own samples:
         calibration_window(config, calibration_tokens(cfg), cfg.calibration_window)  # checked before any sampling
     check_output(model_dir, out, cfg.force)  # reads paths only: a dry run refuses the -o the run would refuse
+    if not cfg.dry_run:  # every weight the output's class needs is written, at its shape (the class on meta)
+        from gqakit.hf.expected import check_complete
+
+        check_complete(written_config(config, plan, cfg.dtype), {op.name: op.shape for op in plan.ops}, str(model_dir))
     calibration = None
     if uses_calibration(cfg) and not cfg.dry_run:
         from gqakit.convert.calibrated import open_calibration

@@ -182,6 +182,13 @@ CLASSES: dict[str, ConfigClass] = {
 }
 
 
+def class_defaults(model_type) -> dict:
+    """The defaults of the config class of this model_type ({} outside the table): what a field config.json leaves
+    out is, before the class derives anything."""
+    entry = CLASSES.get(model_type)
+    return dict(entry.defaults) if entry is not None else {}
+
+
 def filled(config: dict, common_names: bool = False) -> dict | None:
     """config.json as its class holds it: every field of the table (the class's default where config.json has none;
     with `common_names` also under the common name its class maps to it), the keys the class derives, and

@@ -12,6 +12,7 @@ import math
 
 from gqakit.common.errors import GqakitError
 from gqakit.hf.architectures.refused import refusal
+from gqakit.hf.config_defaults import class_defaults
 
 
 # The families whose config.json spells their context n_positions: transformers maps max_position_embeddings onto it
@@ -114,6 +115,11 @@ def read_fields(config: dict, names: tuple[tuple[str, str], ...] = (), multi_que
     the K/V head count is 1 where that boolean is true (its default) and every head where it is false."""
     spelled = dict(names)
     config = {**config, **{common: config.get(own) for common, own in spelled.items() if own in config}}
+    # a field config.json leaves out is the class's default where that is a value (Gemma's head_dim 256, StarCoder2's
+    # 2 K/V heads), as transformers reads it; where it is derived, or config.json says null, it is derived below
+    static = class_defaults(config.get("model_type"))
+    config.update({k: static[k] for k in ("head_dim", "num_key_value_heads")
+                   if k not in config and static.get(k) is not None})
     architecture = architecture_of(config)
     heads = positive_int(config, "num_attention_heads")
     if multi_query_key is not None:

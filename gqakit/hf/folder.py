@@ -19,8 +19,11 @@ from gqakit.hf.headers import INDEX, SINGLE, TensorInfo, scan_checkpoint
 
 PRETRAINING_RECORD = "pretraining.json"  # what the model was trained on: the GQA paper's uptraining budget
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# An uptraining run's records of itself (uptrain/run/final.py RUN_FILES): they describe that run, not a model derived
+# from its output
+RUN_RECORDS = ("uptraining.json", "uptrain-recipe.json", "metrics.csv", "loss.png")
 # Files that a derived checkpoint rewrites or must not carry over; everything else is copied.
-_NOT_COPIED = {"config.json", "README.md", INDEX, SINGLE}
+_NOT_COPIED = {"config.json", "README.md", INDEX, SINGLE, *RUN_RECORDS}
 _NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 
 
@@ -45,6 +48,33 @@ def read_config(model_dir: Path) -> dict:
     if not isinstance(config, dict):
         raise GqakitError(f"{path} is not a JSON object; repair or re-save the config")
     return config
+
+
+LICENCE_KEYS = ("license", "license_name", "license_link")  # a model card's licence, which derived models keep
+
+
+def card_licence(model_dir: Path) -> dict:
+    """The licence keys of a folder's model card (README.md's YAML front matter), {} without them."""
+    try:
+        text = (Path(model_dir) / "README.md").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return {}
+    end = text.find("\n---", 3)
+    if not text.startswith("---") or end < 0:
+        return {}
+    import yaml
+
+    try:
+        meta = yaml.safe_load(text[3:end])
+    except yaml.YAMLError:
+        return {}
+    return {k: meta[k] for k in LICENCE_KEYS if k in meta} if isinstance(meta, dict) else {}
+
+
+def custom_code(config: dict) -> str | None:
+    """The Auto class that config.json maps to custom code (`auto_map`), which gqakit never runs and transformers,
+    without trust_remote_code, silently replaces by the stock class of its model_type; None for a stock model."""
+    return next((k for k in sorted(config.get("auto_map") or {}) if k.startswith("AutoModel")), None)
 
 
 def copy_side_files(model_dir: Path, dest: Path) -> list[str]:

@@ -307,3 +307,61 @@ def test_quantized_weights_and_custom_code_are_refused(src, tmp_path, capsys, ca
               "int8 k_proj": "'model.layers.1.self_attn.k_proj.weight' is stored as I8"}[case]
     fails(capsys, ["--groups", "2", str(src), "-o", str(tmp_path / "o")], needle)
     assert not (tmp_path / "o").exists()
+
+
+def test_an_uptraining_runs_records_are_not_carried_into_a_conversion(src, tmp_path):
+    """Converting an uptrain run folder copied uptraining.json, uptrain-recipe.json, metrics.csv and loss.png,
+    which describe the run, not the converted model (and made the output look like a run folder)."""
+    from gqakit.hf.folder import RUN_RECORDS
+    from gqakit.uptrain.run.final import RUN_FILES
+
+    assert set(RUN_RECORDS) == {name for name in RUN_FILES if name not in ("tensorboard", "checkpoints")}
+    for name in RUN_RECORDS:
+        (src / name).write_text("{}")
+    (src / "notes.txt").write_text("kept")
+    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "o"), "-q"]) == 0
+    assert not any((tmp_path / "o" / name).exists() for name in RUN_RECORDS)
+    assert (tmp_path / "o" / "notes.txt").read_text() == "kept"
+
+
+def test_weights_saved_from_the_base_class_are_named_as_such(src, tmp_path, capsys):
+    """A LlamaModel checkpoint (no 'model.' prefix) was refused as "the weights hold 0 layers; fix
+    num_hidden_layers", which sent the user to the wrong file."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(src / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in weights.items() if not k.startswith("lm_head")},
+              str(src / "model.safetensors"), metadata={"format": "pt"})
+    fails(capsys, ["--groups", "2", str(src), "--dry-run"], "without the 'model.' prefix", "base model class")
+
+
+def test_the_sources_licence_is_kept_in_the_card(src, tmp_path):
+    """The new card's front matter carries the source card's license / license_name / license_link (the
+    converted weights are under the source's terms); the rest of the source card is not repeated."""
+    import yaml
+
+    (src / "README.md").write_text("---\nlicense: other\nlicense_name: llama2\nlicense_link: LICENSE\n"
+                                   "datasets: [x]\n---\n# Source model\n")
+    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "o"), "-q"]) == 0
+    card = (tmp_path / "o" / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["license"] == "other" and meta["license_name"] == "llama2" and meta["license_link"] == "LICENSE"
+    assert "gqakit" in meta["tags"] and "datasets" not in meta
+
+
+@pytest.mark.parametrize("dropped", ["model.norm.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"])
+def test_a_checkpoint_missing_a_weight_the_class_needs_is_refused(tmp_path, capsys, dropped):
+    """convert-gqa planned only what the checkpoint held: a missing final norm, MLP weight or untied head converted
+    with exit 0, and transformers then loaded the output with that weight random (a review). The output's class is
+    built on the meta device and every parameter must be written; a dry run (no torch) still plans it."""
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_llama(tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    weights = load_file(src / "model.safetensors")
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"].clone())
+    del weights[dropped]
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    fails(capsys, ["--groups", "2", str(src), "-o", str(tmp_path / "o")], f"lacks {dropped}", "left random")
+    assert not (tmp_path / "o").exists()

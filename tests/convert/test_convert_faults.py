@@ -113,11 +113,37 @@ def test_bad_config_field_is_one_line(src, tmp_path, changes, needles):
 
 
 def test_null_fields_mean_the_default(src, tmp_path):
-    """`null` is transformers' "use the default": head_dim from hidden_size, K/V heads = heads."""
-    edit_config(src, head_dim=None, num_key_value_heads=None, initializer_range=None)
+    """`null` is transformers' "use the default": head_dim from hidden_size, K/V heads = heads. Where transformers
+    refuses a null (initializer_range, a float), so does convert-gqa, in one line: it wrote an output that no
+    transformers could load (seen once the output's class is built on the meta device to check its weights)."""
+    edit_config(src, head_dim=None, num_key_value_heads=None)
     converted(src, tmp_path / "out", "--method", "random")
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["head_dim"] == 8 and cfg["num_key_value_heads"] == 2
+    edit_config(src, initializer_range=None)
+    run_refused(tmp_path, PROG, "--groups", "2", str(src), "-o", str(tmp_path / "null"), "--method", "random",
+                needles=("transformers cannot read the output's config.json", "initializer_range"))
+
+
+@pytest.mark.parametrize("family", ["gemma", "starcoder2"])
+def test_fields_left_to_the_class_read_its_defaults(tmp_path, family):
+    """Gemma's head_dim (256) and StarCoder2's K/V head count (2) are their classes' defaults where config.json
+    leaves them out, as transformers reads them; gqakit fell back to hidden / heads and heads, and refused the
+    weights as not matching the config (a review)."""
+    from transformers import AutoModelForCausalLM, GemmaConfig, Starcoder2Config
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    cfg = GemmaConfig(**small, num_key_value_heads=4) if family == "gemma" else Starcoder2Config(**small)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "src")
+    left_out = "head_dim" if family == "gemma" else "num_key_value_heads"
+    edit_config(tmp_path / "src", **{left_out: None})
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != left_out}))
+    converted(tmp_path / "src", tmp_path / "out", groups=1)
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out["num_key_value_heads"] == 1 and out.get("head_dim", 256 if family == "gemma" else 8) == (
+        256 if family == "gemma" else 8)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -236,6 +236,9 @@ def _config_only(tmp_path, config: dict):
     ({"architectures": ["FalconForCausalLM"], "alibi": True}, ["FalconForCausalLM", "ALiBi"]),
     ({"architectures": ["FalconForCausalLM"], "multi_query": True}, ["FalconForCausalLM", "already multi-query"]),
     ({"architectures": ["FalconForCausalLM"], "multi_query": False}, ["FalconForCausalLM", "new_decoder_architecture"]),
+    # a second attention with K/V heads that the table does not name (a review: converted, then failed to load)
+    ({"architectures": ["GPTBigCodeForCausalLM"], "add_cross_attention": True, "n_head": 4},
+     ["GPTBigCodeForCausalLM with add_cross_attention true", "does not regroup"]),
     # the hub's MPT configs spell the class MPTForCausalLM; with and without model_type
     ({"architectures": ["MPTForCausalLM"], "model_type": "mpt", "d_model": 64}, ["MPTForCausalLM", "ALiBi"]),
     ({"architectures": ["MPTForCausalLM"], "n_heads": 8}, ["MPTForCausalLM", "ALiBi"]),

@@ -194,8 +194,10 @@ def test_a_token_cache_stands_for_the_files_it_was_tokenised_from(tmp_path):
 
     book, other = make_text(tmp_path / "book.txt"), make_text(tmp_path / "other.txt", start=50_000)
     (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / HEADER).write_text(json.dumps({"format": FORMAT, "sources": [str(book)]}))
-    assert [e["path"] for e in _fitted_entries([str(tmp_path / "cache"), str(other)])] == [str(book), str(other)]
+    sources = [{"path": str(book.resolve()), "size": book.stat().st_size}, {"path": "hf:wikitext", "size": None}]
+    (tmp_path / "cache" / HEADER).write_text(json.dumps({"format": FORMAT, "sources": sources}))
+    assert [e["path"] for e in _fitted_entries([str(tmp_path / "cache"), str(other)])] == [str(book.resolve()),
+                                                                                           str(other)]
 
 
 def test_distillation_from_the_model_itself_is_zero_at_the_start(tiny, tmp_path):

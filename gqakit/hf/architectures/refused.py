@@ -38,6 +38,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
 # classes of a supported family's model_type that gqakit does not convert
 REFUSED: dict[str, str] = {"T5EncoderModel": _ENCODER, "MT5EncoderModel": _ENCODER}
 _FALCON = ("FalconForCausalLM", "RWForCausalLM")
+_CROSS_ATTENTION = ("GPTBigCodeForCausalLM", "GroupedGPTBigCodeForCausalLM")  # add_cross_attention: a second K/V
 _FALCON_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
 _HEAD = re.compile(r"Model|LMHeadModel|MTModel|For[A-Z]\w*")
 
@@ -69,6 +70,9 @@ def refusal(architecture: str | None, config: dict) -> str | None:
     if architecture in _FALCON or (architecture is None and model_type in _FALCON_TYPES):
         why = falcon_reason(config)
         return f"{name} {why}" if why else None
+    if architecture in _CROSS_ATTENTION and config.get("add_cross_attention"):
+        return (f"{name} with add_cross_attention true has cross-attention, whose K/V heads gqakit does not regroup "
+                "(and transformers' multi-query GPTBigCode cannot hold); gqakit converts it without")
     reason = REFUSED.get(architecture) if architecture else None
     if reason is None and model_type in FAMILIES:
         reason = FAMILIES[model_type][0]

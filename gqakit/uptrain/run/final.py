@@ -106,7 +106,10 @@ def _fitted_entries(data) -> list[dict]:
 
     paths = []
     for entry in data:
-        paths += json.loads((Path(entry) / HEADER).read_text()).get("sources", []) if is_token_cache(entry) else [entry]
+        if is_token_cache(entry):  # sources: one {path, size, mtime_ns, sample} per file (or hub name) it read
+            paths += [source["path"] for source in json.loads((Path(entry) / HEADER).read_text())["sources"]]
+        else:
+            paths.append(entry)
     return fitted.entries(paths, "uptraining")
 
 
