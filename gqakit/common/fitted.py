@@ -4,10 +4,11 @@ score on the model's own calibration or training text.
 `FILE` (gqakit-fitted.json) lists every data file that fitted the model or one of its ancestors: what it fitted
 (`calibration` for convert-gqa, `uptraining` for gqakit uptrain), its path as given, and digests of its start, never
 its text (a folder may be published). A derived checkpoint carries its source's record over (convert-gqa and
-uptrain copy side files) and adds its own entries. `gqakit eval ppl | stream | niah` refuse a text that starts
-like an entry, by overlap.py's rule over the digests: its first `HEAD` bytes are the entry's (or begin them,
-when one file is shorter than `HEAD`; a text shorter than the entry's start is compared over the first
-`MIN_SHARED` bytes). Hub datasets (`hf:NAME`) and the model's own samples leave no entry.
+uptrain copy side files) and adds its own entries. `gqakit eval ppl | stream` refuse a text that starts like an
+entry, by overlap.py's rule over the digests: the entry's first `HEAD` bytes (all of them, for a shorter file) begin
+the text; or the text, shorter, begins the entry, compared over its first whole multiple of `MIN_SHARED` bytes (one
+digest per multiple is kept; at least `MIN_SHARED` bytes). Hub datasets (`hf:NAME`) and the model's own samples
+leave no entry.
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def entries(paths, role: str) -> list[dict]:
         for file in data_files(Path(path).expanduser()):
             start = head(file)
             if start:
-                found.append({"role": role, "path": str(file), "head_bytes": len(start),
-                              "head_sha256": _digest(start), "start_sha256": _digest(start[:MIN_SHARED])})
+                found.append({"role": role, "path": str(file), "head_bytes": len(start), "head_sha256": _digest(start),
+                              "prefix_sha256": [_digest(start[:k]) for k in range(MIN_SHARED, len(start) + 1,
+                                                                                  MIN_SHARED)]})
     return found
 
 
@@ -49,11 +51,15 @@ def read(model_dir: str | Path) -> list[dict]:
     if not path.is_file():
         return []
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        return [dict(e) for e in record["fitted"]]
+        found = [dict(e) for e in json.loads(path.read_text(encoding="utf-8"))["fitted"]]
+        if all(e["role"] in ROLES and isinstance(e["path"], str) and isinstance(e["head_bytes"], int)
+               and isinstance(e["head_sha256"], str) and all(isinstance(d, str) for d in e["prefix_sha256"])
+               for e in found):
+            return found
     except (ValueError, KeyError, TypeError):
-        raise GqakitError(f"{path} is not a gqakit record of fitted texts; repair it or delete it (it only lets "
-                          "evaluations refuse the model's own training text)") from None
+        pass
+    raise GqakitError(f"{path} is not a gqakit record of fitted texts; repair it or delete it (it only lets "
+                      "evaluations refuse the model's own training text)")
 
 
 def add(folder: Path, new: list[dict]) -> None:
@@ -70,7 +76,8 @@ def _starts_like(start: bytes, entry: dict) -> bool:
     n = entry["head_bytes"]
     if len(start) >= n:  # the entry's head is this text's first n bytes (a shorter file counts from MIN_SHARED)
         return (n >= MIN_SHARED or len(start) == n) and _digest(start[:n]) == entry["head_sha256"]
-    return len(start) >= MIN_SHARED and _digest(start[:MIN_SHARED]) == entry["start_sha256"]
+    k = len(start) // MIN_SHARED  # this text is shorter: its first k x MIN_SHARED bytes against the entry's
+    return k > 0 and _digest(start[:k * MIN_SHARED]) == entry["prefix_sha256"][k - 1]
 
 
 def fitted_matches(models, texts: list[tuple[str, str]]) -> list[dict]:
@@ -103,6 +110,6 @@ def refuse_fitted(models, texts: list[tuple[str, str]], allow: bool, flag: str) 
                           f"be held out; "
                           f"score held-out text, or pass {flag} to score it anyway")
     for hit in found:
-        print(f"note: {hit['text']} is {hit['fitted']['role']} text of {hit['model']} ({flag}): its score is not "
-              "held out", file=sys.stderr)
+        print(f"note: {hit['text']} is or starts like {hit['fitted']['role']} text of {hit['model']} ({flag}): its "
+              "score is not held out", file=sys.stderr)
     return found

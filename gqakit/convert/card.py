@@ -222,6 +222,11 @@ def _against_mean(plan: Plan, errors: dict[int, dict[str, float]], calibrated: b
     return "" if line is None else f"\n**Warning:** {line}.\n"
 
 
+def _named(folder: Path) -> str:
+    """The folder's name; for `.` or `..`, the name of the folder it is."""
+    return folder.resolve().name if folder.name in ("", ".", "..") else folder.name
+
+
 def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]], command: str,
                calibration=None) -> None:
     before, after = plan.kv_cache_bytes_per_token(False), plan.kv_cache_bytes_per_token(True)
@@ -255,7 +260,7 @@ def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]],
 {licence}library_name: transformers
 tags: [gqakit, {"multi-head-latent-attention" if plan.latent else "grouped-query-attention"}]
 ---
-# {Path(cfg.model_dir).name} converted to {name}
+# {_named(Path(cfg.model_dir))} converted to {name}
 
 Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if command else ""}.
 

@@ -54,6 +54,7 @@ def new_config(config: dict, plan: Plan, dtype: str) -> dict:
     """The output's config.json: the source's (or the re-host target's) with the plan's K/V head count, spelled as
     the target class reads it, an explicit head_dim where the class takes one, and the output dtype."""
     config = dict(config)
+    config.pop("auto_map", None)  # custom code (and its .py files) is not carried over: the output is the stock class
     if plan.spec.multi_query_key:  # the class reads its K/V head count from this flag
         config[plan.spec.multi_query_key] = plan.groups == 1
     if plan.own_class:  # a G no stock class holds: gqakit's own class, registered by `import gqakit`

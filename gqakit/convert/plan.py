@@ -20,7 +20,6 @@ from gqakit.hf.architectures.refused import refusal
 from gqakit.hf.architectures.rehost import Rehosted, find_rehost, rehost, rehosted_architectures
 from gqakit.hf.config_defaults import filled_or_given, rope_of
 from gqakit.hf.fields import ModelFields, architecture_of, positive_int, read_fields
-from gqakit.hf.folder import custom_code
 from gqakit.convert import methods
 from gqakit.convert.latent.ops import latent_tensors
 
@@ -364,11 +363,6 @@ def check_family(config: dict) -> ArchSpec | None:
         raise GqakitError(f"config.json holds a quantization_config ({how}): the weights are quantized codes and "
                           "scales, which merging would average as numbers; convert the model's floating-point "
                           "checkpoint, then quantize the result")
-    custom = custom_code(config)
-    if custom:
-        raise GqakitError(f"config.json maps {custom} to custom code (auto_map), which gqakit neither runs nor "
-                          "converts; convert a checkpoint of the stock transformers class (delete auto_map only if "
-                          "the stock class computes this model)")
     if (why := refusal(arch, config)) is not None:  # a variant of a supported family may be refused too (Falcon)
         raise GqakitError(f"cannot convert: {why}")
     spec = find_family(arch, config)

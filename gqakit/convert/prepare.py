@@ -4,6 +4,7 @@ calibration data (which needs torch and the tokenizer) is opened only when the r
 checks it without either where it can (`calibration/check.py`)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from gqakit.common.devices import check_device, check_device_name
@@ -14,7 +15,7 @@ from gqakit.convert.layer_share import Share, check_share, launched_share
 from gqakit.convert.options import ConvertConfig, calibration_tokens, check_options, transfer_options
 from gqakit.convert.output import check_output, max_shard_bytes, output_path, written_config
 from gqakit.convert.plan import Plan, check_family, make_plan
-from gqakit.hf.folder import read_config
+from gqakit.hf.folder import custom_code, read_config
 from gqakit.hf.headers import TensorInfo, scan_checkpoint
 
 
@@ -30,6 +31,10 @@ def prepare(cfg: ConvertConfig, share: Share = Share()):
     model_dir = Path(cfg.model_dir)
     config = read_config(model_dir)
     check_family(config)  # a refused family is named before anything else is looked at
+    if (custom := custom_code(config)) is not None:
+        print(f"convert-gqa: config.json maps {custom} to custom code (auto_map), which gqakit never runs; the "
+              "output is transformers' stock class, as transformers builds it without trust_remote_code (auto_map "
+              "and .py files are not carried over)", file=sys.stderr)
     out = output_path(model_dir, cfg.output_dir, cfg.groups, cfg.to)
     check_options(cfg)
     if uses_calibration(cfg):  # before any header is read

@@ -22,7 +22,8 @@ def expected_weights(config: dict) -> list[dict[str, tuple[int, ...]]]:
             line = (str(e).strip().splitlines() or [type(e).__name__])
             raise GqakitError(f"transformers cannot read the output's config.json ({' '.join(line[:2])}), nor the "
                               "source's; fix that field in config.json") from None
-        model = auto_model_class(cfg).from_config(cfg)
+        # eager: the weights do not depend on the kernel, and config.json may name one not installed here
+        model = auto_model_class(cfg).from_config(cfg, attn_implementation="eager")
     model.tie_weights()
     groups: dict[int, dict[str, tuple[int, ...]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -24,7 +24,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 RUN_RECORDS = ("uptraining.json", "uptrain-recipe.json", "metrics.csv", "loss.png")
 # Files that a derived checkpoint rewrites or must not carry over; everything else is copied.
 _NOT_COPIED = {"config.json", "README.md", INDEX, SINGLE, *RUN_RECORDS}
-_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
+_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack",
+                        ".py")  # custom code (auto_map) would run on the derived weights: the output is the stock class
 
 
 def read_config(model_dir: Path) -> dict:
@@ -72,8 +73,8 @@ def card_licence(model_dir: Path) -> dict:
 
 
 def custom_code(config: dict) -> str | None:
-    """The Auto class that config.json maps to custom code (`auto_map`), which gqakit never runs and transformers,
-    without trust_remote_code, silently replaces by the stock class of its model_type; None for a stock model."""
+    """The Auto class that config.json maps to custom code (`auto_map`), which gqakit never runs (transformers,
+    without trust_remote_code, builds the stock class of its model_type instead); None for a stock model."""
     return next((k for k in sorted(config.get("auto_map") or {}) if k.startswith("AutoModel")), None)
 
 

@@ -147,20 +147,17 @@ def _read_index(index: Path) -> dict[str, str]:
 def scan_checkpoint(model_dir: Path) -> dict[str, TensorInfo]:
     """Every tensor of a safetensors checkpoint folder (single file or index + shards), validated."""
     index = model_dir / INDEX
-    if index.is_file():
+    if (model_dir / SINGLE).is_file():  # first, as transformers looks: beside it an index (and its shards) is unread
+        shards, weight_map = [SINGLE], None
+    elif index.is_file():
         weight_map = _read_index(index)
         shards = sorted(set(weight_map.values()))
-        if (model_dir / SINGLE).is_file() and shards != [SINGLE]:  # transformers would load the single file
-            raise GqakitError(f"{model_dir} holds both {SINGLE} and {INDEX} with other shards: two copies of the "
-                              f"weights, of which transformers loads {SINGLE}; delete the stale one")
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:
             raise GqakitError(
                 f"{index} names shard {missing[0]} which is missing from {model_dir}"
                 f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; download the complete checkpoint"
             )
-    elif (model_dir / SINGLE).is_file():
-        shards, weight_map = [SINGLE], None
     else:
         pickled = [p for p in PICKLED if (model_dir / p).exists()] or sorted(
             p.name for p in model_dir.glob("pytorch_model-*.bin"))

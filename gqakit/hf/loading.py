@@ -39,15 +39,10 @@ def check_model_folder(path: str) -> dict | None:
     (cheap at any model size; pickled-only folders are refused); None for a hub name."""
     if not is_local(path):
         return None
-    from gqakit.hf.folder import custom_code, model_folder
+    from gqakit.hf.folder import model_folder
 
     folder = model_folder(path)
     folder.tensors  # every header read and checked
-    custom = custom_code(folder.config)
-    if custom:  # transformers would build the stock class instead, without a word
-        raise GqakitError(f"{path}: config.json maps {custom} to custom code (auto_map), which gqakit never runs; "
-                          "evaluate a checkpoint of the stock transformers class (delete auto_map only if the stock "
-                          "class computes this model)")
     return folder.config
 
 

@@ -153,7 +153,7 @@ def resolve_budget(cfg: UptrainConfig, data_parallel: int) -> Budget:
 def _check_paths(cfg: UptrainConfig) -> None:
     """The inputs and the output folder, and the data keys that the data's kinds would leave unread."""
     from gqakit.common.overlap import refuse_shared
-    from gqakit.hf.folder import custom_code, model_folder
+    from gqakit.hf.folder import model_folder
     from gqakit.uptrain.data.sources import refuse_unread_text_column, resolve_source
 
     # each a readable file, a folder of them, a save_to_disk folder, a token cache, or hf:NAME
@@ -184,13 +184,9 @@ def _check_paths(cfg: UptrainConfig) -> None:
     for held in cfg.eval_data:
         refuse_shared(("eval_data", held), [("data", d) for d in cfg.data],
                       "hold out a text that is not in data (or drop eval_data: data's last documents are held out)")
-    for key, path in (("model", cfg.model), ("teacher", cfg.teacher)):
+    for path in (cfg.model, cfg.teacher):
         if path is not None:
             model_folder(path).tensors  # config.json, and safetensors weights that are all there (headers only)
-            if (custom := custom_code(model_folder(path).config)) is not None:
-                raise GqakitError(f"{key} {path}: config.json maps {custom} to custom code (auto_map), which gqakit "
-                                  "never runs; uptrain a checkpoint of the stock transformers class (delete auto_map "
-                                  "only if the stock class computes this model)")
     if not model_folder(cfg.model).has_tokenizer:
         raise GqakitError(f"{cfg.model} holds no tokenizer files; copy the tokenizer of the source model into it")
 

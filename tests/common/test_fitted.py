@@ -39,6 +39,11 @@ def test_the_record_matches_by_overlaps_rule_without_holding_the_text(tmp_path):
     def hit(name):
         return bool(fitted.fitted_matches([model], [("--text", str(tmp_path / name))]))
 
+    # shorter than HEAD, sharing a 300-byte header with the book and then other text: not one text (a review: it
+    # was compared over its first MIN_SHARED bytes only)
+    header = book.read_bytes()[:300]
+    (tmp_path / "boilerplate.txt").write_bytes(header + make_text(tmp_path / "x.txt", 3000, start=60_000).read_bytes())
+    assert not hit("boilerplate.txt")
     assert all(hit(n) for n in ("book.txt", "copy.txt", "start.txt", "longer.txt", "folder"))
     assert not any(hit(n) for n in ("other.txt", "few.txt", "missing.txt"))
     assert not fitted.fitted_matches([tmp_path / "no-record"], [("--text", str(book))])
@@ -56,9 +61,10 @@ def test_a_derived_record_keeps_its_sources_entries_once(tmp_path):
     fitted.add(model, fitted.entries([other], "uptraining"))
     assert [(e["role"], e["path"]) for e in fitted.read(model)] == [("calibration", str(book)),
                                                                    ("uptraining", str(other))]
-    (model / fitted.FILE).write_text("[1, 2]")
-    with pytest.raises(GqakitError, match="not a gqakit record of fitted texts; repair it or delete it"):
-        fitted.read(model)
+    for broken in ("[1, 2]", '{"fitted": [{"role": "calibration", "path": "x.txt"}]}'):  # the second: a traceback
+        (model / fitted.FILE).write_text(broken)
+        with pytest.raises(GqakitError, match="not a gqakit record of fitted texts; repair it or delete it"):
+            fitted.read(model)
 
 
 @pytest.mark.parametrize("command", ["ppl", "stream"])

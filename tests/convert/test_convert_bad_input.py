@@ -261,20 +261,21 @@ def test_every_family_names_the_model_type_of_its_config_class():
             assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[spec.config_model_type] == spec.architectures[0], spec.family
 
 
-def test_a_folder_with_both_a_single_file_and_a_sharded_index_is_refused(src, tmp_path, capsys):
-    """gqakit read the index's shards while transformers loads model.safetensors: convert and FSDP uptraining
-    read one copy of the weights, eval and DDP the other (a review: perplexity 4,150 against 12,184). Refused;
-    an index that names model.safetensors alone is one copy and converts."""
-    tensors, _ = headers.read_header(src / "model.safetensors")
-    (src / "model-00001-of-00001.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+def test_a_folder_with_both_a_single_file_and_a_sharded_index_reads_the_single_file(src, tmp_path):
+    """gqakit read the index's shards while transformers loads model.safetensors: convert and FSDP uptraining read
+    one copy of the weights, eval and DDP the other (a review: perplexity 4,150 against 12,184). gqakit now looks as
+    transformers does, the single file first: the output is the single file's conversion, whatever the shards hold."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(src / "model.safetensors")
+    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "alone"), "-q"]) == 0
+    save_file({k: v * 3 for k, v in tensors.items()}, str(src / "model-00001-of-00001.safetensors"),
+              metadata={"format": "pt"})
     (src / headers.INDEX).write_text(json.dumps(
         {"metadata": {}, "weight_map": {name: "model-00001-of-00001.safetensors" for name in tensors}}))
-    fails(capsys, ["--groups", "2", str(src), "-o", str(tmp_path / "o")], "holds both model.safetensors and",
-          "delete the stale one")
-    (src / "model-00001-of-00001.safetensors").unlink()
-    single = {name: "model.safetensors" for name in tensors}
-    (src / headers.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": single}))
-    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "o"), "-q"]) == 0
+    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "both"), "-q"]) == 0
+    assert (tmp_path / "both" / "model.safetensors").read_bytes() == (tmp_path / "alone" / "model.safetensors"
+                                                                       ).read_bytes()
 
 
 def test_a_model_given_as_dot_gets_the_default_output_beside_it(src, tmp_path, capsys, monkeypatch):
@@ -282,28 +283,26 @@ def test_a_model_given_as_dot_gets_the_default_output_beside_it(src, tmp_path, c
     monkeypatch.chdir(src)
     assert convert_main(["--groups", "2", ".", "-q"]) == 0
     assert (src.parent / f"{src.name}-gqa2" / "config.json").is_file()
+    assert f"# {src.name} converted to GQA-2" in (src.parent / f"{src.name}-gqa2" / "README.md").read_text()
 
 
-@pytest.mark.parametrize("case", ["quantization_config", "int8 k_proj", "auto_map"])
-def test_quantized_weights_and_custom_code_are_refused(src, tmp_path, capsys, case):
+@pytest.mark.parametrize("case", ["quantization_config", "int8 k_proj"])
+def test_quantized_weights_are_refused(src, tmp_path, capsys, case):
     """An FP8 k_proj with its per-row weight_scale was averaged as codes (the scale left as it was) and an I8 one
-    truncated; a config whose auto_map runs custom code was converted as the stock class, and the copied code then
-    ran on GQA weights (a review). Each is refused in one line, nothing written."""
+    truncated (a review). Each is refused in one line, nothing written."""
     from safetensors.torch import load_file, save_file
     import torch
 
     config = json.loads((src / "config.json").read_text())
     if case == "quantization_config":
         config["quantization_config"] = {"quant_method": "fbgemm_fp8"}
-    elif case == "auto_map":
-        config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
     else:
         weights = load_file(src / "model.safetensors")
         name = "model.layers.1.self_attn.k_proj.weight"
         weights[name] = weights[name].mul(100).round().to(torch.int8)
         save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
     (src / "config.json").write_text(json.dumps(config))
-    needle = {"quantization_config": "holds a quantization_config (fbgemm_fp8)", "auto_map": "to custom code",
+    needle = {"quantization_config": "holds a quantization_config (fbgemm_fp8)",
               "int8 k_proj": "'model.layers.1.self_attn.k_proj.weight' is stored as I8"}[case]
     fails(capsys, ["--groups", "2", str(src), "-o", str(tmp_path / "o")], needle)
     assert not (tmp_path / "o").exists()
@@ -365,3 +364,26 @@ def test_a_checkpoint_missing_a_weight_the_class_needs_is_refused(tmp_path, caps
     save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
     fails(capsys, ["--groups", "2", str(src), "-o", str(tmp_path / "o")], f"lacks {dropped}", "left random")
     assert not (tmp_path / "o").exists()
+
+
+def test_custom_code_is_not_carried_into_the_output(src, tmp_path, capsys):
+    """A config whose auto_map names custom code converts as the stock class of its model_type (what transformers
+    builds without trust_remote_code); the output kept auto_map and the copied .py, so trust_remote_code=True later
+    ran that code on GQA weights (a review). auto_map and .py files are dropped now, and a line says so."""
+    config = json.loads((src / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (src / "config.json").write_text(json.dumps(config))
+    (src / "modeling_custom.py").write_text("raise RuntimeError('never run')\n")
+    capsys.readouterr()
+    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "o"), "-q"]) == 0
+    assert "maps AutoModelForCausalLM to custom code (auto_map)" in capsys.readouterr().err
+    assert "auto_map" not in json.loads((tmp_path / "o" / "config.json").read_text())
+    assert not (tmp_path / "o" / "modeling_custom.py").exists()
+
+
+def test_a_config_naming_an_attention_kernel_not_installed_converts(src, tmp_path):
+    """The output's class is built on the meta device to check its weights; a config.json that names
+    flash_attention_2 (not installed here) made that a traceback (a review). The weights do not depend on it."""
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "attn_implementation": "flash_attention_2"}))
+    assert convert_main(["--groups", "2", str(src), "-o", str(tmp_path / "o"), "-q"]) == 0

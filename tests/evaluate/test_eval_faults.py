@@ -52,8 +52,6 @@ def root(tmp_path_factory, tok):
     save_file({k: v for k, v in weights.items() if "layers.1." not in k}, broken("partial") / "model.safetensors",
               metadata={"format": "pt"})
     (broken("resized") / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
-    custom = {**config, "auto_map": {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}
-    (broken("custom") / "config.json").write_text(json.dumps(custom))  # transformers would run the stock class
     notes = root / "notes"
     notes.mkdir()
     (notes / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
@@ -83,7 +81,6 @@ def test_no_weights_is_one_line_everywhere(root, tmp_path, command):
     ("notype", ("cannot read the config", "model_type")),
     ("partial", ("the weights lack model.layers.1.", "incomplete")),
     ("resized", ("mlp.down_proj.weight is [32, 64] in the weights but config.json implies [32, 96]",)),
-    ("custom", ("maps AutoModelForCausalLM to custom code (auto_map)", "never runs")),
 ])
 def test_broken_checkpoints_are_refused_before_use(root, folder, needles):
     from gqakit.hf.loading import load_model

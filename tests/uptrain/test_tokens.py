@@ -121,6 +121,7 @@ def test_cache_equals_the_in_memory_stream_for_any_number_of_workers(files, tok,
         cache = open_cache(tmp_path / f"c{workers}", verify=True)
         streams.append(stream_weights(cache))
         assert header["dtype"] == "<u2" and header["documents"] == len(read_documents(tuple(entries))) == 2 + 30 + 10
+        assert [e["path"] for e in header["fitted"]] == [f["path"] for f in header["sources"]]  # digested when built
         bounds = _boundaries(cache)
         assert bounds[0] == 0 and bounds[-1] == cache.tokens
         assert np.all(cache.read(0, cache.tokens)[bounds[1:] - 1] == tok.eos_token_id)  # every document ends in EOS

@@ -188,16 +188,28 @@ def test_the_final_model_records_its_data_after_its_sources_fitted_texts(tiny, t
         ("calibration", str(calibration)), ("uptraining", str(tiny["text"]))]
 
 
-def test_a_token_cache_stands_for_the_files_it_was_tokenised_from(tmp_path):
+def test_a_token_cache_stands_for_the_files_it_was_tokenised_from(tmp_path, capsys):
+    """A cache's header keeps the digests of its sources from when it was built (they may be gone where the cache
+    is used: a review found such a run recorded nothing); a cache made before that is read by its sources, and a
+    source that is gone is said on stderr."""
+    from gqakit.common import fitted
     from gqakit.uptrain.data.token_cache import FORMAT, HEADER
     from gqakit.uptrain.run.final import _fitted_entries
 
     book, other = make_text(tmp_path / "book.txt"), make_text(tmp_path / "other.txt", start=50_000)
-    (tmp_path / "cache").mkdir()
-    sources = [{"path": str(book.resolve()), "size": book.stat().st_size}, {"path": "hf:wikitext", "size": None}]
-    (tmp_path / "cache" / HEADER).write_text(json.dumps({"format": FORMAT, "sources": sources}))
-    assert [e["path"] for e in _fitted_entries([str(tmp_path / "cache"), str(other)])] == [str(book.resolve()),
-                                                                                           str(other)]
+    gone = make_text(tmp_path / "gone.txt", start=90_000)
+    built = fitted.entries([gone], "uptraining")
+    gone.unlink()
+    sources = [{"path": str(book.resolve()), "size": book.stat().st_size}, {"path": "hf:wikitext", "size": None},
+               {"path": str(gone.resolve()), "size": 5}]
+    for name, extra in (("old", {}), ("new", {"fitted": built})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / HEADER).write_text(json.dumps({"format": FORMAT, "sources": sources, **extra}))
+    capsys.readouterr()
+    assert [e["path"] for e in _fitted_entries([str(tmp_path / "old"), str(other)])] == [str(book.resolve()),
+                                                                                         str(other)]
+    assert "gone.txt, which the token cache" in capsys.readouterr().err
+    assert _fitted_entries([str(tmp_path / "new")]) == built
 
 
 def test_distillation_from_the_model_itself_is_zero_at_the_start(tiny, tmp_path):

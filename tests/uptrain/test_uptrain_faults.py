@@ -90,17 +90,6 @@ def test_a_model_folder_missing_a_weight_is_one_line_not_a_random_tensor_trained
                 needles=("the weights lack model.norm.weight", "re-download or re-save it"))
 
 
-def test_a_model_whose_config_maps_to_custom_code_is_refused(tiny, tmp_path):
-    """auto_map names remote code that gqakit never runs; transformers would train its stock class instead."""
-    custom = tmp_path / "custom"
-    shutil.copytree(tiny["model"], custom)
-    config = json.loads((custom / "config.json").read_text())
-    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
-    (custom / "config.json").write_text(json.dumps(config))
-    run_refused(tmp_path, "gqakit", "uptrain", str(_recipe(tiny, tmp_path, model=str(custom))),
-                needles=("maps AutoModelForCausalLM to custom code (auto_map)", "never runs"))
-
-
 # ---- nothing of the user's is lost ---------------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from gqakit import __version__
-from gqakit.common import file_locks
+from gqakit.common import file_locks, fitted
 from gqakit.common.atomic import atomic_output, inside
 from gqakit.common.report import counted
 from gqakit.common.errors import GqakitError, opt
@@ -229,6 +229,9 @@ def build_cache(sources: list[Source], folder: str | Path, tokenizer, *, text_co
                           "fingerprint": tokenizer_fingerprint(tokenizer)},
             "text_column": text_column, "chunk_bytes": chunk_bytes, "entries": [s.entry for s in sources],
             "sources": files, "checksums": checksums, "gqakit": __version__,
+            # the record of fitted texts a model uptrained on this cache keeps (`common.fitted`), digested now: the
+            # sources may be gone when the cache is used elsewhere
+            "fitted": fitted.entries([f["path"] for f in files if f["size"] is not None], "uptraining"),
             "seconds": round(time.perf_counter() - t0, 2),
         }
         (tmp / HEADER).write_text(json.dumps(header, indent=1))  # last: a folder with a header is complete

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -101,16 +102,27 @@ def final_tensors(model) -> list[tuple[str, torch.Tensor]]:
 
 def _fitted_entries(data) -> list[dict]:
     """The record of fitted texts for the uptraining data: a token cache stands for the files it was tokenised
-    from (its header's sources)."""
+    from, as digested when it was built (its header's `fitted`), or, for a cache made before that, as its sources
+    read now (said on stderr when they are gone)."""
     from gqakit.uptrain.data.token_cache import HEADER, is_token_cache
 
-    paths = []
+    found, paths = [], []
     for entry in data:
-        if is_token_cache(entry):  # sources: one {path, size, mtime_ns, sample} per file (or hub name) it read
-            paths += [source["path"] for source in json.loads((Path(entry) / HEADER).read_text())["sources"]]
-        else:
+        if not is_token_cache(entry):
             paths.append(entry)
-    return fitted.entries(paths, "uptraining")
+            continue
+        header = json.loads((Path(entry) / HEADER).read_text())
+        if "fitted" in header:
+            found += header["fitted"]
+            continue
+        sources = [s["path"] for s in header["sources"] if s["size"] is not None]  # one per file it read
+        gone = [path for path in sources if not Path(path).is_file()]
+        if gone:
+            print(f"gqakit uptrain: {gone[0]}{f' (and {len(gone) - 1} more)' if len(gone) > 1 else ''}, which the "
+                  f"token cache {entry} was made from, is gone, so the model's gqakit-fitted.json cannot name it: "
+                  "rebuild the cache (gqakit tokenize) to record it", file=sys.stderr)
+        paths += [path for path in sources if path not in gone]
+    return found + fitted.entries(paths, "uptraining")
 
 
 def save_final(model, tokenizer, output_dir: Path, record: dict, *, is_main: bool, barrier,
