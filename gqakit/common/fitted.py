@@ -107,8 +107,7 @@ def refuse_fitted(models, texts: list[tuple[str, str]], allow: bool, flag: str) 
         same = Path(entry["path"]).exists() and Path(entry["path"]).resolve() == Path(first["text"]).resolve()
         raise GqakitError(f"{first['option']} {first['text']} {'is' if same else 'starts like'} the {entry['role']} "
                           f"text {entry['path']} that {first['model']} was fitted on ({FILE}), so its score would not "
-                          f"be held out; "
-                          f"score held-out text, or pass {flag} to score it anyway")
+                          f"be held out; score held-out text, or pass {flag} to score it anyway")
     for hit in found:
         print(f"note: {hit['text']} is or starts like {hit['fitted']['role']} text of {hit['model']} ({flag}): its "
               "score is not held out", file=sys.stderr)

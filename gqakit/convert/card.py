@@ -13,6 +13,7 @@ from gqakit.hf.headers import ITEMSIZES
 from gqakit.convert import methods
 from gqakit.convert.plan import Plan, total_bytes
 from gqakit.convert.layer_share import launched_share
+from gqakit.convert.output import named
 from gqakit.convert.options import PARAMS, transfer_options
 
 
@@ -222,11 +223,6 @@ def _against_mean(plan: Plan, errors: dict[int, dict[str, float]], calibrated: b
     return "" if line is None else f"\n**Warning:** {line}.\n"
 
 
-def _named(folder: Path) -> str:
-    """The folder's name; for `.` or `..`, the name of the folder it is."""
-    return folder.resolve().name if folder.name in ("", ".", "..") else folder.name
-
-
 def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]], command: str,
                calibration=None) -> None:
     before, after = plan.kv_cache_bytes_per_token(False), plan.kv_cache_bytes_per_token(True)
@@ -260,7 +256,7 @@ def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]],
 {licence}library_name: transformers
 tags: [gqakit, {"multi-head-latent-attention" if plan.latent else "grouped-query-attention"}]
 ---
-# {_named(Path(cfg.model_dir))} converted to {name}
+# {named(Path(cfg.model_dir)).name} converted to {name}
 
 Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if command else ""}.
 

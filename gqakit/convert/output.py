@@ -17,17 +17,21 @@ def max_shard_bytes(text: str) -> int:
     return parse_size(text, opt("max_shard_size"), "5GB, 500MB or 2GiB")
 
 
+def named(path: Path) -> Path:
+    """`path`, or where it ends in `.` or `..` (no name of its own), the real path it stands for."""
+    return path.resolve() if path.name in ("", ".", "..") else path
+
+
 def default_output(model_dir: Path, groups: int, to: str = "gqa") -> Path:
-    """MODEL-gqaG (-mqa, -mla) beside the model folder; a model given as `.` or `..` is named by its real path."""
+    """MODEL-gqaG (-mqa, -mla) beside the model folder."""
     suffix = "mla" if to == "mla" else "mqa" if groups == 1 else f"gqa{groups}"
-    named = model_dir.resolve() if model_dir.name in ("", ".", "..") else model_dir
-    return named.with_name(f"{named.name}-{suffix}")
+    model_dir = named(model_dir)
+    return model_dir.with_name(f"{model_dir.name}-{suffix}")
 
 
 def output_path(model_dir: Path, output_dir: str | None, groups: int, to: str = "gqa") -> Path:
     """The -o folder (or the default), with a final `..` or `.` resolved so that it has a name."""
-    out = Path(output_dir) if output_dir else default_output(model_dir, groups, to)
-    return out.resolve() if out.name in ("", ".", "..") else out
+    return named(Path(output_dir)) if output_dir else default_output(model_dir, groups, to)
 
 
 def check_output(model_dir: Path, out: Path, force: bool) -> None:

@@ -312,9 +312,10 @@ def test_an_uptraining_runs_records_are_not_carried_into_a_conversion(src, tmp_p
     """Converting an uptrain run folder copied uptraining.json, uptrain-recipe.json, metrics.csv and loss.png,
     which describe the run, not the converted model (and made the output look like a run folder)."""
     from gqakit.hf.folder import RUN_RECORDS
-    from gqakit.uptrain.run.final import RUN_FILES
+    from gqakit.uptrain.run.folder import RUN_ENTRIES
 
-    assert set(RUN_RECORDS) == {name for name in RUN_FILES if name not in ("tensorboard", "checkpoints")}
+    # the records among a run folder's entries (the others: its lock, checkpoints, tensorboard, the final's temp)
+    assert set(RUN_RECORDS) == set(RUN_ENTRIES) - {"uptrain.lock", "checkpoints", "tensorboard", ".final.tmp"}
     for name in RUN_RECORDS:
         (src / name).write_text("{}")
     (src / "notes.txt").write_text("kept")

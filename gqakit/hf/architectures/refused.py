@@ -38,8 +38,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
 # classes of a supported family's model_type that gqakit does not convert
 REFUSED: dict[str, str] = {"T5EncoderModel": _ENCODER, "MT5EncoderModel": _ENCODER}
 _FALCON = ("FalconForCausalLM", "RWForCausalLM")
-_CROSS_ATTENTION = ("GPTBigCodeForCausalLM", "GroupedGPTBigCodeForCausalLM")  # add_cross_attention: a second K/V
 _FALCON_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
+_CROSS_ATTENTION = ("GPTBigCodeForCausalLM", "GroupedGPTBigCodeForCausalLM")  # add_cross_attention: a second K/V
 _HEAD = re.compile(r"Model|LMHeadModel|MTModel|For[A-Z]\w*")
 
 

@@ -12,9 +12,8 @@ import torch
 from gqakit.common import dtypes, fitted
 from gqakit.common.atomic import interrupts_deferred
 from gqakit import __version__
-from gqakit.uptrain.run.folder import FINISHED, MARKER
+from gqakit.uptrain.run.folder import FINISHED
 
-RUN_FILES = (FINISHED, MARKER, "metrics.csv", "loss.png", "tensorboard", "checkpoints")
 
 
 def source_dtype(model_dir: str) -> str:
@@ -158,10 +157,7 @@ def save_final(model, tokenizer, output_dir: Path, record: dict, *, is_main: boo
         config = json.loads((tmp / "config.json").read_text())
         config["dtype"] = record["save_dtype"]
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        copy_side_files(source, tmp)
-        for name in RUN_FILES:  # when the source is itself an uptraining run folder
-            if (tmp / name).exists():
-                shutil.rmtree(tmp / name) if (tmp / name).is_dir() else (tmp / name).unlink()
+        copy_side_files(source, tmp)  # a source that is itself a run folder: its records stay there (RUN_RECORDS)
         fitted.add(tmp, _fitted_entries(record["recipe"]["data"]))  # after the source's record, copied above
         if not (tmp / "tokenizer_config.json").exists():
             tokenizer.save_pretrained(tmp)
