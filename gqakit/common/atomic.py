@@ -2,9 +2,10 @@
 
 A run writes into `.OUT.gqakit-tmp-PID` beside OUT and renames it to OUT at the end; with --force an
 existing OUT (a folder, a file or a symlink: the entry itself, never what a link points to) is first
-renamed to `.OUT.gqakit-old-PID` and removed once the new folder is in place. Ctrl-C and SIGTERM (what
-`kill`, systemd and job schedulers send) both raise KeyboardInterrupt while the folder is written, so
-the temporary folder is removed on the way out.
+renamed to `.OUT.gqakit-old-PID` and removed once the new folder is in place. The last file written into the
+folder, `.gqakit-written.json`, lists what the run wrote: --force later replaces the folder only while it holds
+nothing else (`check_replaceable`). Ctrl-C and SIGTERM (what `kill`, systemd and job schedulers send) both raise
+KeyboardInterrupt while the folder is written, so the temporary folder is removed on the way out.
 
 Only `kill -9`, a crash or a power cut can leave such a folder behind. The next run that writes the
 same OUT removes the leftovers whose process is gone, and says so on stderr. "Gone" is
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import signal
@@ -33,6 +35,9 @@ KINDS = ("tmp", "old")
 WRITTEN_BY_GQAKIT = (("README.md", "Made by gqakit"), ("README.md", "tags: [gqakit"), ("uptraining.json", ""),
                      ("results.json", '"gqakit"'), ("header.json", '"gqakit-token-cache"'),
                      ("pretraining.json", '"pretraining_tokens"'))  # gqakit.reference.train's models
+# What a run published: every file's path and size, written last into the folder. --force replaces a folder that has
+# this record only when it holds nothing else (a note a user added since, or a file of theirs copied in, stays).
+WRITTEN = ".gqakit-written.json"
 
 
 def sibling(out: Path, kind: str, pid: int | None = None) -> Path:
@@ -83,6 +88,34 @@ def written_by_gqakit(folder: Path) -> bool:
     return False
 
 
+def _files(folder: Path) -> dict[str, int]:
+    """Every entry below `folder` that is not a folder (links as themselves): its relative path and its size."""
+    found = {}
+    for root, dirs, names in os.walk(folder):
+        for name in names + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            path = Path(root, name)
+            found[path.relative_to(folder).as_posix()] = path.lstat().st_size
+    found.pop(WRITTEN, None)
+    return found
+
+
+def record_written(folder: Path) -> None:
+    """Write `WRITTEN` into a finished output folder: what --force may later replace."""
+    record = {"written_by": "gqakit", "files": dict(sorted(_files(folder).items()))}
+    (folder / WRITTEN).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+
+
+def not_written(folder: Path) -> list[str] | None:
+    """The files in `folder` that its `WRITTEN` record does not list at their size (added or changed since); None
+    when there is no readable record (a folder of an older gqakit, or not gqakit's)."""
+    try:
+        listed = json.loads((folder / WRITTEN).read_text(encoding="utf-8"))["files"]
+        assert isinstance(listed, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return None
+    return [name for name, size in sorted(_files(folder).items()) if listed.get(name) != size]
+
+
 def inside(path: Path, folder: Path) -> bool:
     """Is `path` `folder` itself or somewhere below it (links and `..` resolved)? A run that writes `folder`
     must refuse an input for which this holds either way round."""
@@ -96,7 +129,13 @@ def check_replaceable(out: Path, option: str = "-o", replacer: str | None = None
     --force (a script that always rebuilds its output)."""
     if not os.path.lexists(out) or out.is_symlink():
         return
-    if out.is_dir() and (not any(out.iterdir()) or written_by_gqakit(out)):
+    theirs = not_written(out) if out.is_dir() else None
+    if theirs:
+        more = f" (and {len(theirs) - 1} more)" if len(theirs) > 1 else ""
+        raise GqakitError(f"{out} holds {theirs[0]}{more}, which gqakit did not write (or it changed since), so "
+                          f"{replacer or opt('force')} will not replace the folder; move it out or choose another "
+                          f"{option}")
+    if out.is_dir() and (theirs == [] or not any(out.iterdir()) or written_by_gqakit(out)):
         return
     what = "a file" if not out.is_dir() else "a folder gqakit did not write"
     raise GqakitError(f"{out} is {what}, so {replacer or opt('force')} will not replace it (it may hold your files); "
@@ -261,8 +300,8 @@ def _remove_old(old: Path) -> None:
 
 @contextmanager
 def atomic_output(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary folder beside `out`; on success it replaces `out`, on any failure, Ctrl-C or
-    SIGTERM it vanishes. Leftovers of earlier runs that were killed are removed first."""
+    """Yield a temporary folder beside `out`; on success it gets its `WRITTEN` record and replaces `out`, on any
+    failure, Ctrl-C or SIGTERM it vanishes. Leftovers of earlier runs that were killed are removed first."""
     remove_stale_leftovers(out)
     with sigterm_as_interrupt():
         tmp = sibling(out, "tmp")
@@ -273,6 +312,7 @@ def atomic_output(out: Path, force: bool) -> Iterator[Path]:
         tmp.mkdir(parents=True)
         try:
             yield tmp
+            record_written(tmp)
             with _interrupts_held():
                 old = _publish(tmp, out, force)
         except BaseException:

@@ -269,7 +269,7 @@ def _check_model(model, policies: tuple[str, ...], cfg: StreamConfig, tokens: in
 
 
 def _table(cfg: StreamConfig, summary: dict) -> str:
-    lines = ["| policy | perplexity | worst bucket | peak cache bytes | tokens/s | fluency |",
+    lines = ["| policy | perplexity | highest bucket perplexity | peak cache bytes | tokens/s | fluency vs recompute |",
              "|---|---|---|---|---|---|"]
     for name, s in summary.items():
         verdict = s["fluency"]["summary"] if s.get("fluency") else ("reference" if name == "recompute" else "-")

@@ -486,3 +486,38 @@ def test_force_replaces_only_what_gqakit_wrote(tmp_path):
         assert done.returncode == 0, done.stderr
     run_refused(tmp_path, "gqakit", "eval", "ppl", str(out), "--text", str(tmp_path / "notes.txt"), "-o", str(thesis),
                 "--force", needles=("--force will not replace it",))
+
+
+def test_force_keeps_files_added_to_an_output(tmp_path):
+    """A conversion or a report records what it wrote (.gqakit-written.json); --force refuses the folder once a user
+    has added a file to it or changed one (notes in a converted folder were deleted before), and replaces it
+    again when only gqakit's files are there. Nothing is touched by the refusal."""
+    model = Path(__file__).resolve().parents[2] / "gqakit" / "assets" / "austen-mha-8h"  # it has a tokenizer
+    text = tmp_path / "text.txt"
+    text.write_text("one two three four five six seven eight nine ten. " * 40)
+    out, report = tmp_path / "out", tmp_path / "report"
+    assert run_cli("convert-gqa", "--groups", "2", str(model), "-o", str(out), "-q").returncode == 0
+    assert run_cli("gqakit", "eval", "ppl", str(out), "--text", str(text), "-o", str(report),
+                   "--max-tokens", "64", "--max-length", "32").returncode == 0
+    listed = json.loads((out / ".gqakit-written.json").read_text())["files"]
+    assert {"config.json", "model.safetensors", "README.md"} <= set(listed)
+    assert {"results.json", "results.csv"} <= set(json.loads((report / ".gqakit-written.json").read_text())["files"])
+    for folder, again in ((out, ("convert-gqa", "--groups", "2", str(model), "-o", str(out), "--force", "-q")),
+                          (report, ("gqakit", "eval", "ppl", str(out), "--text", str(text), "-o", str(report),
+                                    "--max-tokens", "64", "--max-length", "32", "--force"))):
+        (folder / "sub").mkdir()
+        (folder / "sub" / "notes.md").write_text("mine")
+        before = sorted((p.name, p.stat().st_size) for p in folder.iterdir())
+        run_refused(tmp_path, *again, needles=("holds sub/notes.md, which gqakit did not write",
+                                               "will not replace the folder"))
+        assert (folder / "sub" / "notes.md").read_text() == "mine"
+        assert sorted((p.name, p.stat().st_size) for p in folder.iterdir()) == before
+        shutil.rmtree(folder / "sub")
+        with open(folder / "results.csv" if folder == report else folder / "README.md", "a") as f:
+            f.write("my edit\n")  # a file gqakit wrote, changed since
+        run_refused(tmp_path, *again, needles=("which gqakit did not write (or it changed since)",))
+    for folder, again in ((out, ("convert-gqa", "--groups", "2", str(model), "-o", str(out), "--force", "-q")),):
+        (folder / "README.md").unlink()  # deleting one of gqakit's files leaves nothing of the user's
+        done = run_cli(*again)
+        assert done.returncode == 0, done.stderr
+        assert (folder / "README.md").is_file() and not leftovers(tmp_path)

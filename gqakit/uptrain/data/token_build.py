@@ -34,7 +34,7 @@ import numpy as np
 
 from gqakit import __version__
 from gqakit.common import file_locks, fitted
-from gqakit.common.atomic import atomic_output, inside
+from gqakit.common.atomic import atomic_output, check_replaceable, inside
 from gqakit.common.report import counted
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.text import eos_id
@@ -253,6 +253,7 @@ def tokenize_to(data: list[str], output: str | Path, tokenizer: str, *, num_proc
         if not force:
             raise GqakitError(f"{out} already holds a token cache; pass {opt('force')} to replace it, or choose "
                               "another -o")
+        check_replaceable(out)  # a token cache a user has since added files to stays
     sources = [resolve_source(entry) for entry in data]
     for source in sources:
         if source.kind == "cache":
