@@ -178,9 +178,11 @@ def test_weights_saved_from_the_base_class_convert(source, tmp_path):
     torch.testing.assert_close(logits(load_exact(tmp_path / "out")), logits(model), atol=1e-5, rtol=0)
 
 
-def test_a_stored_head_that_is_not_the_embeddings_copy_is_refused(source, tmp_path, capsys):
+def test_a_stored_head_that_is_not_the_embeddings_copy_is_kept_untied(source, tmp_path, capsys):
     """tie_word_embeddings true beside a stored lm_head of other values: transformers 5 uses that head, untied, and
-    gqakit dropped it as "the tied copy" (a review: OPT at G = H 28.45 off in the logits). A copy still converts."""
+    gqakit once dropped it as "the tied copy" (a review: OPT at G = H 28.45 off in the logits), then refused it.
+    GPTBigCode holds a head of its own when untied: written so, the logits are the source's (at G = H) or the
+    pooled reference's. A copy of the embeddings stays tied (not written)."""
     from safetensors.torch import load_file, save_file
 
     name, path, model = source
@@ -193,14 +195,50 @@ def test_a_stored_head_that_is_not_the_embeddings_copy_is_refused(source, tmp_pa
         folder.mkdir()
         save_file({**weights, "lm_head.weight": head}, folder / "model.safetensors", metadata={"format": "pt"})
         (folder / "config.json").write_text((path / "config.json").read_text())
-        capsys.readouterr()
-        rc = convert_main([str(folder), "--groups", "4", "-o", str(tmp_path / f"out-{case}"), "--quiet"])
-        if case == "copy":
-            assert rc == 0
-            torch.testing.assert_close(logits(load_exact(tmp_path / "out-copy")), logits(model), atol=1e-5, rtol=0)
-        else:
-            assert rc == 2 and "stores an lm_head.weight that is not a copy of" in capsys.readouterr().err
-            assert not (tmp_path / "out-other").exists()
+        source_model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        assert torch.equal(source_model.lm_head.weight, head)  # what transformers uses: the stored head
+        for groups in (HEADS, 2):
+            out = tmp_path / f"out-{case}-{groups}"
+            assert convert_main([str(folder), "--groups", str(groups), "-o", str(out), "--quiet"]) == 0
+            written = load_file(out / "model.safetensors")
+            config = json.loads((out / "config.json").read_text())
+            assert config["tie_word_embeddings"] is (case == "copy")
+            assert ("lm_head.weight" in written) is (case == "other")
+            want = source_model if groups == HEADS else pooled_reference(name, source_model, groups)
+            torch.testing.assert_close(logits(load_exact(out)), logits(want), atol=1e-5, rtol=0)
+
+
+def test_an_untied_source_keeps_its_head(source, tmp_path, capsys):
+    """GPT-2 / OPT saved with tie_word_embeddings false (refused before: "GPTBigCode ties its head"): the head is
+    GPTBigCode's own lm_head, untied, at every G; without a stored head the source would load a random one, refused."""
+    from safetensors.torch import load_file, save_file
+
+    name, _, _ = source
+    if name not in MQA_ONLY:
+        pytest.skip("GPT-2 and OPT")
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(SOURCES[name](tie_word_embeddings=False), attn_implementation="eager",
+                                             dtype=torch.float32)
+    perturb_(model)
+    model.save_pretrained(tmp_path / "untied")
+    model.eval()
+    assert not torch.equal(model.lm_head.weight, model.get_input_embeddings().weight)
+    for groups in (HEADS, 2, 1):
+        out = tmp_path / f"out-{groups}"
+        assert convert_main([str(tmp_path / "untied"), "--groups", str(groups), "-o", str(out), "--quiet"]) == 0
+        converted = load_exact(out)
+        assert converted.config.tie_word_embeddings is False
+        torch.testing.assert_close(converted.lm_head.weight, model.lm_head.weight, atol=0, rtol=0)
+        want = model if groups == HEADS else pooled_reference(name, model, groups)
+        torch.testing.assert_close(logits(converted), logits(want), atol=1e-5, rtol=0)
+    weights = load_file(tmp_path / "untied" / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, tmp_path / "untied" / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert convert_main([str(tmp_path / "untied"), "--groups", "2", "-o", str(tmp_path / "headless"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "tie_word_embeddings false stores no lm_head.weight" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "headless").exists()
 
 
 def test_an_unknown_tensor_is_refused_not_dropped(tmp_path, capsys):

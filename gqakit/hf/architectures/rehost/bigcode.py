@@ -1,6 +1,6 @@
 """GPT-2 and OPT -> GPTBigCodeForCausalLM, the stock class that holds their MQA form (G = 1) and MHA (G = H).
 
-GPTBigCode is GPT-2's block (LayerNorm, attention, LayerNorm, MLP, learned positions, tied head) with
+GPTBigCode is GPT-2's block (LayerNorm, attention, LayerNorm, MLP, learned positions, tied or own head) with
 `multi_query`: true keeps one K/V head with the fused rows [q | k | v], false keeps every head with rows per
 head [q_h, k_h, v_h]. Both sources are re-expressed as its MHA form; the conversion then pools to MQA, or to
 gqakit's own grouped class for a G between 1 and H (no stock class holds it).
@@ -46,21 +46,23 @@ def _bigcode_config(*, vocab, positions, n, heads, layers, inner, act, eps, init
     }
 
 
-def _tied_head(s: Source, tie: bool, vocab: int, n: int, embedding: str) -> None:
-    """GPTBigCode ties its head to wte, as a tied source does: a stored head that is a copy of the embedding
-    (`embedding`, compared byte for byte, a block at a time) is the copy transformers may save, taken as known (not
-    written); an untied source, or a stored head of other values (which transformers 5 then uses, untied, whatever
-    tie_word_embeddings says), has no target that can hold its head."""
-    if not tie:
-        raise GqakitError(f"{s.family} with tie_word_embeddings false has a separate lm_head, which "
-                          "GPTBigCodeForCausalLM (tied) cannot hold; gqakit re-hosts tied checkpoints only")
-    if s.has("lm_head.weight"):
-        head = s.info("lm_head.weight", (vocab, n))  # the tied copy transformers may save; GPTBigCode re-ties it
-        stored = head.file is not None and s.tensors[embedding].file is not None  # not a meta plan's headers
-        if stored and not same_bytes(head, s.tensors[embedding]):
-            raise GqakitError(f"{s.family} stores an lm_head.weight that is not a copy of {embedding}, so "
-                              "transformers uses it untied although tie_word_embeddings is true; "
-                              "GPTBigCodeForCausalLM (tied) cannot hold it: gqakit re-hosts tied checkpoints only")
+def _head(s: Source, tie: bool, vocab: int, n: int, embedding: str, out: dict[str, TensorInfo]) -> bool:
+    """The source's output head; returns the target's tie_word_embeddings. A tied source's stored head that is a
+    copy of the embedding (`embedding`, compared byte for byte, a block at a time) is the copy transformers may save:
+    GPTBigCode re-ties it, not written. An untied source's head, or a stored head of other values (which transformers
+    5 uses, untied, whatever tie_word_embeddings says), is written as GPTBigCode's own `lm_head.weight`, untied."""
+    if not s.has("lm_head.weight"):
+        if not tie:
+            raise GqakitError(f"{s.family} with tie_word_embeddings false stores no lm_head.weight, so transformers "
+                              "starts its head from random values; add the head, or set tie_word_embeddings true "
+                              "if the embeddings are the head")
+        return True
+    head = s.info("lm_head.weight", (vocab, n))
+    stored = head.file is not None and s.tensors[embedding].file is not None  # not a meta plan's headers
+    if tie and (not stored or same_bytes(head, s.tensors[embedding])):
+        return True
+    out["lm_head.weight"] = head
+    return False
 
 
 def build_gpt2(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
@@ -81,7 +83,7 @@ def build_gpt2(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict
         "transformer.ln_f.weight": s.info(b + "ln_f.weight", (n,)),
         "transformer.ln_f.bias": s.info(b + "ln_f.bias", (n,)),
     }
-    _tied_head(s, src.tie_word_embeddings, src.vocab_size, n, b + "wte.weight")
+    tie = _head(s, src.tie_word_embeddings, src.vocab_size, n, b + "wte.weight", out)
     for i in range(L):
         p, a = f"transformer.h.{i}.", f"{b}h.{i}."  # target, source
         for norm in ("ln_1", "ln_2"):
@@ -99,7 +101,7 @@ def build_gpt2(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict
     return _bigcode_config(vocab=src.vocab_size, positions=src.n_positions, n=n, heads=H, layers=L, inner=inner,
                            act=src.activation_function, eps=src.layer_norm_epsilon, init=src.initializer_range,
                            scale=src.scale_attn_weights, dropout=(src.resid_pdrop, src.embd_pdrop, src.attn_pdrop),
-                           tie=True, tokens=token_ids(src)), out
+                           tie=tie, tokens=token_ids(src)), out
 
 
 def build_opt(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[str, TensorInfo]]:
@@ -139,7 +141,7 @@ def build_opt(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[
 
     like = out["transformer.wte.weight"]
     norm(d + "final_layer_norm", "transformer.ln_f", like)
-    _tied_head(s, src.tie_word_embeddings, src.vocab_size, n, d + "embed_tokens.weight")
+    tie = _head(s, src.tie_word_embeddings, src.vocab_size, n, d + "embed_tokens.weight", out)
     for i in range(L):
         a, t = f"{d}layers.{i}.", f"transformer.h.{i}."
         norm(a + "self_attn_layer_norm", t + "ln_1", like)
@@ -158,7 +160,7 @@ def build_opt(config: dict, tensors: dict[str, TensorInfo]) -> tuple[dict, dict[
     unused_check("OPT", tensors, s.used)
     return _bigcode_config(vocab=src.vocab_size, positions=P, n=n, heads=H, layers=L, inner=inner,
                            act=src.activation_function, eps=1e-5, init=src.init_std, scale=True,
-                           dropout=(src.dropout, src.dropout, src.attention_dropout), tie=True,
+                           dropout=(src.dropout, src.dropout, src.attention_dropout), tie=tie,
                            tokens=token_ids(src)), out
 
 
