@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from gqakit.common.atomic import replace_text
-from gqakit.common.errors import GqakitError
+from gqakit.common.errors import GqakitError, opt
 from gqakit.common.overlap import HEAD, MIN_SHARED, data_files, head
 
 FILE = "gqakit-fitted.json"
@@ -112,3 +112,9 @@ def refuse_fitted(models, texts: list[tuple[str, str]], allow: bool, flag: str) 
         print(f"note: {hit['text']} is or starts like {hit['fitted']['role']} text of {hit['model']} ({flag}): its "
               "score is not held out", file=sys.stderr)
     return found
+
+
+def refuse_fitted_text(models, cfg) -> list[dict]:
+    """`refuse_fitted` for an eval command scoring its --text / --dataset, with its --allow-fitted-text."""
+    return refuse_fitted(models, [(opt("text"), cfg.text), (opt("dataset"), cfg.dataset)], cfg.allow_fitted_text,
+                         opt("allow_fitted_text"))

@@ -363,7 +363,7 @@ _JSON_ONLY = ("attention_options", "kv_cache_settings", "window_nll", "window_to
 def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     """Evaluate every model, print the table, write the report (JSON, CSV, plot); returns the report dict."""
     from gqakit.common import plots, report
-    from gqakit.common.fitted import refuse_fitted
+    from gqakit.common.fitted import refuse_fitted_text
     from gqakit.common.text import load_columns, load_documents
     from gqakit.attention.registration import apply_attention
     from gqakit.hf.fields import context_length
@@ -373,8 +373,7 @@ def run_ppl(cfg: PplConfig, command: str = "", out=None) -> dict:
     _check(cfg)
     options = command_attention_options(cfg.attention, cfg.window, cfg.sinks, cfg.attention_option)
     target = report.prepare_for(cfg, "ppl")
-    fitted = refuse_fitted(cfg.models, [(opt("text"), cfg.text), (opt("dataset"), cfg.dataset)],
-                           cfg.allow_fitted_text, opt("allow_fitted_text"))
+    fitted = refuse_fitted_text(cfg.models, cfg)
     contexts, kinds = zip(*[_context(path) for path in cfg.models])
     _check_seq2seq(cfg, list(kinds))
     if cfg.target_column is not None:  # input/target rows

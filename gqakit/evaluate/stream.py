@@ -282,15 +282,14 @@ def _table(cfg: StreamConfig, summary: dict) -> str:
 def run_stream(cfg: StreamConfig, command: str = "", out=None) -> dict:
     """Stream the text under every policy; print a table, write the report; returns the results dict."""
     from gqakit.common import plots, report
-    from gqakit.common.fitted import refuse_fitted
+    from gqakit.common.fitted import refuse_fitted_text
     from gqakit.common.text import encode_documents, load_documents
     from gqakit.hf.loading import describe, load_model
 
     out = out or sys.stdout
     policies = _check(cfg)
     target = report.prepare_for(cfg, "stream")
-    fitted = refuse_fitted([cfg.model], [(opt("text"), cfg.text), (opt("dataset"), cfg.dataset)],
-                           cfg.allow_fitted_text, opt("allow_fitted_text"))
+    fitted = refuse_fitted_text([cfg.model], cfg)
     documents = load_documents(cfg.text, cfg.dataset, cfg.text_column)
     model, tok = load_model(cfg.model, cfg.dtype, cfg.tokenizer, cfg.device)
     if getattr(model.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
