@@ -21,15 +21,25 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
-def kv_summary(plan: Plan) -> str:
-    before, after = plan.kv_cache_bytes_per_token(False), plan.kv_cache_bytes_per_token(True)
+def _change(before: int, after: int) -> str:
     if before == after:
-        change = "unchanged"
-    elif after < before:
-        change = f"{before / after:.2f}x smaller"
-    else:
-        change = f"{after / before:.2f}x larger"
-    return f"KV cache per token at the stored dtype: {before:,} -> {after:,} bytes ({change}){_slides(plan)}"
+        return "unchanged"
+    return f"{before / after:.2f}x smaller" if after < before else f"{after / before:.2f}x larger"
+
+
+def kv_change(plan: Plan) -> str:
+    """Bytes per token before -> after, and the ratio; where --dtype changes the width of a value, the ratio at one
+    dtype too (bf16 -> float32 MQA of 8 heads is 4x as stored but 8x fewer values: the first alone misled)."""
+    before, after = plan.kv_cache_bytes_per_token(False), plan.kv_cache_bytes_per_token(True)
+    was, now = plan.source_kv_itemsize, plan.target_kv_itemsize
+    if was == now:
+        return f"{before:,} -> {after:,} bytes ({_change(before, after)})"
+    return (f"{before:,} -> {after:,} bytes ({_change(before, after)} as stored; {_change(before, after * was // now)}"
+            f" at one dtype: the output stores {now}-byte values, the source {was}-byte)")
+
+
+def kv_summary(plan: Plan) -> str:
+    return f"KV cache per token at the stored dtype: {kv_change(plan)}{_slides(plan)}"
 
 
 def _slides(plan: Plan) -> str:
@@ -116,13 +126,32 @@ def exactness_note(plan: Plan) -> str:
             "exact only for identical heads.")
 
 
+def _turned_note(plan: Plan) -> str:
+    """What the k_proj column at one position leaves out when the latent reads dims without rotation."""
+    if not plan.rope_frequencies or not plan.context:
+        return ""
+    return f"""
+
+The k_proj column compares keys at one position. The latent reads {plan.head_dim - plan.latent.rope_dim} of each
+head's {plan.head_dim} key dims without rotation, while the source turns them by each relative position: the next
+column is the keys' error as the queries read it, root-mean-square over relative positions 0 to {plan.context - 1:,}
+(the context, max_position_embeddings), uniformly weighted."""
+
+
+def _method_name(plan: Plan) -> str:
+    """The card's method row: a latent fitted from the weights alone merges nothing (its plan says "mean")."""
+    if plan.latent_fit and plan.method == "mean":
+        return "none: the latent is fitted to the K/V heads from the weights alone (--kv-rank / --rope-dim)"
+    return plan.method
+
+
 def _error_heading(plan: Plan, calibrated: bool, trained: bool = False) -> str:
     if plan.latent_fit:
         return f"""## Relative error of the keys and values the fitted latent holds
 
 ||W - W'||_F / ||W||_F per layer over the {plan.num_key_value_heads} K/V heads' keys (the shared RoPE key's part as
-each head reads it, the rest from the latent) and values (from the latent), as fitted {fitted_how(plan)}{
-", before training" if trained else ""}."""
+each head reads it, the rest from the latent) and values (from the latent), of the weights themselves (the latent was
+fitted {fitted_how(plan)}){", before training" if trained else ""}.{_turned_note(plan)}"""
     if methods.get(plan.method).layerwise:
         logits = """ The held-out column is the relative error of every query head's attention logits
 (q.k after RoPE, before scaling) on the held-out calibration windows, which the statistics never saw:
@@ -225,12 +254,12 @@ def _against_mean(plan: Plan, errors: dict[int, dict[str, float]], calibrated: b
 
 def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]], command: str,
                calibration=None) -> None:
-    before, after = plan.kv_cache_bytes_per_token(False), plan.kv_cache_bytes_per_token(True)
     name = ("MLA (a fitted latent)" if plan.latent_fit else "MLA (from MQA)" if plan.latent
             else "MQA" if plan.groups == 1 else f"GQA-{plan.groups}")
     held = calibration is not None and any("logits" in e for e in errors.values())  # a fitted latent has none
     compared = held and any("logits_mean" in e for e in errors.values())
     trained = any("transfer_before" in e for e in errors.values())
+    turned = any("k_positions" in e for e in errors.values())  # a fitted latent that reads some dims unrotated
     start = transfer_start(cfg, plan) if trained else ""
     # other K/V sites of a layer (T5: "cross k", "encoder v", ...), in the table's order
     sites = [f"{site} {role}" for site, *_ in (*plan.spec.kv_sites, ("encoder",)) for role in "kv"
@@ -243,7 +272,9 @@ def write_card(path: Path, cfg, plan: Plan, errors: dict[int, dict[str, float]],
              "as `repeat_kv` expects).")
     bytes_label = "KV-cache bytes per token (at the stored dtype of k_proj; `gqakit eval` counts its compute dtype)"
     rows = "\n".join(
-        f"| {layer} | {e.get('k', float('nan')):.4f} | {e.get('v', float('nan')):.4f} |"
+        f"| {layer} | {e.get('k', float('nan')):.4f} |"
+        + (f" {e.get('k_positions', float('nan')):.4f} |" if turned else "")
+        + f" {e.get('v', float('nan')):.4f} |"
         + "".join(f" {e.get(site, float('nan')):.4f} |" for site in sites)
         + (f" {e.get('logits', float('nan')):.4f} |" if held else "")
         + (f" {e.get('logits_mean', float('nan')):.4f} |" if compared else "")
@@ -267,22 +298,23 @@ Made by gqakit {__version__} from `{cfg.model_dir}`{f" with `{command}`" if comm
 f" (re-hosted: {plan.rehosted.describe()})" if plan.rehosted else ""} |
 | attention heads | {plan.num_attention_heads} |
 | K/V heads | {plan.num_key_value_heads} -> {"a fitted latent" if plan.latent_fit else f"{plan.groups} ({plan.mode})"} |
-{encoder_row}{attention_row}| method | {plan.method}{seed} |
+{encoder_row}{attention_row}| method | {_method_name(plan)}{seed} |
 | head_dim | {plan.head_dim} |
-| {bytes_label} | {before:,} -> {after:,}{_slides(plan)} |
+| {bytes_label} | {kv_change(plan)}{_slides(plan)} |
 | dtype | {cfg.dtype} |
 {_method_rows(cfg, plan, calibration)}
 {reads}
 {"" if plan.exact else chr(10) + "**Note:** " + exactness_note(plan) + chr(10)}{
 chr(10) + "**Runtime:** " + plan.spec.runtime_note + chr(10) if plan.spec.runtime_note else ""}{
 chr(10) + "**Loading:** " + own_class_note(plan) + chr(10) if plan.own_class else ""}
-{_error_heading(plan, held, calibration is not None)}
+{_error_heading(plan, held, trained)}
 
 {_TRANSFER_NOTE.format(start=start) if trained else ""}
-| layer | k_proj | v_proj |{"".join(f" {site} |" for site in sites)}{" held-out logits |" if held else ""}{
+| layer | k_proj |{f" k_proj over positions 0-{plan.context - 1:,} |" if turned else ""} v_proj |{
+"".join(f" {site} |" for site in sites)}{" held-out logits |" if held else ""}{
 " held-out logits, mean-pooled |" if compared else ""}{
 " held-out attention output at the start | after transfer | steps |" if trained else ""}
-|---|---|---|{"---|" * len(sites)}{"---|" if held else ""}{"---|" if compared else ""}{
+|---|---|---|{"---|" if turned else ""}{"---|" * len(sites)}{"---|" if held else ""}{"---|" if compared else ""}{
 "---|---|---|" if trained else ""}
 {rows}
 {_against_mean(plan, errors, calibration is not None)}"""

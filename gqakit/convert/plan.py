@@ -14,7 +14,8 @@ import re
 from gqakit.common.errors import GqakitError, opt
 from gqakit.hf.architectures import (ArchSpec, KNorm, family_of_model_type, find_family,
                                      supported_architectures)
-from gqakit.hf.architectures.latent import LatentShape, fitted_shape, host_refusal, mqa_shape, shape_refusal
+from gqakit.hf.architectures.latent import (LatentShape, fitted_shape, host_refusal, mqa_shape, pair_frequencies,
+                                            shape_refusal)
 from gqakit.hf.headers import CODES, ITEMSIZES, DerivedTensor, TensorInfo, assign_shards, shard_names
 from gqakit.hf.architectures.refused import refusal
 from gqakit.hf.architectures.rehost import Rehosted, find_rehost, rehost, rehosted_architectures
@@ -67,6 +68,10 @@ class Plan:
     latent: LatentShape | None = None
     latent_fit: bool = False  # the latent is fitted to the source's K/V heads (--kv-rank / --rope-dim), not an MQA
     sliding_window: int | None = None  # the window of the layers that slide (they cache at most that many tokens)
+    # a fitted latent that reads dims without rotation: the source's RoPE angle per position of each pair, and its
+    # context (max_position_embeddings), over whose relative positions the card measures what that costs
+    rope_frequencies: tuple[float, ...] = ()
+    context: int | None = None
 
     @functools.cached_property
     def shards(self) -> list[list[int]]:
@@ -488,7 +493,16 @@ def make_plan(config: dict, tensors: dict[str, TensorInfo], groups: int, method:
         target_kv_itemsize=ITEMSIZES[target(kv_probe)], initializer_range=fields.initializer_range,
         rehosted=rehosted, qkv_layout=qkv_layouts(spec, heads, kv_heads, groups), encoder_layers=encoder,
         latent=latent, latent_fit=latent_fit, sliding_window=None if latent is not None else _sliding_window(config),
+        **_unrotated(config, latent if latent_fit else None),
     )
+
+
+def _unrotated(config: dict, latent: LatentShape | None) -> dict:
+    """Plan fields for a fitted latent that reads some dims without rotation (its card's error over positions)."""
+    if latent is None or not latent.nope_dim:
+        return {}
+    return {"rope_frequencies": pair_frequencies(config, latent.v_dim),
+            "context": filled_or_given(config).get("max_position_embeddings")}
 
 
 # model types whose sliding_window acts only with use_sliding_window: true (their class's default is false)

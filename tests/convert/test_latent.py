@@ -180,6 +180,36 @@ def test_a_partial_rope_key_keeps_the_highest_frequencies_of_the_source(tmp_path
     assert torch.isfinite(logits(after)).all()
 
 
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}], ids=["default", "linear"])
+def test_the_card_measures_the_dims_a_fitted_latent_reads_unrotated(tmp_path, scaling):
+    """A review: an MQA source at a rank that holds its position-free keys exactly, with --rope-dim 8 of 16, showed
+    k_proj 0.0000 in every layer, yet the model changed (logits 1.3 off): the dims read without rotation cost nothing
+    at one position. The card's next column is that cost over relative positions 0..C-1; here the latent's fit is
+    exact, so it is sqrt(mean_t ||(R_t - 1) k_unrotated||^2 / ||k||^2), turned by transformers' own RoPE table."""
+    src = make_tiny_llama(tmp_path / "mqa", heads=4, kv_heads=1, head_dim=16)
+    if scaling:
+        config = json.loads((src / "config.json").read_text())
+        config["rope_parameters"] = {**config.get("rope_parameters", {}), **scaling}
+        (src / "config.json").write_text(json.dumps(config))
+    convert(src, tmp_path / "fit", "--to", "mla", "--kv-rank", "24", "--rope-dim", "8")  # 8 unrotated + 16 values
+    before = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64)
+    context = before.config.max_position_embeddings
+    positions = torch.arange(context)[None]
+    cos, sin = before.model.rotary_emb(torch.zeros(1, dtype=torch.float64), positions)  # (1, C, 16), halves repeated
+    cos, sin = cos[0, :, :8].double(), sin[0, :, :8].double()  # per pair j: cos / sin of t w_j
+    rows = [line for line in (tmp_path / "fit" / "README.md").read_text().splitlines() if line.startswith("| 0 |")
+            or line.startswith("| 1 |")]
+    assert "| layer | k_proj | k_proj over positions 0-127 | v_proj |" in (tmp_path / "fit" / "README.md").read_text()
+    for i, row in enumerate(rows):
+        k = before.model.layers[i].self_attn.k_proj.weight.detach()  # (16, n): one K/V head
+        a = torch.complex(k[4:8], k[12:16])  # the 4 lowest-frequency pairs: read unrotated
+        turned = a[None] * torch.complex(cos[:, 4:8], -sin[:, 4:8])[..., None]  # (C, 4, n): times e^{-i t w}
+        want = float(((turned - a[None]).abs().pow(2).sum() / context).sqrt() / k.norm())
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[1]) < 5e-5 and float(cells[3]) < 5e-5  # the fit itself is exact at one position
+        assert float(cells[2]) == pytest.approx(want, abs=6e-5) and want > 0.05, (cells, want)
+
+
 @pytest.mark.parametrize("args, needle", [
     (("--to", "mla", "--rope-dim", "7"), "--rope-dim 7 must be an even number"),
     (("--to", "mla", "--kv-rank", "0"), "--kv-rank 0 must be from 1 to"),

@@ -3,12 +3,14 @@ it must equal the fit written out densely (L as one block-diagonal matrix, Y sta
 A rank the fit cannot reach is refused in one line."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from cli_contract import run_refused
 from gqakit.convert.latent.construct import latent_norm
-from gqakit.convert.latent.fit import fit_latent, input_metric
+from gqakit.convert.latent.fit import fit_latent, input_metric, offset_means
 from gqakit.hf.architectures.latent import BIAS_SCALE, KV_A, KV_A_BIAS, KV_B, KV_NORM, O, O_BIAS, Q, LatentShape
 from tiny_models import make_tiny_llama
 
@@ -20,8 +22,11 @@ def _sqrt(m: torch.Tensor) -> torch.Tensor:
     return vectors @ torch.diag(values.clamp(min=0).sqrt()) @ vectors.T
 
 
-def dense_fit(q, k, v, o, shape: LatentShape, k_bias=None, v_bias=None, inputs=None) -> tuple[dict, dict]:
-    """(the target's tensors, the errors) by the docstring of `convert/latent/fit.py`, every matrix whole."""
+def dense_fit(q, k, v, o, shape: LatentShape, k_bias=None, v_bias=None, inputs=None, positions=None
+              ) -> tuple[dict, dict]:
+    """(the target's tensors, the errors) by the docstring of `convert/latent/fit.py`, every matrix whole; with
+    `positions` (the RoPE angle per position of each pair, a context C) also the keys' error over relative positions
+    0..C-1, each position turned explicitly."""
     heads, d, D, N, r = shape.heads, shape.v_dim, shape.rope_dim, shape.nope_dim, shape.rank
     groups, n = k.shape[0] // d, k.shape[1]
     per, half, keep = heads // groups, d // 2, D // 2
@@ -60,6 +65,18 @@ def dense_fit(q, k, v, o, shape: LatentShape, k_bias=None, v_bias=None, inputs=N
     rebuilt[:, nope] = held[:groups * N].reshape(groups, N, n)
     errors = {"k": float((kg - rebuilt).norm() / kg.norm()),
               "v": float((vg - held[groups * N:].reshape(groups, d, n)).norm() / vg.norm())}
+    if positions is not None:
+        frequencies, context = positions
+        total = torch.zeros((), dtype=F64)
+        for t in range(context):
+            turned_true, turned_held = kg.clone(), rebuilt.clone()
+            for j in range(half):  # a key t positions back, as a query reads it: times e^{-i t w_j}
+                c, s_ = math.cos(t * frequencies[j]), math.sin(t * frequencies[j])
+                pairs = [(kg, turned_true)] + ([(rebuilt, turned_held)] if j < keep else [])  # held: kept pairs
+                for x, out in pairs:
+                    out[:, j], out[:, half + j] = c * x[:, j] + s_ * x[:, half + j], c * x[:, half + j] - s_ * x[:, j]
+            total += (turned_true - turned_held).pow(2).sum()
+        errors["k_positions"] = float((total / context).sqrt() / kg.norm())
 
     pick = torch.arange(heads) // per
     expand = torch.cat([up[:groups * N].reshape(groups, N, r)[pick], up[groups * N:].reshape(groups, d, r)[pick]], 1)
@@ -91,14 +108,18 @@ def test_the_lean_fit_equals_the_dense_float64_fit(heads, groups, d, n, rope_dim
     x = torch.randn(3 * n, n, **f64) * torch.linspace(0.1, 2, n, dtype=F64)  # inputs of uneven scales
     inputs = input_metric(x.T @ x, x.T @ x / 3 + torch.eye(n, dtype=F64)) if calibrated else None
     errors: dict = {}
-    made = fit_latent(q, k, v, o, shape, F64, k_bias, v_bias, errors=errors, inputs=inputs)
-    want, want_errors = dense_fit(q, k, v, o, shape, k_bias, v_bias, inputs)
+    frequencies, context = [1.3 * 10 ** (-2 * j / d) for j in range(d // 2)], 23  # fast: they turn within 23
+    made = fit_latent(q, k, v, o, shape, F64, k_bias, v_bias, errors=errors, inputs=inputs,
+                      turns=offset_means(frequencies[rope_dim // 2:], context))
+    want, want_errors = dense_fit(q, k, v, o, shape, k_bias, v_bias, inputs, (frequencies, context))
     assert made.keys() == want.keys()
     for name, tensor in want.items():
         assert made[name].shape == tensor.shape and made[name].dtype == F64, name
         assert (made[name] - tensor).norm() <= 1e-10 * tensor.norm(), name
     assert errors == pytest.approx(want_errors, rel=1e-10)
     assert 0 < errors["k"] < 1 and 0 < errors["v"] < 1  # a fit, not exact, at these ranks
+    if rope_dim < d:  # dims read unrotated cost more than the fit's error at one position shows
+        assert errors["k_positions"] > errors["k"] * 1.05
 
 
 def test_a_rank_above_the_hidden_size_is_refused_in_one_line(tmp_path):

@@ -83,12 +83,13 @@ def shared_rope_key(k: torch.Tensor, k_bias: torch.Tensor | None, groups: int, h
 
 def fit_latent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, shape: LatentShape,
                dtype: torch.dtype, k_bias: torch.Tensor | None = None, v_bias: torch.Tensor | None = None,
-               errors: dict | None = None, inputs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+               errors: dict | None = None, inputs: torch.Tensor | None = None, turns: torch.Tensor | None = None
+               ) -> dict[str, torch.Tensor]:
     """The target's attention tensors (names under `latent.ATTENTION`) fitted to a layer's q (H*d, n), k and v (G*d, n),
     o (n, H*d) and optional k/v biases: from the weights alone, or with `inputs` (n, n; `input_metric`) in the metric of
     the layer's attention inputs. `errors` gets the relative errors ||W - W'|| / ||W|| of the keys and values the latent
     layer holds (the keys' rotary part as u_m k', their position-free part and the values from the latent), as the card
-    reports them."""
+    reports them, and with `turns` (`offset_means` of the unrotated pairs) the keys' error over relative positions."""
     heads, d, D, N, r = shape.heads, shape.v_dim, shape.rope_dim, shape.nope_dim, shape.rank
     groups, n = k.shape[0] // d, k.shape[1]
     rope_rows, rope_bias, u = shared_rope_key(k, k_bias, groups, d, D, inputs)
@@ -113,7 +114,7 @@ def fit_latent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
     latent_bias = basis.T @ _apply(blocks, y_bias[:, None])[:, 0]
     up = torch.cat([torch.linalg.solve(block, part) for block, part in zip(blocks, _split(basis, blocks))])  # L^-1 U_R
     if errors is not None:
-        errors.update(_held_errors(k, v, rope_rows, u, up, down, N, d))
+        errors.update(_held_errors(k, v, rope_rows, u, up, down, N, d, turns))
     q_rows = _rotated_queries(q, u, heads, d, D, dtype)  # after the SVD, whose working set is the peak
 
     latent, bias = shape.latent, shape.bias
@@ -160,14 +161,37 @@ def _expansion(up: torch.Tensor, heads: int, groups: int, N: int, d: int, latent
     return out.reshape(heads * (N + d), latent)
 
 
+def offset_means(frequencies, context: int) -> torch.Tensor:
+    """mean over t = 0 .. context-1 of e^{-i t w} per frequency w (complex128): what rotating a key by each relative
+    position t averages to, (1 - e^{-i C w}) / (C (1 - e^{-i w}))."""
+    w = torch.tensor(list(frequencies), dtype=F64)
+    one = torch.ones_like(w)
+    return (1 - torch.polar(one, -context * w)) / (context * (1 - torch.polar(one, -w)))
+
+
+def _unrotated_error(key: torch.Tensor, held: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
+    """Over the pairs read without rotation, the mean over relative positions t of ||R_t a - b||^2, where a is the true
+    key (turned by t, as the source's attention reads it) and b the held one (read unturned): per pair
+    ||a||^2 + ||b||^2 - 2 Re(mean_t e^{-i t w} <b, a>). `key` and `held` are those dims, the real parts then the
+    imaginary ones, as `rope_pairs` lists them."""
+    half = key.shape[0] // 2
+    a, b = torch.complex(key[:half], key[half:]), torch.complex(held[:half], held[half:])
+    cross = (b.conj() * a).sum(dim=1)
+    return a.abs().pow(2).sum() + b.abs().pow(2).sum() - 2 * (turns * cross).real.sum()
+
+
 def _held_errors(k: torch.Tensor, v: torch.Tensor, rope_rows: torch.Tensor, u: torch.Tensor, up: torch.Tensor,
-                 down: torch.Tensor, N: int, d: int) -> dict[str, float]:
+                 down: torch.Tensor, N: int, d: int, turns: torch.Tensor | None = None) -> dict[str, float]:
     """{"k": ..., "v": ...}: relative errors of the keys and values as the fitted layer holds them (u_m k' on the
-    kept pairs, B A on the rest), summed a group at a time."""
+    kept pairs, B A on the rest), summed a group at a time; with `turns`, also "k_positions": the keys' error as the
+    queries read it, root-mean-square over relative positions (the kept pairs turn as the source's do; the rest are
+    read unturned, which "k", at one position, does not show)."""
     groups, keep = u.shape[0], rope_rows.shape[0] // 2
     kept, nope = rope_pairs(d, 2 * keep)
+    rotary = kept + [d // 2 + j for j in kept]
     shared = torch.complex(rope_rows[:keep], rope_rows[keep:])  # (D/2, n)
     sums = torch.zeros(4, dtype=F64)  # ||k - k'||^2, ||k||^2, ||v - v'||^2, ||v||^2
+    moved = torch.zeros((), dtype=F64)  # the key error over relative positions
     for m in range(groups):
         key, value = k[m * d:(m + 1) * d].to(F64), v[m * d:(m + 1) * d].to(F64)
         rebuilt = torch.empty_like(key)
@@ -177,7 +201,12 @@ def _held_errors(k: torch.Tensor, v: torch.Tensor, rope_rows: torch.Tensor, u: t
         held_v = up[groups * N + m * d:groups * N + (m + 1) * d] @ down
         sums += torch.stack([(key - rebuilt).pow(2).sum(), key.pow(2).sum(), (value - held_v).pow(2).sum(),
                              value.pow(2).sum()])
-    return {"k": float((sums[0] / sums[1]).sqrt()), "v": float((sums[2] / sums[3]).sqrt())}
+        if turns is not None:
+            moved += (key[rotary] - rebuilt[rotary]).pow(2).sum() + _unrotated_error(key[nope], rebuilt[nope], turns)
+    errors = {"k": float((sums[0] / sums[1]).sqrt()), "v": float((sums[2] / sums[3]).sqrt())}
+    if turns is not None:
+        errors["k_positions"] = float((moved.clamp(min=0) / sums[1]).sqrt())
+    return errors
 
 
 def _weighted_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, heads: int, d: int,

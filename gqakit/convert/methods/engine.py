@@ -15,7 +15,7 @@ from gqakit.common.errors import GqakitError
 from gqakit.convert import methods
 from gqakit.convert.calibration.stored import StoredMoment, load_layer
 from gqakit.convert.latent.construct import cast_trained, embed_mqa
-from gqakit.convert.latent.fit import fit_latent, input_metric
+from gqakit.convert.latent.fit import fit_latent, input_metric, offset_means
 from gqakit.convert.methods.layer import merge_layer
 from gqakit.convert.methods.merge_ahead import MergeAhead, merge_workers
 from gqakit.convert.methods.pooling import merge_norms, random_heads, regroup, relative_error
@@ -151,11 +151,20 @@ def made_latent(plan: Plan, layer: int, parts: dict[str, torch.Tensor], dtype: t
     statistics where `how` has them; its errors into `errors`), else the MQA that `parts` are, embedded."""
     if plan.latent_fit:
         made = fit_latent(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, dtype,
-                          parts.get("k_b"), parts.get("v_b"), errors=errors, inputs=calibrated_metric(how, layer))
+                          parts.get("k_b"), parts.get("v_b"), errors=errors, inputs=calibrated_metric(how, layer),
+                          turns=unrotated_turns(plan))
     else:
         made = embed_mqa(parts["q_w"], parts["k_w"], parts["v_w"], parts["o_w"], plan.latent, dtype,
                          parts.get("k_b"), parts.get("v_b"))
     return {ATTENTION.format(i=layer) + name: t for name, t in made.items()}
+
+
+def unrotated_turns(plan: Plan) -> torch.Tensor | None:
+    """`offset_means` of the pairs a fitted latent reads without rotation, over the source's context; None when it
+    turns every pair (or the context is unknown)."""
+    if not plan.rope_frequencies or not plan.context:
+        return None
+    return offset_means(plan.rope_frequencies[plan.latent.rope_dim // 2:], plan.context)
 
 
 def calibrated_metric(how: LayerMerge, layer: int) -> torch.Tensor | None:

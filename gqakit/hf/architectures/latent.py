@@ -135,6 +135,15 @@ def host_refusal(family: str, config: dict) -> str | None:
     return None
 
 
+def pair_frequencies(config: dict, head_dim: int) -> tuple[float, ...]:
+    """The source's RoPE angle per position of each rotate-half pair j (dims j, j + d/2), highest first, for the kinds
+    a fitted latent may leave dims of unrotated (default and linear: `shape_refusal`)."""
+    rope = rope_of(config)
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    factor = rope.get("factor", 1.0) if rope.get("rope_type") == "linear" else 1.0
+    return tuple(theta ** (-2 * j / head_dim) / factor for j in range(head_dim // 2))
+
+
 def latent_config(config: dict, shape: LatentShape, layers: int) -> dict:
     """The target's config.json from the (grouped) source's, with its class's defaults where it is silent (DeepseekV3's
     differ: a 4096-token context, token ids 0 / 1): every layer dense, no MoE, no multi-token prediction."""
