@@ -9,6 +9,7 @@ Every problem a user can cause is a one-line `GqakitError` that names the fix.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,6 +49,27 @@ def load_rows(path: str | Path, text_column: str = "text") -> list[str]:
     return [row[0] for row in load_columns(path, (text_column,))]
 
 
+def null_rows(values, where: str, column: str, first_row: int = 0) -> list[int]:
+    """The rows (counted from 1, `first_row` rows before these) whose `column` is missing or null, which the caller
+    skips and says so (`skipped_note`); a value of another type (a number, a list) is refused, naming the row: the
+    column is likely not the text, and dropped it would change what is scored or trained without a word."""
+    missing = []
+    for i, value in enumerate(values):
+        if value is None:
+            missing.append(first_row + i + 1)
+        elif not isinstance(value, str):
+            raise GqakitError(f"{where}: row {first_row + i + 1} has the {type(value).__name__} {str(value)[:40]!r} "
+                              f"in column {column!r}, not text; fix that row, or name the text column")
+    return missing
+
+
+def skipped_note(where: str, column: str, rows: list[int]) -> None:
+    """One stderr line for the rows `null_rows` found, so that skipping them is never silent."""
+    if rows:
+        print(f"note: {where}: skipped {len(rows):,} row{'s' if len(rows) > 1 else ''} with no {column!r} (missing "
+              f"or null), the first row {rows[0]:,}", file=sys.stderr)
+
+
 def load_columns(path: str | Path, columns: tuple[str, ...]) -> list[tuple[str, ...]]:
     """The rows of a JSON lines / JSON / parquet file (or folder of them) whose `columns` all hold non-empty text,
     as tuples in the order of `columns` (the first is the --text-column the errors name)."""
@@ -68,7 +90,9 @@ def load_columns(path: str | Path, columns: tuple[str, ...]) -> list[tuple[str, 
         if column not in table.column_names:
             raise GqakitError(f"{path} has no column {column!r} (columns: {', '.join(table.column_names)}); "
                               f"pass {opt(flag, 'NAME')}")
-    rows = [r for r in zip(*(table[c] for c in columns)) if all(isinstance(x, str) and x.strip() for x in r)]
+    for column in columns:
+        skipped_note(str(path), column, null_rows(table[column], str(path), column))
+    rows = [r for r in zip(*(table[c] for c in columns)) if all(x is not None and x.strip() for x in r)]
     if not rows:
         named = " and ".join(repr(c) for c in columns)
         raise GqakitError(f"{path}: no row holds non-empty text in {named}; check the file or "

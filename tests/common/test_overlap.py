@@ -6,6 +6,8 @@ import shutil
 
 from cli_contract import run_refused
 from gqakit.common.overlap import shared_text
+from gqakit.common.recipes import load_recipe
+from gqakit.uptrain.config import UptrainConfig, check
 from uptrain_tiny import make_text, make_uptrain_model, write_recipe
 
 
@@ -58,3 +60,25 @@ def test_uptrain_refuses_eval_data_that_is_its_training_text(tmp_path):
         run_refused(tmp_path, "gqakit", "uptrain", str(recipe),
                     needles=(f"eval_data {held} and data {data} hold the same text",
                              "hold out a text that is not in data"))
+
+
+def test_a_text_listed_twice_in_data_is_refused_where_data_is_held_out(tmp_path):
+    """A review: data=[A, A] with no eval_data ran, and its held-out documents (data's last) were the second copy of a
+    training text; `gqakit tokenize A A` built such a cache. Refused, for the same file or a copy; given eval_data
+    of its own, a text listed twice is weighted twice (allowed)."""
+    model = make_uptrain_model(tmp_path / "gqa")
+    data = make_text(tmp_path / "train.txt")
+    other = make_text(tmp_path / "other.txt", chars=12_000, start=100_000)
+    copy = tmp_path / "copy.txt"
+    shutil.copy(data, copy)
+    for twice in (data, copy):
+        recipe = write_recipe(tmp_path / "r.yaml", model=str(model), data=[str(data), str(other), str(twice)],
+                              output_dir=str(tmp_path / "run"), steps=2)
+        run_refused(tmp_path, "gqakit", "uptrain", str(recipe),
+                    needles=(f"data {data} and data {twice} hold the same text", "list each text once in data"))
+        run_refused(tmp_path, "gqakit", "tokenize", str(data), str(twice), "-o", str(tmp_path / "cache"),
+                    "--tokenizer", str(model), needles=("hold the same text", "list each text once"))
+    held = make_text(tmp_path / "held.txt", chars=8_000, start=200_000)
+    recipe = write_recipe(tmp_path / "r.yaml", model=str(model), data=[str(data), str(data)], eval_data=[str(held)],
+                          output_dir=str(tmp_path / "run"), steps=2)
+    check(load_recipe(UptrainConfig, str(recipe), []))  # the checks a run makes first: passed

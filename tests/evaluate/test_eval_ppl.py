@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from eval_tiny import checkpoint, one_line_error, run_eval, text, tiny_llama, tokenizer
 from gqakit.common.errors import GqakitError
 from gqakit.common import report
-from gqakit.common.text import encode_documents, load_documents
+from gqakit.common.text import encode_documents, load_columns, load_documents
 from gqakit.evaluate.perplexity import perplexity, strided_nll
 
 RTOL = 1e-5
@@ -196,6 +197,32 @@ def test_dataset_rows_joined_with_eos(tmp_path, tok):
 
     datasets.Dataset.from_dict({"text": rows[:2]}).to_parquet(str(tmp_path / "d.parquet"))
     assert load_documents(dataset=str(tmp_path / "d.parquet")) == rows[:2]
+
+
+def test_a_row_without_text_is_said_or_refused(tmp_path, capsys):
+    """A review: rows whose text column was missing, null or a number were dropped without a word, by eval, the
+    calibration loader and uptrain's data (a --target-column pair went missing too). A missing or null value is
+    skipped with one stderr line (count and first row); a value of another type is refused, naming the row (likely
+    not the text column). Blank strings are still dropped (a corpus's blank lines)."""
+    from gqakit.uptrain.data.sources import iter_pieces, resolve_source
+
+    good = json.dumps({"text": "It is a truth.", "target": "Yes."})
+    for bad, said in (({"other": 1}, "skipped 1 row with no 'text' (missing or null), the first row 2"),
+                      ({"text": None}, "skipped 1 row with no 'text' (missing or null), the first row 2"),
+                      ({"text": "Fine.", "target": None}, "skipped 1 row with no 'target' (missing or null)")):
+        path = tmp_path / "rows.jsonl"
+        path.write_text("\n".join([good, json.dumps(bad), good]) + "\n")
+        columns = ("text", "target") if "target" in said else ("text",)
+        capsys.readouterr()
+        assert load_columns(str(path), columns) == [("It is a truth.", "Yes.")[:len(columns)]] * 2
+        assert said in capsys.readouterr().err
+        if "target" not in said:
+            assert sum(len(texts) for texts, _ in iter_pieces(resolve_source(str(path)))) == 2
+            assert said in capsys.readouterr().err
+    path.write_text("\n".join([good, json.dumps({"text": 12345}), good]) + "\n")
+    for read in (lambda: load_columns(str(path), ("text",)), lambda: list(iter_pieces(resolve_source(str(path))))):
+        with pytest.raises(GqakitError, match=re.escape("row 2 has the int '12345' in column 'text', not text")):
+            read()
 
 
 @pytest.mark.parametrize("make,needle", [

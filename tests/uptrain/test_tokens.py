@@ -31,7 +31,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """Two .txt documents, JSON lines (with an empty and a null row, which are skipped) and a folder of
+    """Two .txt documents, JSON lines (with an empty and a null row, which are skipped, the null said) and a folder of
     two parquet files."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -364,6 +364,7 @@ def test_tokenize_cli_end_to_end_and_its_refusals(files, tok, tmp_path, capsys):
     expected = tokenize_stream(read_documents((str(files["a"]), str(files["jsonl"]))), tok)
     assert line.startswith(f"wrote {out}: {len(expected):,} tokens, 31 documents in ") and line.endswith(" s")
     assert torch.equal(stream_weights(open_cache(out, verify=True)), expected)
+    assert "skipped 1 row with no 'text' (missing or null), the first row 6" in capsys.readouterr().err  # the null
 
     assert "already holds a token cache; pass --force to replace it" in _one_line_error(capsys, argv)
     assert main([*argv, "--force"]) == 0

@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from gqakit.common.text import ROW_SUFFIXES
+from gqakit.common.text import ROW_SUFFIXES, null_rows, skipped_note
 from gqakit.common.errors import GqakitError
 from gqakit.uptrain.data.token_cache import is_token_cache
 
@@ -208,12 +208,14 @@ def _column_error(where: str, column: str, columns) -> GqakitError:
 def _rows(open_batches, where: str, column: str) -> Iterator[tuple[list[str], list[bool]]]:
     """Non-empty strings of `column` from `open_batches()`, an iterator of column dicts, as (texts, ends)
     batches; any failure to read is a one-line error."""
-    found = False
+    found, seen, skipped = False, 0, []
     try:
         for batch in open_batches():
             if column not in batch:
                 raise _column_error(where, column, batch)
-            texts = [t for t in batch[column] if isinstance(t, str) and t.strip()]
+            skipped += null_rows(batch[column], where, column, seen)
+            seen += len(batch[column])
+            texts = [t for t in batch[column] if t is not None and t.strip()]
             found = found or bool(texts)
             if texts:
                 yield texts, [True] * len(texts)
@@ -224,6 +226,7 @@ def _rows(open_batches, where: str, column: str) -> Iterator[tuple[list[str], li
         raise GqakitError(f"cannot read {where}: {first}; check the data") from None
     if not found:
         raise GqakitError(f"{where}: column {column!r} holds no non-empty text; check the data or the text column")
+    skipped_note(where, column, skipped)
 
 
 def iter_pieces(source: Source, text_column: str = "text", chunk_bytes: int = CHUNK_BYTES

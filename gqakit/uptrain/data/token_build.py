@@ -35,6 +35,7 @@ import numpy as np
 from gqakit import __version__
 from gqakit.common import file_locks, fitted
 from gqakit.common.atomic import atomic_output, check_replaceable, inside
+from gqakit.common.overlap import refuse_shared
 from gqakit.common.report import counted
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.text import eos_id
@@ -255,6 +256,9 @@ def tokenize_to(data: list[str], output: str | Path, tokenizer: str, *, num_proc
                               "another -o")
         check_replaceable(out)  # a token cache a user has since added files to stays
     sources = [resolve_source(entry) for entry in data]
+    for i, entry in enumerate(data):  # a cache's last documents are what uptrain holds out when given no eval_data
+        refuse_shared(("data", entry), [("data", other) for other in data[i + 1:]],
+                      "list each text once (uptrain holds out a cache's last documents)")
     for source in sources:
         if source.kind == "cache":
             raise GqakitError(f"{source.entry} is already a token cache; list it in the recipe's data instead")
