@@ -12,7 +12,9 @@ interrupted grid picks up where it stopped and added methods add cells without t
 the table (results.md/.csv/.json) and the plot (gqa_paper.png) are rewritten from all cells at the end.
 Cells are reused only under the settings they were made with (OUTPUT/grid.json: every key but those that
 pick cells or keep files, and the bytes of the model folder, eval_text, calibration and the uptraining data);
-other settings are refused in one line, and `force=true` starts the grid over.
+other settings are refused in one line, and `force=true` starts the grid over. Every check runs before the first
+file is written: a list no cell reads (alphas when every G is 1 and mha_control is false: MQA takes mqa_alphas), a
+value listed twice, a per-cell uptrain key, and an eval_window past the model's context or longer than the text.
 Ainslie et al. (2023), Fig. 4-5, expect: mean > first > random before and after uptraining, GQA usable
 at alpha = 0 while MQA needs uptraining, and most of the gap recovered by alpha = 0.05.
 """
@@ -51,7 +53,7 @@ class GridConfig:
     distill: tuple[bool, ...] = (False, True)
     eval_text: str = "gqakit/assets/heldout_emma.txt"
     eval_tokens: int = option(16384, at_least=0)  # 0 = the whole text
-    eval_window: int = option(512, above=0)
+    eval_window: int = option(512, at_least=2)  # a window's first token has no context: 2 positions score one
     mha_control: bool = True  # also train the MHA model itself for each alpha (a baseline, not in the paper)
     keep_models: bool = False  # keep every converted and uptrained model (about 16 MB each)
     seed: int = option(0, at_least=0, at_most=SEED_MAX)
@@ -78,13 +80,69 @@ class GridConfig:
             raise GqakitError(f"calibration is used only by method {need}; drop it, or add {need} to methods")
         if self.calibration_tokens is not None and self.calibration is None:
             raise GqakitError("calibration_tokens needs calibration; set calibration, or drop calibration_tokens")
+        _refuse_repeated(self)
+        _refuse_unread(self)
+        if self.eval_tokens and self.eval_tokens < self.eval_window:  # `gqakit eval ppl`'s rule: a whole window
+            raise GqakitError(f"eval_tokens={self.eval_tokens} is shorter than one window of eval_window="
+                              f"{self.eval_window}; use eval_tokens >= {self.eval_window} (0 = the whole text) or "
+                              f"eval_window <= {self.eval_tokens}")
 
 
 # uptrain keys the grid sets per cell, refused in its shared `uptrain:` section (a teacher there distilled the cells
 # reported as not distilled; seed, alpha and model were silently overridden)
 PER_CELL = {"model": "the converted model", "output_dir": "the cell's folder", "alpha": "alphas / mqa_alphas",
+            "steps": "its budget, alpha: alphas / mqa_alphas", "tokens": "its budget, alpha: alphas / mqa_alphas",
             "seed": "the grid's seed", "teacher": "distill: true cells distil from model",
             "force": "each cell replaces its own folder; force=true at the top starts the grid over"}
+
+# the lists that pick cells: who reads each, the keys that decide whether any cell does, and how to give it one
+LISTS = {"groups": ("each G is converted by each of methods", ("methods",), "add a method"),
+         "methods": ("each method converts each of groups", ("groups",), "add a group count"),
+         "alphas": ("they are the budgets of the G > 1 cells (each trained once per distill value) and of the MHA "
+                    "control", ("groups", "methods", "distill", "mha_control"),
+                    "add a G > 1 to groups, or set mha_control: true"),
+         "mqa_alphas": ("they are the budgets of the G = 1 (MQA) cells (each trained once per distill value) and of "
+                        "the MHA control", ("groups", "methods", "distill", "mha_control"),
+                        "add 1 to groups, or set mha_control: true"),
+         "distill": ("it says how the converted cells that alphas / mqa_alphas uptrain are trained",
+                     ("groups", "methods", "alphas", "mqa_alphas"), "give their groups alphas / mqa_alphas")}
+
+
+def _shown(value) -> str:
+    """A value as a recipe or an override spells it: [0.05, 0.1], ["mean"], false."""
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+def _refuse_repeated(cfg: GridConfig) -> None:
+    """A value listed twice names the same cell twice: it ran once and was reported twice."""
+    for key in LISTS:
+        seen = set()
+        for value in getattr(cfg, key):
+            name = f"{value:g}" if key.endswith("alphas") else _shown(value)  # cells are named by alpha to 6 digits
+            if name in seen:
+                raise GqakitError(f"{key}={_shown(getattr(cfg, key))} lists {name} twice, which names the same "
+                                  f"cells; list each value once")
+            seen.add(name)
+
+
+def _readers(cfg: GridConfig) -> dict[str, bool]:
+    """Whether any cell reads each of LISTS (as `_cells` makes them)."""
+    converted = bool(cfg.methods and cfg.distill)  # cells uptrained from conversions exist for some budget
+    return {"groups": bool(cfg.methods), "methods": bool(cfg.groups),
+            "alphas": cfg.mha_control or (converted and any(g != 1 for g in cfg.groups)),
+            "mqa_alphas": cfg.mha_control or (converted and 1 in cfg.groups),
+            "distill": bool(cfg.methods) and any(_budgets(cfg, g) for g in cfg.groups)}
+
+
+def _refuse_unread(cfg: GridConfig) -> None:
+    """A list that no cell reads would be ignored: refused, naming who reads it and what keeps them from it."""
+    read = _readers(cfg)
+    for key, (readers, deciding, fix) in LISTS.items():
+        if getattr(cfg, key) and not read[key]:
+            here = ", ".join(f"{k}={_shown(getattr(cfg, k))}" for k in deciding)
+            raise GqakitError(f"{key}={_shown(getattr(cfg, key))} is read by no cell: {readers}, and here {here}; "
+                              f"set {key}: [] or {fix}")
+
 
 # keys that pick which cells run or which files stay; every other key changes the numbers of every cell
 SELECTION = ("output_dir", "groups", "methods", "alphas", "mqa_alphas", "distill", "mha_control", "keep_models",
@@ -167,10 +225,15 @@ def _cells(cfg: GridConfig) -> list[dict]:
     for g in cfg.groups:
         for method in cfg.methods:
             cells.append({"groups": g, "method": method, "alpha": 0.0, "distill": False})
-            for alpha in (cfg.mqa_alphas if g == 1 else cfg.alphas):
+            for alpha in _budgets(cfg, g):
                 for distill in cfg.distill:
                     cells.append({"groups": g, "method": method, "alpha": alpha, "distill": distill})
     return cells
+
+
+def _budgets(cfg: GridConfig, groups: int) -> tuple[float, ...]:
+    """The alphas that a converted cell of `groups` K/V heads is uptrained for: MQA gets its own list."""
+    return cfg.mqa_alphas if groups == 1 else cfg.alphas
 
 
 def _name(cell: dict) -> str:
@@ -180,10 +243,20 @@ def _name(cell: dict) -> str:
     return f"{kind}-{cell['method']}-a{cell['alpha']:g}" + ("-kd" if cell["distill"] else "")
 
 
-def _eval_ids(cfg: GridConfig, tokenizer) -> torch.Tensor:
+def _eval_ids(cfg: GridConfig) -> torch.Tensor:
+    """The held-out tokens every cell is scored on; a text shorter than one window is refused, as `gqakit eval ppl`
+    refuses it (a window cut to the text would be recorded as eval_window)."""
+    from transformers import AutoTokenizer
+
     from gqakit.common.text import encode_documents, load_text_file
 
-    return encode_documents(load_text_file(cfg.eval_text), tokenizer, cfg.eval_tokens or None)
+    ids = encode_documents(load_text_file(cfg.eval_text), AutoTokenizer.from_pretrained(cfg.model),
+                           cfg.eval_tokens or None)
+    if ids.numel() < cfg.eval_window:
+        raise GqakitError(f"eval_text {cfg.eval_text} has {ids.numel():,} tokens ({Path(cfg.model).name}'s "
+                          f"tokenizer), shorter than one window of eval_window={cfg.eval_window}; pass a longer "
+                          f"eval_text or eval_window <= {ids.numel()}")
+    return ids
 
 
 def _perplexity(path: Path, ids: torch.Tensor, window: int) -> float:
@@ -209,6 +282,7 @@ def _check(cfg: GridConfig) -> None:
     if pretraining_tokens(cfg.model) is None:
         raise GqakitError(f"{cfg.model} records no pretraining_tokens (pretraining.json), so alpha has no meaning; "
                           "use a model that records its pretraining budget")
+    _check_window(cfg)
     shared = _shared_recipe(cfg)
     check(shared)
     _check_conversions(cfg)
@@ -220,6 +294,17 @@ def _check(cfg: GridConfig) -> None:
               *((("calibration", cfg.calibration),) if cfg.calibration else ())]
     refuse_shared(("eval_text", cfg.eval_text), fitted, "score the grid on a text that no cell is fitted or "
                   "trained on")
+
+
+def _check_window(cfg: GridConfig) -> None:
+    """eval_window against the model's context, by `gqakit eval ppl`'s own check of --max-length: positions the model
+    never saw were scored without a word (a review: 2,048 on a 1,024-token model)."""
+    from gqakit.common.errors import renamed
+    from gqakit.evaluate.perplexity import check_context
+    from gqakit.hf.fields import context_length
+
+    with renamed({"max_length": "eval_window"}):
+        check_context(cfg.eval_window, context_length(json.loads(Path(cfg.model, "config.json").read_text())))
 
 
 def _check_conversions(cfg: GridConfig) -> None:
@@ -294,16 +379,14 @@ def _finished(path: Path) -> dict | None:
 
 
 def run_grid(cfg: GridConfig) -> list[dict]:
-    from transformers import AutoTokenizer
-
     from gqakit.common.report import versions
     from gqakit.experiments.grid_report import write_grid_report
 
     _check(cfg)
+    ids = _eval_ids(cfg)  # every check, this one too, before _claim writes the first file
     out = Path(cfg.output_dir)
     cells_dir, work = out / "cells", out / "models"
     _claim(cfg, out)
-    ids = _eval_ids(cfg, AutoTokenizer.from_pretrained(cfg.model))
     rows, mha_ppl = [], None
     for cell in _cells(cfg):
         path = cells_dir / f"{_name(cell)}.json"

@@ -54,7 +54,7 @@ def _train_text(eval_text: Path, chars: int = 12_000) -> Path:
 
 def _tiny_grid(tmp_path, model, text, **fields) -> dict:
     return {"model": str(model), "output_dir": str(tmp_path / "grid"), "groups": [2], "alphas": [], "mqa_alphas": [],
-            "distill": [False], "mha_control": False, "eval_text": str(text), "eval_tokens": 256, "eval_window": 32,
+            "distill": [], "mha_control": False, "eval_text": str(text), "eval_tokens": 256, "eval_window": 32,
             "uptrain": {"data": [str(_train_text(text))], "seq_len": 32, "batch_size": 2, "progress": False,
                         "threads": 1},
             **fields}
@@ -126,6 +126,9 @@ def test_cells_made_with_other_settings_are_refused_not_reported_under_these(tmp
     ({"uptrain": {"alpha": 0.5}}, "uptrain.alpha is set by the grid for each cell"),
     ({"uptrain": {"model": "other"}}, "uptrain.model is set by the grid for each cell"),
     ({"uptrain": {"force": False}}, "uptrain.force is set by the grid for each cell"),
+    # the grid's budget: a shared steps / tokens stopped the first uptrained cell, after the files were written
+    ({"uptrain": {"steps": 3}}, "uptrain.steps is set by the grid for each cell (its budget, alpha: alphas"),
+    ({"uptrain": {"tokens": 512}}, "uptrain.tokens is set by the grid for each cell (its budget, alpha: alphas"),
 ])
 def test_grid_refuses_bad_method_or_calibration_in_one_line(tmp_path, fields, message):
     with pytest.raises(GqakitError) as e:
@@ -167,6 +170,84 @@ def test_grid_refuses_a_grouping_the_model_cannot_take_before_any_cell(tmp_path,
     assert not (tmp_path / "grid").exists() or not any((tmp_path / "grid").iterdir())
 
 
+def _grid_refused(tmp_path, recipe: dict, *overrides: str, needles: tuple[str, ...]) -> str:
+    """`python -m gqakit.experiments.grid RECIPE key=value ...` (forked from the test server): exit 2, one
+    `gqakit grid: error:` line holding every needle, and nothing under tmp_path written or changed."""
+    from cli_contract import assert_one_line_error, run_cli, snapshot
+
+    path = tmp_path / "grid.yaml"
+    path.write_text(json.dumps(recipe))  # JSON is YAML
+    before = snapshot(tmp_path)
+    result = run_cli("python-worker", "-u", "-m", "gqakit.experiments.grid", str(path), *overrides)
+    line = assert_one_line_error(result, "gqakit grid", *needles)
+    assert snapshot(tmp_path) == before, line
+    assert not (tmp_path / "grid").exists()
+    return line
+
+
+def test_grid_scores_no_position_past_the_context_nor_a_window_cut_to_the_text(tmp_path):
+    """eval_window=2048 on a 1,024-token model scored unseen positions without a word, where `gqakit eval ppl
+    --max-length 2048` is refused; eval_tokens (or a text) shorter than one window was scored in a shorter window
+    and recorded as eval_window. Each is refused as `gqakit eval ppl` refuses it, before the grid writes anything."""
+    from gqakit.experiments.grid import _check
+
+    model = make_uptrain_model(tmp_path / "mha", kv_heads=4, pretraining_tokens=3_200)  # a 128-token context
+    recipe = _tiny_grid(tmp_path, model, make_text(tmp_path / "eval.txt"), methods=["mean"])
+    _grid_refused(tmp_path, recipe, "eval_window=256", "eval_tokens=1024",
+                  needles=("eval_window=256 exceeds a model's 128-token context; use eval_window <= 128",))
+    _grid_refused(tmp_path, recipe, "eval_tokens=100", "eval_window=128",
+                  needles=("eval_tokens=100 is shorter than one window of eval_window=128; use eval_tokens >= 128 "
+                           "(0 = the whole text) or eval_window <= 100",))
+    short = make_text(tmp_path / "short.txt", chars=200)
+    line = _grid_refused(tmp_path, recipe, f"eval_text={short}", "eval_tokens=0", "eval_window=128",
+                         needles=(f"eval_text {short} has ", "tokens (mha's tokenizer), shorter than one window of "
+                                  "eval_window=128; pass a longer eval_text or eval_window <= "))
+    assert int(line.rsplit("<= ", 1)[1]) < 128
+    _check(from_dict(GridConfig, {**recipe, "eval_window": 128}))  # the whole context is a window
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    # G = 1 cells take mqa_alphas: alphas trained nothing (the review's groups=[1], mha_control: false)
+    (("groups=[1]", "alphas=[0.002]", "mqa_alphas=[0.1]", "distill=[false]"),
+     'alphas=[0.002] is read by no cell: they are the budgets of the G > 1 cells (each trained once per distill '
+     'value) and of the MHA control, and here groups=[1], methods=["mean"], distill=[false], mha_control=false; set '
+     'alphas: [] or add a G > 1 to groups, or set mha_control: true'),
+    (("mqa_alphas=[0.1]", "distill=[false]"), "mqa_alphas=[0.1] is read by no cell: they are the budgets of the G = 1"),
+    (("alphas=[0.1]",), "alphas=[0.1] is read by no cell: "),  # distill=[]: no converted cell is uptrained
+    (("distill=[false]",), 'distill=[false] is read by no cell: it says how the converted cells that alphas / '
+                           'mqa_alphas uptrain are trained, and here groups=[2], methods=["mean"], alphas=[], '
+                           'mqa_alphas=[]; set distill: []'),
+    (("methods=[]",), "groups=[2] is read by no cell: each G is converted by each of methods, and here methods=[]"),
+    # a value twice: its cell ran once and was reported twice
+    (("methods=[mean,mean]",), 'methods=["mean", "mean"] lists "mean" twice, which names the same cells; list each '
+                               'value once'),
+    (("groups=[2,2]",), "groups=[2, 2] lists 2 twice"),
+    (("alphas=[0.1,0.10000001]", "distill=[false]"), "alphas=[0.1, 0.10000001] lists 0.1 twice"),
+    (("alphas=[0.1]", "distill=[true,true]"), "distill=[true, true] lists true twice"),
+    # a per-cell budget in the shared uptrain section: refused after the first cell had run and written its files
+    (("alphas=[0.1]", "distill=[false]", "uptrain={data: [DATA], seq_len: 32, batch_size: 2, steps: 3}"),
+     "uptrain.steps is set by the grid for each cell (its budget, alpha: alphas / mqa_alphas)"),
+])
+def test_grid_refuses_a_list_no_cell_reads_a_repeated_value_and_a_shared_budget_before_writing(tmp_path, overrides,
+                                                                                               needle):
+    model = make_uptrain_model(tmp_path / "mha", kv_heads=4, pretraining_tokens=3_200)
+    recipe = _tiny_grid(tmp_path, model, make_text(tmp_path / "eval.txt"), methods=["mean"])
+    data = recipe["uptrain"]["data"][0]  # DATA: the recipe's training text
+    _grid_refused(tmp_path, recipe, *(o.replace("DATA", data) for o in overrides), needles=(needle,))
+
+
+def test_the_mha_control_reads_both_budget_lists(tmp_path):
+    """With mha_control, the MHA model is trained for every alpha of alphas and mqa_alphas: neither is refused, even
+    where no converted cell reads it."""
+    from gqakit.experiments.grid import _cells, _name
+
+    model = make_uptrain_model(tmp_path / "mha", kv_heads=4, pretraining_tokens=3_200)
+    grid = _tiny_grid(tmp_path, model, make_text(tmp_path / "eval.txt"), methods=["mean"], groups=[1],
+                      alphas=[0.05], mqa_alphas=[0.1], distill=[False], mha_control=True)
+    assert [_name(c) for c in _cells(from_dict(GridConfig, grid))] == ["mha", "mha-a0.05", "mha-a0.1", "mqa-mean-a0",
+                                                                       "mqa-mean-a0.1"]
+
+
 def test_grid_on_an_encoder_decoder_scores_span_corruption(tmp_path):
     """The paper's own setting: a T5 grouped, scored and uptrained on span corruption; the alpha-0 cells equal
     `gqakit eval ppl` of the converted models (the same corrupted windows), and no KD column is written for a
@@ -177,7 +258,7 @@ def test_grid_on_an_encoder_decoder_scores_span_corruption(tmp_path):
     model = make_t5_model(tmp_path / "mha", kv_heads=4, pretraining_tokens=2_560)
     text = make_text(tmp_path / "eval.txt", chars=20_000)
     cfg = from_dict(GridConfig, _tiny_grid(tmp_path, model, text, methods=["mean", "first"], alphas=[0.1],
-                                           eval_window=64, keep_models=True,
+                                           distill=[False], eval_window=64, keep_models=True,
                                            uptrain={"data": [str(_train_text(text, 20_000))], "seq_len": 64,
                                                     "batch_size": 2,
                                                     "progress": False, "threads": 1, "eval_fraction": 0.0}))
