@@ -24,7 +24,8 @@ from gqakit.common import launcher
 from gqakit.common.atomic import Terminated, sigterm_as_interrupt
 from gqakit.common.errors import GqakitError, spelled
 from gqakit.common.report import counted
-from gqakit.common.options import FieldError, add_arguments, flags, from_args, replace, typed, typed_values
+from gqakit.common.options import (FieldError, add_arguments, drop_given, flags, from_args, refuse_repeats,
+                                   replace, typed, typed_values)
 from gqakit.demo_options import DemoConfig
 from gqakit.evaluate.cli import add_eval_parser
 from gqakit.uptrain.data.options import TokenizeConfig
@@ -174,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--processes", type=int, default=None, metavar="N",
                     help="with --plan: the world size to plan for (default: the recipe's num_processes, or 1)")
     up.set_defaults(func=_run_uptrain,
-                    interrupted="the last checkpoint is kept: run the same command again to resume")
+                    interrupted="the checkpoints written so far are kept (none before the first checkpoint_every "
+                                "steps): run the same command again to resume from the last")
     tok = sub.add_parser("tokenize", help="tokenise training data once into a token cache "
                                           "(see gqakit.uptrain.data.token_build)")
     add_arguments(tok, TokenizeConfig)
@@ -189,7 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> int:
+    refuse_repeats(parser)
     args, extra = parser.parse_known_args(argv)
+    drop_given(args)
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = [*args.overrides, *extra]  # key=value overrides after the options
     elif extra:

@@ -59,7 +59,7 @@ def run_demo(output_dir: str | None = None, eval_tokens: int | None = None, keep
             raise GqakitError(f"{opt(name)} acts on the {opt('output_dir')} folder, and none is given; add "
                               f"{opt('output_dir', 'DIR')} or drop {opt(name)}")
     source = Path(model_dir) if model_dir else reference_model_path()
-    out = prepare_output(output_dir, "demo", force) if output_dir else None
+    out = prepare_output(output_dir, "demo", force, [("the model", source)]) if output_dir else None
     tok = AutoTokenizer.from_pretrained(source)
     ids = torch.tensor(tok(HELDOUT_TEXT.read_text(encoding="utf-8")).input_ids)
     if eval_tokens:  # 0 or None: the whole held-out text
@@ -68,6 +68,7 @@ def run_demo(output_dir: str | None = None, eval_tokens: int | None = None, keep
         ids = ids[:eval_tokens]
     window = json.loads((source / "pretraining.json").read_text())["heldout"]["window"] \
         if (source / "pretraining.json").is_file() else 512
+    window = min(window, ids.numel())  # a shorter text is one window of its length (it said the longer one)
     print(f"gqakit {__version__} demo: {source.name}, {ids.numel():,} held-out tokens "
           f"({HELDOUT_TEXT.name}), windows of {window}")
 

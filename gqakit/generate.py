@@ -76,9 +76,10 @@ def _ignored(cfg: GenerateConfig) -> str | None:
         return f"{opt('sinks')} only applies with {opt('attention', 'sinks')} ({why}); drop {opt('sinks', cfg.sinks)}"
     if cfg.attention_option and cfg.attention in (*BOUNDED, attention_kinds.DEFAULT):
         kernels = " or ".join(k for k in ATTENTION if k not in (*BOUNDED, attention_kinds.DEFAULT))
+        takes = (f"takes {opt('sinks')} / {opt('window')}" if cfg.attention in BOUNDED
+                 else "is the model's own attention and takes no options")
         return (f"{opt('attention_option')} only applies with {opt('attention', kernels)} "
-                f"({opt('attention', cfg.attention)} takes {opt('sinks')} / {opt('window')}); drop it or choose one "
-                "of them")
+                f"({opt('attention', cfg.attention)} {takes}); drop it or choose one of them")
     return None
 
 

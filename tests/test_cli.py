@@ -114,3 +114,36 @@ def test_a_rank_other_than_0_says_its_error_after_waiting(tmp_path, monkeypatch,
     assert convert_main(["--groups", "2", str(tmp_path / "absent")]) == 2
     assert waits == [cli._OTHER_RANKS_WAIT_S]  # rank 0 says it at once
     assert capsys.readouterr().err.startswith("convert-gqa: error: ")
+
+
+def test_a_flag_a_key_or_a_list_item_given_twice_is_refused(tmp_path):
+    """A review: argparse keeps the last of a flag given twice (`--groups 2 --groups 4` converted to 4 without a
+    word), as did recipe overrides (`steps=3 steps=4`) and PyYAML for a key written twice; comma lists dropped a
+    repeat. Each is refused now; a flag declared repeatable (--attention-option) still repeats."""
+    from pathlib import Path
+
+    from cli_contract import run_cli, run_refused
+
+    repo = Path(__file__).resolve().parents[1]
+    model, text = repo / "gqakit" / "assets" / "austen-mha-8h", repo / "gqakit" / "assets" / "heldout_emma.txt"
+    for args in (("convert-gqa", "--groups", "2", "-g", "4", str(model), "-o", str(tmp_path / "c")),
+                 ("convert-gqa", "--groups", "2", "--method", "mean", "--method", "first", str(model)),
+                 ("gqakit", "eval", "ppl", str(model), "--text", str(text), "--stride", "64", "--stride", "32")):
+        done = run_cli(*args, cwd=tmp_path)
+        assert done.returncode == 2 and "given twice (argparse would keep the last); give it once" in done.stderr
+        assert not list(tmp_path.iterdir())
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {model}\ndata: [{repo / 'gqakit' / 'assets' / 'pride_and_prejudice.txt'}]\n"
+                      f"output_dir: {tmp_path / 'run'}\nsteps: 3\nsteps: 4\n")
+    run_refused(tmp_path, "gqakit", "uptrain", str(recipe), needles=("the key 'steps' is given twice",))
+    recipe.write_text(recipe.read_text().replace("steps: 4\n", ""))
+    run_refused(tmp_path, "gqakit", "uptrain", str(recipe), "steps=3", "steps=4",
+                needles=("steps is overridden twice (steps=3, then steps=4); give it once",))
+    run_refused(tmp_path, "gqakit", "eval", "stream", str(model), "--text", str(text), "--policy", "sinks,sinks",
+                needles=("lists 'sinks' twice; give each once",))
+    run_refused(tmp_path, "gqakit", "eval", "passkey", str(model), "--lengths", "256,256",
+                needles=("lists 256 twice; give each once",))
+    done = run_cli("gqakit", "eval", "ppl", str(model), "--text", str(text), "--max-tokens", "256", "--max-length",
+                   "128", "--attention", "sparse", "--attention-option", "pattern=strided", "--attention-option",
+                   "stride=16", "-o", str(tmp_path / "ok"))
+    assert done.returncode == 0, done.stderr

@@ -1,6 +1,6 @@
 """Every command in a ```bash block of README.md and of the pages under docs/ runs, in order (PAGES: the
 README first, then the pages in an order where each command's inputs exist before it runs), on a copy of
-the clone (tiny budgets appended), so the documentation cannot drift from the code. Synopses with
+the clone (with tiny budgets), so the documentation cannot drift from the code. Synopses with
 placeholders live in plain ``` blocks instead. Commands that need `../shared` run only where it exists;
 the few that are not run here are listed in NOT_RUN with the reason.
 
@@ -49,7 +49,7 @@ PAGES = ("README.md", "docs/convert.md", "docs/attention.md", "docs/uptrain.md",
          "docs/results/from-the-tests.md",
          "docs/results/plan-startup.md", "docs/results/reference-models.md", "docs/architecture.md")
 
-# Appended to a command (argparse and key=value overrides: the last value wins) so it runs in seconds.
+# Given to a command in place of its own values (`tiny`) so it runs in seconds.
 TINY = [
     (r"^gqakit demo", "--eval-tokens 256"),
     # two steps leave no held-out score before the last, so a documented --transfer-patience could never act
@@ -101,9 +101,15 @@ def page_commands() -> list[tuple[str, str]]:
 
 
 def tiny(command: str) -> str:
+    """`command` with its TINY budget: each flag or key=value of the budget replaces the command's own, if it gives
+    one (a flag given twice is refused, as is a key overridden twice)."""
     for pattern, extra in TINY:
         if re.search(pattern, command):
-            return f"{command} {extra}".strip()
+            for flag in re.findall(r"(?<!\S)(--[\w-]+)(?=\s|$)", extra):
+                command = re.sub(rf"(?<!\S){re.escape(flag)}(?:=|\s+)\S+", "", command)
+            for key in re.findall(r"(?<!\S)([\w.]+)=", extra):
+                command = re.sub(rf"(?<!\S){re.escape(key)}=\S+", "", command)
+            return f"{command.rstrip()} {extra}".strip()
     return command
 
 

@@ -123,12 +123,17 @@ def inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def check_replaceable(out: Path, option: str = "-o", replacer: str | None = None) -> None:
+def check_replaceable(out: Path, option: str = "-o", replacer: str | None = None, kind: str | None = None) -> None:
     """--force may replace a symlink (the link itself), an empty folder, or a folder gqakit wrote: never
     a file or a folder of the user's, whatever --force says. `replacer` names what would replace it when that is not
-    --force (a script that always rebuilds its output)."""
+    --force (a script that always rebuilds its output). With `kind` ("model" or "report"), a folder of the other kind
+    is refused too: a report written with --force over a converted model replaced the model."""
     if not os.path.lexists(out) or out.is_symlink():
         return
+    holds = ("model" if (out / "config.json").is_file() else "report" if (out / "results.json").is_file() else None)
+    if kind is not None and holds is not None and holds != kind:
+        raise GqakitError(f"{out} holds a {holds} ({'config.json' if holds == 'model' else 'results.json'}), and "
+                          f"{replacer or opt('force')} replaces a {kind} only; choose another {option}")
     theirs = not_written(out) if out.is_dir() else None
     if theirs:
         more = f" (and {len(theirs) - 1} more)" if len(theirs) > 1 else ""

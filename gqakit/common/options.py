@@ -357,3 +357,55 @@ class FieldError(GqakitError):
         message = str(self)
         return FieldError(f"{name}.{self.field}",
                           f"{name}.{message}" if message.startswith(f"{self.field}=") else message)
+
+
+_GIVEN = "_gqakit_flags_given"  # the flags each parse has met, on its namespace (dropped by `refuse_repeats`' caller)
+_REPEATABLE = ("_AppendAction", "_AppendConstAction", "_CountAction", "_HelpAction", "_VersionAction",
+               "_ExtendAction", "_SubParsersAction")
+
+
+def refuse_repeats(parser) -> None:
+    """Make every flag of `parser` and its subcommands refuse to be given twice (argparse keeps the last: `--groups 2
+    --groups 4` converted to 4 without a word); flags declared repeatable (append) are left as they are."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                refuse_repeats(sub)
+        elif (action.option_strings and type(action).__name__ not in _REPEATABLE
+              and not getattr(action, "refuses_repeats", False)):
+            action.__class__ = _once(type(action))
+
+
+@functools.lru_cache(maxsize=None)
+def _once(base):
+    import argparse
+
+    class Once(base):
+        refuses_repeats = True
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            given = namespace.__dict__.setdefault(_GIVEN, set())
+            if self.dest in given:
+                raise argparse.ArgumentError(self, "given twice (argparse would keep the last); give it once")
+            given.add(self.dest)
+            super().__call__(parser, namespace, values, option_string)
+
+    Once.__name__ = base.__name__
+    return Once
+
+
+def drop_given(args) -> None:
+    """Remove `refuse_repeats`' bookkeeping from a parsed namespace."""
+    vars(args).pop(_GIVEN, None)
+
+
+def each_once(values, flag: str) -> list:
+    """`values` of a comma-separated flag, refused in one line where one is given twice (once meant once)."""
+    seen = set()
+    for value in values:
+        if value in seen:
+            raise GqakitError(f"{flag} lists {value!r} twice; give each once")
+        seen.add(value)
+    return list(values)

@@ -127,6 +127,9 @@ def load_recipe(cls, path: str | Path, overrides: list[str] = ()):
         key, sep, value = item.partition("=")
         if not sep:
             raise GqakitError(f"override '{item}' is not key=value; write e.g. steps=100")
+        if key in sources:
+            raise GqakitError(f"{key} is overridden twice ({sources[key][len('override '):]}, then {item}); give it "
+                              "once")
         data[key] = _yaml(value.encode(errors="surrogateescape"), f"override {key}")  # ints, floats, bools, lists
         sources[key] = f"override {item}"
     return from_dict(cls, data, source=str(path), sources=sources)
@@ -134,7 +137,22 @@ def load_recipe(cls, path: str | Path, overrides: list[str] = ()):
 
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2's booleans: only true / false (any case). YAML 1.1 also reads yes, no,
-    on and off as booleans, so `mixed_precision: no` became False; here it stays the string "no"."""
+    on and off as booleans, so `mixed_precision: no` became False; here it stays the string "no". A key given twice
+    in one mapping is an error (PyYAML keeps the last: `steps:` twice trained the second's steps without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, typing.Hashable) and key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                            key_node.start_mark)
+                if isinstance(key, typing.Hashable):
+                    seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 _Loader.yaml_implicit_resolvers = {

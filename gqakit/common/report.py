@@ -95,7 +95,7 @@ def prepare_output(output: str | Path | None, kind: str, force: bool, inputs=())
     if target.exists() and not target.is_dir():
         raise GqakitError(f"--output {target} is a file, not a folder; choose another --output")
     if force:
-        check_replaceable(target, "--output")
+        check_replaceable(target, "--output", kind="report")
     return target
 
 

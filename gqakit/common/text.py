@@ -103,6 +103,9 @@ def load_columns(path: str | Path, columns: tuple[str, ...]) -> list[tuple[str, 
 def load_text_file(path: str | Path) -> list[str]:
     """A UTF-8 .txt file as one document (a one-element list)."""
     path = Path(path)
+    if path.is_dir():
+        raise GqakitError(f"{path} is a folder; pass a UTF-8 .txt file with {opt('text')} (a folder of rows with "
+                          f"{opt('dataset')})")
     if not path.is_file():
         raise GqakitError(f"text file {path} does not exist; pass a UTF-8 .txt file with {opt('text')}")
     if _suffix(path) in ROW_SUFFIXES:

@@ -51,7 +51,7 @@ def check_output(model_dir: Path, out: Path, force: bool) -> None:
         raise GqakitError(f"output {out} already exists{f' ({what})' if what else ''}; pass {opt('force')} to "
                           "replace it or choose another -o")
     if force:
-        check_replaceable(out)
+        check_replaceable(out, kind="model")
 
 
 def new_config(config: dict, plan: Plan, dtype: str) -> dict:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gqakit.common.errors import GqakitError, opt
+from gqakit.common.options import each_once
 from gqakit.evaluate.generation import count_tokens, longest_fit
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
@@ -202,7 +203,7 @@ TASKS = {"niah_single": Task(niah_single, number_correct, 12),
 
 
 def _names(spec: str, known: tuple[str, ...], field: str, what: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(p.strip() for p in spec.split(",") if p.strip()))
+    names = tuple(each_once([p.strip() for p in spec.split(",") if p.strip()], opt(field)))
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         said = f"unknown {what} {unknown[0]!r}" if unknown else "is empty"

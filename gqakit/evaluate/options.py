@@ -9,7 +9,7 @@ import re
 from gqakit.attention import kinds as attention_kinds
 from gqakit.common import dtypes
 from gqakit.common.errors import GqakitError, opt
-from gqakit.common.options import SEED_MAX, check_fields, option
+from gqakit.common.options import SEED_MAX, check_fields, each_once, option
 from gqakit.evaluate.cache_kinds import DEFAULT_KV_CHUNK, KV_CACHES
 from gqakit.evaluate.needles import TASKS, parse_haystacks, parse_tasks
 
@@ -27,7 +27,7 @@ def parse_lengths(spec: str) -> list[int]:
         out.append(int(value))
     if not out:
         raise GqakitError(f"{opt('lengths')} is empty; give token counts like 1k,2k,4k")
-    return list(dict.fromkeys(out))
+    return each_once(out, opt("lengths"))
 
 
 def parse_depths(spec: str) -> list[float]:
@@ -38,13 +38,13 @@ def parse_depths(spec: str) -> list[float]:
         raise GqakitError(f"{opt('depths')}: cannot read {spec!r}; give fractions like 0,0.25,0.5,0.75,1") from None
     if not out or any(not 0.0 <= d <= 1.0 for d in out):
         raise GqakitError(f"{opt('depths', repr(spec))}: give fractions in [0, 1], e.g. 0,0.25,0.5,0.75,1")
-    return list(dict.fromkeys(out))
+    return each_once(out, opt("depths"))
 
 
 
 
 def _policies(spec: str) -> tuple[str, ...]:
-    return tuple(p.strip() for p in spec.split(",") if p.strip())
+    return tuple(each_once([p.strip() for p in spec.split(",") if p.strip()], opt("policies")))
 
 
 # Fields several commands share, declared once each.

@@ -265,7 +265,12 @@ def _context(path: str) -> tuple[int | None, bool | None]:
     from gqakit.hf.loading import check_model_folder, is_encoder_decoder
 
     config = check_model_folder(path)
-    return (None, None) if config is None else (context_length(config), is_encoder_decoder(config))
+    if config is None:  # a hub name: one that neither the cache nor the hub can serve is refused now, not after
+        from gqakit.hf.hub import check_hub_name  # the models before it were scored
+
+        check_hub_name(path)
+        return None, None
+    return context_length(config), is_encoder_decoder(config)
 
 
 _MIXED = ("the models mix decoders and encoder-decoders, whose perplexities (next tokens vs. span-corruption "

@@ -31,7 +31,7 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 def is_local(path: str) -> bool:
     """A folder on this machine (or meant to be one), rather than an `org/name` on the Hugging Face hub."""
-    return Path(path).is_dir() or "/" not in path or path.startswith((".", "/", "~"))
+    return Path(path).exists() or "/" not in path or path.startswith((".", "/", "~"))
 
 
 def check_model_folder(path: str) -> dict | None:
@@ -145,7 +145,30 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
     if len(tok) > model.config.vocab_size and tokenizer is not None:
         raise GqakitError(f"tokenizer {source} has {len(tok)} tokens but {path} only {model.config.vocab_size}; "
                           "pass the tokenizer that belongs to the model")
+    if tokenizer is not None:
+        _same_ids_as_own(path, tok, tokenizer)
     return model, tok
+
+
+def _same_ids_as_own(path: str, tok, tokenizer: str) -> None:
+    """A --tokenizer beside a model folder that holds its own must number tokens as that one does: another
+    vocabulary of the same size scored the embedded model at 33,699 against 145.6 without a word."""
+    from transformers import AutoTokenizer
+
+    from gqakit.hf.folder import TOKENIZER_FILES
+
+    if check_model_folder(path) is None or not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        return
+    try:
+        own = AutoTokenizer.from_pretrained(path, local_files_only=True).get_vocab()
+    except (OSError, ValueError, TypeError):  # its own files do not load: the one given is what reads the text
+        return
+    given = tok.get_vocab()
+    differ = sum(given.get(token) != i for token, i in own.items())  # tokens added beyond its own are not counted
+    if differ:
+        raise GqakitError(f"{opt('tokenizer', tokenizer)} gives {differ:,} of {len(own):,} tokens other ids than "
+                          f"{path}'s own tokenizer, so the model would read other tokens; drop {opt('tokenizer')} "
+                          "or pass one with the model's vocabulary")
 
 
 def end_token_ids(model, tokenizer=None) -> list[int]:

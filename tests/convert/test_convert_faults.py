@@ -521,3 +521,13 @@ def test_force_keeps_files_added_to_an_output(tmp_path):
         done = run_cli(*again)
         assert done.returncode == 0, done.stderr
         assert (folder / "README.md").is_file() and not leftovers(tmp_path)
+    shutil.rmtree(report / "sub", ignore_errors=True)
+    (report / "results.csv").unlink()  # gqakit's files only, so each folder is replaceable by its own kind
+    # a review: a report written with --force over a converted model replaced the model, and the other way round
+    run_refused(tmp_path, "gqakit", "eval", "ppl", str(out), "--text", str(text), "-o", str(out), "--force",
+                "--max-tokens", "64", "--max-length", "32", needles=("overlaps",))
+    run_refused(tmp_path, "gqakit", "eval", "ppl", str(model), "--text", str(text), "-o", str(out), "--force",
+                "--max-tokens", "64", "--max-length", "32",
+                needles=(f"{out} holds a model (config.json), and --force replaces a report only",))
+    run_refused(tmp_path, "convert-gqa", "--groups", "2", str(model), "-o", str(report), "--force",
+                needles=(f"{report} holds a report (results.json), and --force replaces a model only",))

@@ -9,6 +9,7 @@ import torch
 
 from eval_tiny import checkpoint, one_line_error, run_eval, tokenizer
 from gqakit.common import report
+from gqakit.common.errors import GqakitError
 from gqakit.evaluate.passkey import (INTRO, NEEDLE, QUESTION, PasskeyConfig, accuracy, answer_digits, build_cases,
                                      greedy_generator, make_key, run_passkey, score)
 from gqakit.evaluate.options import parse_depths, parse_lengths
@@ -115,7 +116,9 @@ def test_cli_runs_the_model(model_dir, tmp_path):
 
 
 def test_parsers():
-    assert parse_lengths("1k, 2k,4096,1k") == [1024, 2048, 4096]
+    assert parse_lengths("1k, 2k,4096") == [1024, 2048, 4096]
+    with pytest.raises(GqakitError, match="lists 1024 twice; give each once"):  # deduplicated without a word before
+        parse_lengths("1k,2k,1024")
     assert parse_lengths("0.5k") == [512]
     assert parse_depths("0,0.25,1") == [0.0, 0.25, 1.0]
 

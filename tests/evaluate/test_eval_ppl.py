@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -274,3 +275,50 @@ def test_a_context_known_only_after_loading_is_checked_then(files, monkeypatch):
                               "-q")
     assert one_line_error(code, err, "--max-length 256 exceeds a model's 128-token context"), err
     assert not (d / "never").exists()
+
+
+def test_a_tokenizer_that_numbers_tokens_otherwise_is_refused(tmp_path):
+    """A review: --tokenizer naming another tokenizer of the same vocabulary size (the embedded T5's) scored the
+    embedded model at 33,699 against 145.6 without a word. Refused when the model folder holds its own tokenizer;
+    a copy of its own tokenizer elsewhere is fine."""
+    from cli_contract import run_cli, run_refused
+
+    assets = Path(__file__).resolve().parents[2] / "gqakit" / "assets"
+    model, text = assets / "austen-mha-8h", assets / "heldout_emma.txt"
+    args = ("gqakit", "eval", "ppl", str(model), "--text", str(text), "--max-tokens", "256", "--max-length", "128")
+    run_refused(tmp_path, *args, "--tokenizer", str(assets / "austen-t5-8h"), "-o", str(tmp_path / "r"),
+                needles=("gives 4,096 of 4,096 tokens other ids than", "drop --tokenizer"))
+    copy = tmp_path / "tok"
+    copy.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (copy / name).write_bytes((model / name).read_bytes())
+    done = run_cli(*args, "--tokenizer", str(copy), "-o", str(tmp_path / "ok"))
+    assert done.returncode == 0, done.stderr
+
+
+def test_every_model_and_the_text_are_checked_before_any_scoring(tmp_path):
+    """A review: `eval ppl GOOD s/missing` scored GOOD for a minute, then said s/missing did not exist (a path with a
+    slash was taken for a hub name until loaded); a file given as MODEL and a folder given as --text were said not to
+    exist. The demo wrote its report into the model folder, and generate's message named options it refuses."""
+    from cli_contract import run_refused
+
+    assets = Path(__file__).resolve().parents[2] / "gqakit" / "assets"
+    model, text = assets / "austen-mha-8h", assets / "heldout_emma.txt"
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "notes.txt").write_text("mine")
+    for second, needle in (("sub/missing", "model folder sub/missing does not exist"),
+                           ("sub/notes.txt", "sub/notes.txt is a file, not a model folder")):
+        line = run_refused(tmp_path, "gqakit", "eval", "ppl", str(model), second, "--text", str(text), "-o",
+                           str(tmp_path / "r"), cwd=tmp_path, needles=(needle,))
+        assert "perplexity" not in line
+    run_refused(tmp_path, "gqakit", "eval", "ppl", str(model), "--text", str(assets), "-o", str(tmp_path / "r"),
+                needles=(f"{assets} is a folder; pass a UTF-8 .txt file with --text",))
+    run_refused(tmp_path, "gqakit", "demo", "-o", str(model / "report"), "--eval-tokens", "64",
+                needles=("overlaps the model",))
+    run_refused(tmp_path, "gqakit", "sample", str(model), "-o", str(model / "x.jsonl"), "--tokens", "64",
+                needles=("is inside the model folder",))
+    run_refused(tmp_path, "gqakit", "tokenize", str(text), "-o", str(model / "tok"), "--tokenizer", str(model),
+                needles=("overlaps the tokenizer folder",))
+    run_refused(tmp_path, "gqakit", "generate", str(model), "--prompt", "It is", "--attention", "default",
+                "--attention-option", "block_k=4",
+                needles=("--attention default is the model's own attention and takes no options",))

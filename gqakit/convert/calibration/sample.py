@@ -27,7 +27,7 @@ import os
 import time
 from pathlib import Path
 
-from gqakit.common.atomic import remove_stale_leftovers, sibling
+from gqakit.common.atomic import inside, remove_stale_leftovers, sibling
 from gqakit.common.dtypes import NAMES
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.options import SEED_MAX, FieldError, check_fields, flags, option
@@ -126,6 +126,8 @@ def sample(cfg: SampleConfig) -> dict:
     out = Path(cfg.output)
     if out.is_dir():
         raise GqakitError(f"-o {out} is a folder; name a FILE.jsonl to write")
+    if Path(cfg.model).is_dir() and inside(out.parent, Path(cfg.model)):  # a conversion would copy it as a side file
+        raise GqakitError(f"-o {out} is inside the model folder {cfg.model}; write it outside the model")
     if out.exists() and not cfg.force:
         raise GqakitError(f"{out} already exists; pass {opt('force')} to replace it or choose another -o")
     if not out.parent.exists():

@@ -255,6 +255,8 @@ def tokenize_to(data: list[str], output: str | Path, tokenizer: str, *, num_proc
             raise GqakitError(f"{out} already holds a token cache; pass {opt('force')} to replace it, or choose "
                               "another -o")
         check_replaceable(out)  # a token cache a user has since added files to stays
+    if Path(tokenizer).is_dir() and (inside(out, Path(tokenizer)) or inside(Path(tokenizer), out)):
+        raise GqakitError(f"-o {out} overlaps the tokenizer folder {tokenizer}; choose an -o outside it")
     sources = [resolve_source(entry) for entry in data]
     for i, entry in enumerate(data):  # a cache's last documents are what uptrain holds out when given no eval_data
         refuse_shared(("data", entry), [("data", other) for other in data[i + 1:]],
