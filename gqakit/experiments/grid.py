@@ -156,10 +156,23 @@ BOOKKEEPING = ("progress", "threads", "num_proc", "cache_dir", "log_every", "che
                "delete_checkpoints", "force")
 
 
-def _shared_recipe(cfg: GridConfig) -> UptrainConfig:
-    """The uptraining recipe every cell shares, as one cell would run it (a placeholder budget: cells set theirs)."""
-    return from_dict(UptrainConfig, {**cfg.uptrain, "model": cfg.model, "output_dir": cfg.output_dir, "alpha": 0.05},
-                     source="uptrain")
+# uptrain keys that only a distilling cell reads: the others train without them (uptrain refuses them there)
+DISTILL_KEYS = ("distill_weight", "distill_temperature", "distill_top_k")
+
+
+def _shared_recipe(cfg: GridConfig, distil: bool = False) -> UptrainConfig:
+    """The uptraining recipe every cell shares, as one cell would run it (a placeholder budget: cells set theirs):
+    a distilling cell's (`distil`: the MHA model as teacher), or the others', which leave the distill keys out."""
+    return from_dict(UptrainConfig, {**_cell_keys(cfg, distil), "model": cfg.model, "output_dir": cfg.output_dir,
+                                     "alpha": 0.05}, source="uptrain")
+
+
+def _cell_keys(cfg: GridConfig, distil: bool) -> dict:
+    """The shared `uptrain:` keys as a cell reads them: with the teacher when it distils, without the distill keys
+    when it does not."""
+    if distil:
+        return {**cfg.uptrain, "teacher": cfg.model}
+    return {k: v for k, v in cfg.uptrain.items() if k not in DISTILL_KEYS}
 
 
 def _settings(cfg: GridConfig) -> dict:
@@ -170,6 +183,7 @@ def _settings(cfg: GridConfig) -> dict:
     settings = {k: v for k, v in to_dict(cfg).items() if k not in (*SELECTION, *inputs)}
     full = to_dict(_shared_recipe(cfg))  # every key, defaults filled in
     uptrain = {k: v for k, v in full.items() if k not in (*BOOKKEEPING, "model", "output_dir", "alpha")}
+    uptrain.update({k: cfg.uptrain[k] for k in DISTILL_KEYS if k in cfg.uptrain})  # what distilling cells read
     for key in ("data", "eval_data"):  # local files by their bytes; hub names as given
         uptrain[key] = [sha256_of(Path(d)) if Path(d).exists() else d for d in uptrain.get(key) or ()]
     settings.update(uptrain=uptrain, model_files=sha256_of(Path(cfg.model), skip=("README.md",)),
@@ -283,8 +297,15 @@ def _check(cfg: GridConfig) -> None:
         raise GqakitError(f"{cfg.model} records no pretraining_tokens (pretraining.json), so alpha has no meaning; "
                           "use a model that records its pretraining budget")
     _check_window(cfg)
+    distils = True in cfg.distill and _readers(cfg)["distill"]
+    unread = [key for key in DISTILL_KEYS if key in cfg.uptrain]
+    if unread and not distils:
+        raise GqakitError(f"uptrain.{unread[0]} is read by distilling cells only (distill: true), and none runs; "
+                          f"drop it, or add true to distill")
     shared = _shared_recipe(cfg)
     check(shared)
+    if distils:  # the distilling cells' recipe: the MHA model as teacher, the distill keys read
+        check(_shared_recipe(cfg, True))
     _check_conversions(cfg)
     if not Path(cfg.eval_text).is_file():
         raise GqakitError(f"eval_text {cfg.eval_text} does not exist; fix the path")
@@ -351,10 +372,8 @@ def run_cell(cfg: GridConfig, cell: dict, work: Path, ids: torch.Tensor, mha_ppl
         target = converted
         if cell["alpha"] > 0:
             target = work / "uptrained" / row["name"]
-            recipe = {**cfg.uptrain, "model": str(converted), "output_dir": str(target), "alpha": cell["alpha"],
-                      "force": True, "seed": cfg.seed}
-            if cell["distill"]:
-                recipe["teacher"] = cfg.model
+            recipe = {**_cell_keys(cfg, cell["distill"]), "model": str(converted), "output_dir": str(target),
+                      "alpha": cell["alpha"], "force": True, "seed": cfg.seed}
             record = uptrain(from_dict(UptrainConfig, recipe, source="uptrain"), command=f"grid cell {row['name']}")
             row.update(steps=record["budget"]["steps"], tokens=record["budget"]["tokens"],
                        train_seconds=record["train_seconds"])

@@ -324,3 +324,23 @@ def test_grid_help_prints_usage(capsys):
     from gqakit.experiments.grid import main
 
     assert main(["--help"]) == 0 and "usage: python -m gqakit.experiments.grid RECIPE.yaml" in capsys.readouterr().out
+
+
+def test_the_distill_keys_reach_the_distilling_cells_only(tmp_path):
+    """Found beside the grid's review: a distill key in the shared `uptrain:` section was refused ("needs a teacher")
+    even with distill: true, and passed on it would have made uptrain refuse the cells that do not distil. The
+    distilling cells read it (with the MHA model as teacher), the others train without it; with no distilling cell
+    it is refused, before anything is written."""
+    model = make_uptrain_model(tmp_path / "mha", kv_heads=4, pretraining_tokens=3_200)
+    text = make_text(tmp_path / "eval.txt")
+    grid = _tiny_grid(tmp_path, model, text, methods=["mean"], alphas=[0.1], distill=[False, True], keep_models=True)
+    grid["uptrain"] = {**grid["uptrain"], "distill_temperature": 2.0}
+    _grid_refused(tmp_path, grid, "distill=[false]",
+                  needles=("uptrain.distill_temperature is read by distilling cells only", "add true to distill"))
+    rows = run_grid(from_dict(GridConfig, grid))
+    assert [r["name"] for r in rows] == ["mha", "gqa2-mean-a0", "gqa2-mean-a0.1", "gqa2-mean-a0.1-kd"]
+    uptrained = tmp_path / "grid" / "models" / "uptrained"
+    plain = json.loads((uptrained / "gqa2-mean-a0.1" / "uptraining.json").read_text())["recipe"]
+    distilled = json.loads((uptrained / "gqa2-mean-a0.1-kd" / "uptraining.json").read_text())["recipe"]
+    assert (plain["teacher"], plain["distill_temperature"]) == (None, 1.0)
+    assert (distilled["teacher"], distilled["distill_temperature"]) == (str(model), 2.0)
