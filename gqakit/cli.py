@@ -24,7 +24,7 @@ from gqakit.common import launcher
 from gqakit.common.atomic import Terminated, sigterm_as_interrupt
 from gqakit.common.errors import GqakitError, spelled
 from gqakit.common.report import counted
-from gqakit.common.options import (FieldError, add_arguments, drop_given, flags, from_args, refuse_repeats,
+from gqakit.common.options import (FieldError, add_arguments, drop_given, flags, from_args, strict_parser,
                                    replace, typed, typed_values)
 from gqakit.demo_options import DemoConfig
 from gqakit.evaluate.cli import add_eval_parser
@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _dispatch(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> int:
-    refuse_repeats(parser)
+    strict_parser(parser)
     args, extra = parser.parse_known_args(argv)
     drop_given(args)
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):

@@ -359,23 +359,31 @@ class FieldError(GqakitError):
                           f"{name}.{message}" if message.startswith(f"{self.field}=") else message)
 
 
-_GIVEN = "_gqakit_flags_given"  # the flags each parse has met, on its namespace (dropped by `refuse_repeats`' caller)
+_GIVEN = "_gqakit_flags_given"  # the flags each parse has met, on its namespace (dropped by `drop_given`)
 _REPEATABLE = ("_AppendAction", "_AppendConstAction", "_CountAction", "_HelpAction", "_VersionAction",
                "_ExtendAction", "_SubParsersAction")
 
 
-def refuse_repeats(parser) -> None:
+def strict_parser(parser, prog: str | None = None) -> None:
     """Make every flag of `parser` and its subcommands refuse to be given twice (argparse keeps the last: `--groups 2
-    --groups 4` converted to 4 without a word); flags declared repeatable (append) are left as they are."""
+    --groups 4` converted to 4 without a word); flags declared repeatable (append) are left as they are. Their
+    errors become one line, `PROG: error: ...` as every other refusal (argparse printed its usage first)."""
     import argparse
 
+    prog = prog or parser.prog
+    parser.error = functools.partial(_one_line_error, parser, prog)
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in dict.fromkeys(action.choices.values()):
-                refuse_repeats(sub)
+                strict_parser(sub, prog)
         elif (action.option_strings and type(action).__name__ not in _REPEATABLE
               and not getattr(action, "refuses_repeats", False)):
             action.__class__ = _once(type(action))
+
+
+def _one_line_error(parser, prog: str, message: str):
+    """argparse's error, in one line that names --help (where the usage is)."""
+    parser.exit(2, f"{prog}: error: {message} (see {parser.prog} --help)\n")
 
 
 @functools.lru_cache(maxsize=None)
@@ -397,7 +405,7 @@ def _once(base):
 
 
 def drop_given(args) -> None:
-    """Remove `refuse_repeats`' bookkeeping from a parsed namespace."""
+    """Remove `strict_parser`'s bookkeeping from a parsed namespace."""
     vars(args).pop(_GIVEN, None)
 
 

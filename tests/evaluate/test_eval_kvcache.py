@@ -140,11 +140,12 @@ def test_report_states_the_bytes_held(files, kind):
         row["kv_bytes_held_per_token"] < mean < most)
 
 
-def test_unknown_cache_is_argparses_usual_error(files, tmp_path):
+def test_unknown_cache_is_argparses_error_in_one_line(files, tmp_path):
     result = run_cli("gqakit", "eval", "ppl", str(files["model"]), "--text", str(files["text"]), "--kv-cache", "int3",
                      "-o", str(tmp_path / "r"), cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "gqakit eval ppl: error: argument --kv-cache: invalid choice: 'int3'" in result.stderr
+    assert result.stderr.strip() == ("gqakit: error: argument --kv-cache: invalid choice: 'int3' (choose from 'dense', "
+                                     "'fp8', 'int4', 'int2') (see gqakit eval ppl --help)")
     assert not (tmp_path / "r").exists()
 
 
