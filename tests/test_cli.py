@@ -140,7 +140,8 @@ def test_a_flag_a_key_or_a_list_item_given_twice_is_refused(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model: {model}\ndata: [{repo / 'gqakit' / 'assets' / 'pride_and_prejudice.txt'}]\n"
                       f"output_dir: {tmp_path / 'run'}\nsteps: 3\nsteps: 4\n")
-    run_refused(tmp_path, "gqakit", "uptrain", str(recipe), needles=("the key 'steps' is given twice",))
+    run_refused(tmp_path, "gqakit", "uptrain", str(recipe),
+                needles=("gives the key 'steps' twice (at line 5, column 1); keep one",))
     recipe.write_text(recipe.read_text().replace("steps: 4\n", ""))
     run_refused(tmp_path, "gqakit", "uptrain", str(recipe), "steps=3", "steps=4",
                 needles=("steps is overridden twice (steps=3, then steps=4); give it once",))

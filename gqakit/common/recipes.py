@@ -135,6 +135,9 @@ def load_recipe(cls, path: str | Path, overrides: list[str] = ()):
     return from_dict(cls, data, source=str(path), sources=sources)
 
 
+_TWICE = " is given twice"
+
+
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2's booleans: only true / false (any case). YAML 1.1 also reads yes, no,
     on and off as booleans, so `mixed_precision: no` became False; here it stays the string "no". A key given twice
@@ -148,7 +151,7 @@ class _Loader(yaml.SafeLoader):
                     continue
                 key = self.construct_object(key_node, deep=deep)
                 if isinstance(key, typing.Hashable) and key in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                    raise yaml.constructor.ConstructorError(None, None, f"the key {key!r}{_TWICE}",
                                                             key_node.start_mark)
                 if isinstance(key, typing.Hashable):
                     seen.add(key)
@@ -172,6 +175,8 @@ def _yaml(raw: bytes, what: str):
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or type(e).__name__
+        if problem.endswith(_TWICE):
+            raise GqakitError(f"{what} gives {problem[:-len(_TWICE)]} twice ({where.strip()}); keep one") from None
         raise GqakitError(f"{what} is not valid YAML{where} ({problem}); fix the syntax") from None
 
 

@@ -64,9 +64,10 @@ def null_rows(values, where: str, column: str, first_row: int = 0) -> list[int]:
 
 
 def skipped_note(where: str, column: str, rows: list[int]) -> None:
-    """One stderr line for the rows `null_rows` found, so that skipping them is never silent."""
+    """One stderr line for the rows `null_rows` found (`column` as the line names it: 'text', or 'text' or
+    'target' for pairs), so that skipping them is never silent."""
     if rows:
-        print(f"note: {where}: skipped {len(rows):,} row{'s' if len(rows) > 1 else ''} with no {column!r} (missing "
+        print(f"note: {where}: skipped {len(rows):,} row{'s' if len(rows) > 1 else ''} with no {column} (missing "
               f"or null), the first row {rows[0]:,}", file=sys.stderr)
 
 
@@ -90,8 +91,8 @@ def load_columns(path: str | Path, columns: tuple[str, ...]) -> list[tuple[str, 
         if column not in table.column_names:
             raise GqakitError(f"{path} has no column {column!r} (columns: {', '.join(table.column_names)}); "
                               f"pass {opt(flag, 'NAME')}")
-    for column in columns:
-        skipped_note(str(path), column, null_rows(table[column], str(path), column))
+    skipped = sorted({row for column in columns for row in null_rows(table[column], str(path), column)})
+    skipped_note(str(path), " or ".join(repr(c) for c in columns), skipped)
     rows = [r for r in zip(*(table[c] for c in columns)) if all(x is not None and x.strip() for x in r)]
     if not rows:
         named = " and ".join(repr(c) for c in columns)

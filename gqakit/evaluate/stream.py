@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gqakit.common.errors import GqakitError, opt
-from gqakit.common.options import options_given
+from gqakit.common.options import each_once, options_given
 from gqakit.evaluate.options import StreamConfig, check_text_column
 from gqakit.hf.architectures.latent import is_latent
 from gqakit.decode.stream_cache import ChunkedSinkCache
@@ -190,7 +190,7 @@ def fluency(buckets: list[dict], reference: list[dict], within: float) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def _check(cfg: StreamConfig) -> tuple[str, ...]:
-    policies = tuple(dict.fromkeys(check_policy(p) for p in cfg.policies))  # unique, in order
+    policies = tuple(each_once([check_policy(p) for p in cfg.policies], opt("policies")))  # once each, in order
     if not policies:
         raise GqakitError(f"give at least one {opt('policies')} (dense, window, sinks, recompute)")
     for name, least in (("tokens", 2), ("window", 1), ("chunk", 1), ("recompute_every", 1), ("bucket", 1)):

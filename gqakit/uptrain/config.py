@@ -185,9 +185,9 @@ def _check_paths(cfg: UptrainConfig) -> None:
         refuse_shared(("eval_data", held), [("data", d) for d in cfg.data],
                       "hold out a text that is not in data (or drop eval_data: data's last documents are held out)")
     if not cfg.eval_data:  # data's last documents are held out: a text listed twice would be trained on too
-        for i, entry in enumerate(cfg.data):
-            refuse_shared(("data", entry), [("data", other) for other in cfg.data[i + 1:]],
-                          "list each text once in data, or give eval_data of its own")
+        from gqakit.uptrain.data.token_cache import refuse_repeated_texts
+
+        refuse_repeated_texts(cfg.data, "list each text once in data, or give eval_data of its own")
     for path in (cfg.model, cfg.teacher):
         if path is not None:
             model_folder(path).tensors  # config.json, and safetensors weights that are all there (headers only)

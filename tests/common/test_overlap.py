@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from cli_contract import run_refused
+from gqakit.common.errors import GqakitError
 from gqakit.common.overlap import shared_text
 from gqakit.common.recipes import load_recipe
 from gqakit.uptrain.config import UptrainConfig, check
+from gqakit.uptrain.data.token_cache import refuse_repeated_texts
 from uptrain_tiny import make_text, make_uptrain_model, write_recipe
 
 
@@ -78,6 +82,18 @@ def test_a_text_listed_twice_in_data_is_refused_where_data_is_held_out(tmp_path)
                     needles=(f"data {data} and data {twice} hold the same text", "list each text once in data"))
         run_refused(tmp_path, "gqakit", "tokenize", str(data), str(twice), "-o", str(tmp_path / "cache"),
                     "--tokenizer", str(model), needles=("hold the same text", "list each text once"))
+    # a token cache of another entry's text, two caches of one text, one hub name twice (a review of the diff)
+    from gqakit.cli import main
+
+    for name, source in (("cache-a", data), ("cache-b", copy)):
+        assert main(["tokenize", str(source), "-o", str(tmp_path / name), "--tokenizer", str(model), "-q"]) == 0
+    for entries in ((tmp_path / "cache-a", data), (tmp_path / "cache-a", tmp_path / "cache-b")):
+        with pytest.raises(GqakitError, match="hold the same text \\(a token cache of the other's text"):
+            check(load_recipe(UptrainConfig, str(write_recipe(
+                tmp_path / "r.yaml", model=str(model), data=[str(e) for e in entries],
+                output_dir=str(tmp_path / "run"), steps=2)), []))
+    with pytest.raises(GqakitError, match="or one hub name twice"):
+        refuse_repeated_texts(["hf:org/name", str(other), "hf:org/name"], "list each text once")
     held = make_text(tmp_path / "held.txt", chars=8_000, start=200_000)
     recipe = write_recipe(tmp_path / "r.yaml", model=str(model), data=[str(data), str(data)], eval_data=[str(held)],
                           output_dir=str(tmp_path / "run"), steps=2)

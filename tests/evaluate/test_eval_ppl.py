@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -210,7 +211,8 @@ def test_a_row_without_text_is_said_or_refused(tmp_path, capsys):
     good = json.dumps({"text": "It is a truth.", "target": "Yes."})
     for bad, said in (({"other": 1}, "skipped 1 row with no 'text' (missing or null), the first row 2"),
                       ({"text": None}, "skipped 1 row with no 'text' (missing or null), the first row 2"),
-                      ({"text": "Fine.", "target": None}, "skipped 1 row with no 'target' (missing or null)")):
+                      ({"text": "Fine.", "target": None},
+                       "skipped 1 row with no 'text' or 'target' (missing or null), the first row 2")):
         path = tmp_path / "rows.jsonl"
         path.write_text("\n".join([good, json.dumps(bad), good]) + "\n")
         columns = ("text", "target") if "target" in said else ("text",)
@@ -220,6 +222,11 @@ def test_a_row_without_text_is_said_or_refused(tmp_path, capsys):
         if "target" not in said:
             assert sum(len(texts) for texts, _ in iter_pieces(resolve_source(str(path)))) == 2
             assert said in capsys.readouterr().err
+    # pairs: a row with neither value is one row skipped, not two (a review: the notes counted it per column)
+    path.write_text("\n".join([good, json.dumps({}), json.dumps({"text": "a", "target": None}), good]) + "\n")
+    capsys.readouterr()
+    assert len(load_columns(str(path), ("text", "target"))) == 2
+    assert "skipped 2 rows with no 'text' or 'target' (missing or null), the first row 2" in capsys.readouterr().err
     path.write_text("\n".join([good, json.dumps({"text": 12345}), good]) + "\n")
     for read in (lambda: load_columns(str(path), ("text",)), lambda: list(iter_pieces(resolve_source(str(path))))):
         with pytest.raises(GqakitError, match=re.escape("row 2 has the int '12345' in column 'text', not text")):
@@ -293,6 +300,12 @@ def test_a_tokenizer_that_numbers_tokens_otherwise_is_refused(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (copy / name).write_bytes((model / name).read_bytes())
     done = run_cli(*args, "--tokenizer", str(copy), "-o", str(tmp_path / "ok"))
+    assert done.returncode == 0, done.stderr
+    broken = tmp_path / "broken"  # its own tokenizer does not load: --tokenizer is the way to read it (a review)
+    shutil.copytree(model, broken)
+    (broken / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": 5}}')
+    done = run_cli("gqakit", "eval", "ppl", str(broken), *args[4:], "--tokenizer", str(model), "-o",
+                   str(tmp_path / "ok2"))
     assert done.returncode == 0, done.stderr
 
 

@@ -162,6 +162,7 @@ def test_cli_compares_policies_with_a_verdict(files):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--policy", "sink"], "did you mean 'sinks'"),
+    (["--policy", "sinks", "--policy", "sinks"], "lists 'sinks' twice"),  # deduplicated without a word before
     (["--tokens", 100_000], "the text has only"),
     (["--window", 0], "--window must be at least 1"),
     (["--sinks", -1], "--sinks must be >= 0"),

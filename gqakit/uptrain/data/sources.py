@@ -226,7 +226,7 @@ def _rows(open_batches, where: str, column: str) -> Iterator[tuple[list[str], li
         raise GqakitError(f"cannot read {where}: {first}; check the data") from None
     if not found:
         raise GqakitError(f"{where}: column {column!r} holds no non-empty text; check the data or the text column")
-    skipped_note(where, column, skipped)
+    skipped_note(where, repr(column), skipped)
 
 
 def iter_pieces(source: Source, text_column: str = "text", chunk_bytes: int = CHUNK_BYTES

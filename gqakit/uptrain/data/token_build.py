@@ -35,14 +35,14 @@ import numpy as np
 from gqakit import __version__
 from gqakit.common import file_locks, fitted
 from gqakit.common.atomic import atomic_output, check_replaceable, inside
-from gqakit.common.overlap import refuse_shared
 from gqakit.common.report import counted
 from gqakit.common.errors import GqakitError, opt
 from gqakit.common.text import eos_id
 from gqakit.uptrain.data.sources import (CHUNK_BYTES, HUB, ROWS_PER_BATCH, Source, describe_files, iter_pieces,
                                          refuse_unread_text_column, resolve_source)
 from gqakit.uptrain.data.token_cache import (DOCUMENTS, FORMAT, HEADER, TOKENS, VERSION, CacheProblem, is_token_cache,
-                                             open_cache, token_dtype, tokenizer_fingerprint)
+                                             open_cache, refuse_repeated_texts, token_dtype,
+                                             tokenizer_fingerprint)
 
 SEGMENT_BYTES = 32 << 20  # text tokenised per datasets.map call (one worker pool each)
 BATCH_BYTES = 1 << 20  # text per map batch and per Arrow record batch: a tokenizer call's memory scales with it
@@ -258,9 +258,9 @@ def tokenize_to(data: list[str], output: str | Path, tokenizer: str, *, num_proc
     if Path(tokenizer).is_dir() and (inside(out, Path(tokenizer)) or inside(Path(tokenizer), out)):
         raise GqakitError(f"-o {out} overlaps the tokenizer folder {tokenizer}; choose an -o outside it")
     sources = [resolve_source(entry) for entry in data]
-    for i, entry in enumerate(data):  # a cache's last documents are what uptrain holds out when given no eval_data
-        refuse_shared(("data", entry), [("data", other) for other in data[i + 1:]],
-                      "list each text once (uptrain holds out a cache's last documents)")
+    # a cache's last documents are what uptrain holds out when it has no eval_data: a repeat would be trained on too
+    refuse_repeated_texts(data, "list each text once (to weigh a text twice, list it twice in the recipe's data, "
+                                "beside eval_data of its own)")
     for source in sources:
         if source.kind == "cache":
             raise GqakitError(f"{source.entry} is already a token cache; list it in the recipe's data instead")

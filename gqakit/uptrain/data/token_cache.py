@@ -232,3 +232,37 @@ def same_file(recorded: dict, now: dict) -> bool:
 
 def _same_sources(recorded: list[dict], now: list[dict]) -> bool:
     return len(recorded) == len(now) and all(same_file(r, n) for r, n in zip(recorded, now))
+
+
+def _text_heads(entry: str) -> set[str]:
+    """What names the texts of a data entry for `refuse_repeated_texts`: a hub name as given; a token cache by the
+    sha256 of each source's first bytes, as its header recorded them when built (`common.fitted`), else of the
+    sources it lists that are still here; files and folders by their data files' first bytes (overlap.head)."""
+    from gqakit.common.overlap import data_files, head
+
+    if entry.startswith("hf:"):
+        return {entry}
+    path = Path(entry).expanduser()
+    if is_token_cache(path):
+        header = json.loads((path / HEADER).read_text())
+        recorded = {e.get("head_sha256") for e in header.get("fitted") or () if isinstance(e, dict)}
+        if recorded - {None}:
+            return recorded - {None}
+        files = [Path(f["path"]) for f in header.get("sources") or () if isinstance(f, dict) and f.get("path")]
+        return {hashlib.sha256(head(f)).hexdigest() for f in files if f.is_file()}
+    return {hashlib.sha256(head(f)).hexdigest() for f in data_files(path)}
+
+
+def refuse_repeated_texts(entries: list[str], fix: str) -> None:
+    """Refuse data that holds one text twice: the same path, a copy, one that starts as another does
+    (`overlap.refuse_shared`), a token cache of another entry's text, two caches of one text, one hub name twice."""
+    from gqakit.common.overlap import refuse_shared
+
+    heads = [_text_heads(entry) for entry in entries]
+    for i, entry in enumerate(entries):
+        refuse_shared(("data", entry), [("data", other) for other in entries[i + 1:]], fix)
+        for j in range(i + 1, len(entries)):
+            if heads[i] & heads[j]:
+                raise GqakitError(f"data {entry} and data {entries[j]} hold the same text (a token cache of the "
+                                  f"other's text, two caches of one text, or one hub name twice), so the held-out "
+                                  f"score would count text the model was fitted on; {fix}")
