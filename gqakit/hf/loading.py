@@ -102,8 +102,8 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
     hf_logging.disable_progress_bar()
     if dtype not in DTYPES:
         raise GqakitError(f"unknown {opt('dtype', repr(dtype))}; choose one of {', '.join(DTYPES)}")
-    local_only = False
-    if check_model_folder(path) is None:  # a hub name: refused at once where the hub cannot serve it
+    local_only, local = False, check_model_folder(path) is not None
+    if not local:  # a hub name: refused at once where the hub cannot serve it
         from gqakit.hf.hub import check_hub_name
 
         local_only = check_hub_name(path)
@@ -145,19 +145,19 @@ def load_model(path: str, dtype: str = "float32", tokenizer: str | None = None, 
     if len(tok) > model.config.vocab_size and tokenizer is not None:
         raise GqakitError(f"tokenizer {source} has {len(tok)} tokens but {path} only {model.config.vocab_size}; "
                           "pass the tokenizer that belongs to the model")
-    if tokenizer is not None:
+    if tokenizer is not None and local:
         _same_ids_as_own(path, tok, tokenizer)
     return model, tok
 
 
 def _same_ids_as_own(path: str, tok, tokenizer: str) -> None:
-    """A --tokenizer beside a model folder that holds its own must number tokens as that one does: another
+    """A --tokenizer beside a local model folder that holds its own must number tokens as that one does: another
     vocabulary of the same size scored the embedded model at 33,699 against 145.6 without a word."""
     from transformers import AutoTokenizer
 
-    from gqakit.hf.folder import TOKENIZER_FILES
+    from gqakit.hf.folder import model_folder
 
-    if check_model_folder(path) is None or not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+    if not model_folder(path).has_tokenizer:
         return
     try:
         own = AutoTokenizer.from_pretrained(path, local_files_only=True).get_vocab()

@@ -235,22 +235,21 @@ def _same_sources(recorded: list[dict], now: list[dict]) -> bool:
 
 
 def _text_heads(entry: str) -> set[str]:
-    """What names the texts of a data entry for `refuse_repeated_texts`: a hub name as given; a token cache by the
-    sha256 of each source's first bytes, as its header recorded them when built (`common.fitted`), else of the
-    sources it lists that are still here; files and folders by their data files' first bytes (overlap.head)."""
-    from gqakit.common.overlap import data_files, head
+    """What names the texts of a data entry for `refuse_repeated_texts`: a hub name as given; otherwise the sha256
+    of each data file's first bytes, as `common.fitted` digests them: a token cache's sources as its header recorded
+    them when built, else those it lists that are still here."""
+    from gqakit.common import fitted
 
     if entry.startswith("hf:"):
         return {entry}
     path = Path(entry).expanduser()
     if is_token_cache(path):
         header = json.loads((path / HEADER).read_text())
-        recorded = {e.get("head_sha256") for e in header.get("fitted") or () if isinstance(e, dict)}
-        if recorded - {None}:
-            return recorded - {None}
-        files = [Path(f["path"]) for f in header.get("sources") or () if isinstance(f, dict) and f.get("path")]
-        return {hashlib.sha256(head(f)).hexdigest() for f in files if f.is_file()}
-    return {hashlib.sha256(head(f)).hexdigest() for f in data_files(path)}
+        sources = [f["path"] for f in header.get("sources") or () if isinstance(f, dict) and f.get("path")]
+        found = header.get("fitted") or fitted.entries([s for s in sources if Path(s).is_file()], "uptraining")
+    else:
+        found = fitted.entries([path], "uptraining")
+    return {e.get("head_sha256") for e in found if isinstance(e, dict)} - {None}
 
 
 def refuse_repeated_texts(entries: list[str], fix: str) -> None:
